@@ -1,0 +1,501 @@
+"""The tier walk a request sees: GPU slab -> pinned host tier -> (remote pool seam) -> streaming rebuild.
+
+The engine calls, per request (both modes have the same interface, so it treats them alike):
+
+    provider = make_adaln_provider(config, model, reader, device)    # PlanCache or ResidentModulation
+    prepared = provider.prepare(schedule.plans)                      # admission, lookup, rebuild; refcounts
+    try:
+        for i in range(steps): model(..., modulation=prepared.modulation(i))
+    finally:
+        prepared.release()                                           # idempotent; also on cancel
+    prepared.stats / provider.stats                                  # per request / cumulative
+
+and around a weight update: `provider.validate_weight_update_source(path)` before writing any weight,
+`provider.refresh_weight_derived_caches(path)` after.
+
+Not thread-safe: one engine thread drives a provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable, Hashable, Protocol, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from cache.config import AdalnConfig
+from cache.host_tier import HostTier, PageAllocator
+from cache.plan_key import PlanKey, check_plan, plan_key
+from cache.projection import prepare_weight, project, projection_guard
+from cache.rebuild import AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, resolve_adaln_units
+from cache.slab import PlanSlab, SlabFullError
+from cache.streams import Streams
+from model.dit import Modulation
+
+__all__ = [
+    "AdalnStats", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
+    "PlanCache", "PreparedPlans", "ResidentModulation", "ResidentPlans", "make_adaln_provider",
+]
+
+
+class AdmissionError(ValueError):
+    """A request the cache can never serve as configured; the message names the setting to raise."""
+
+
+class WeightUpdateError(ValueError):
+    """A weight update the AdaLN cache cannot stay coherent under; raised before anything is written."""
+
+
+class AdalnStats(BaseModel):
+    """Plan cache counters, per request (`PreparedPlans.stats`) or cumulative (`provider.stats`)."""
+
+    model_config = ConfigDict(validate_assignment=False)
+
+    requests: int = Field(0, description="Requests prepared.")
+    gpu_hit_plans: int = Field(0, description="Distinct plans found ready in the GPU slab.")
+    host_hit_plans: int = Field(0, description="Plans restored from the pinned host tier (H2D).")
+    remote_hit_plans: int = Field(0, description="Plans restored from the remote tier (if any).")
+    built_plans: int = Field(0, description="Plans projected by a streaming rebuild from the checkpoint.")
+    gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (LRU) to make room.")
+    host_stored_plans: int = Field(0, description="Plans copied D2H into the host tier.")
+    host_evicted_groups: int = Field(0, description="Host tier groups evicted (LRU) to make room.")
+    host_pressure_skips: int = Field(0, description="Groups not stored: larger than the whole host tier.")
+    rebuild_s: float = Field(0.0, description="Wall seconds spent in rebuilds (checkpoint -> slab).")
+    rebuild_bytes_read: int = Field(0, description="Checkpoint bytes read by rebuilds.")
+    h2d_bytes: int = Field(0, description="Bytes copied host tier -> slab.")
+
+    def add_(self, other: "AdalnStats") -> None:
+        for name in type(self).model_fields:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclasses.dataclass
+class PlanRows:
+    """A plan's content on the host: blocks [num_blocks, M, adaln_width], final [M, final_adaln_width]."""
+
+    blocks: torch.Tensor
+    final: torch.Tensor
+
+
+class RemoteTier(Protocol):
+    """Seam for a shared pool between the host tier and the rebuild (e.g. one pool per node; not
+    implemented here). `lookup` returns the plans it has (host tensors, copied into the slab by the cache);
+    `publish` offers a plan the cache just built."""
+
+    def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
+
+    def publish(self, key: PlanKey, rows: PlanRows) -> None: ...
+
+
+def _adaln_input_fn(model_or_time_embed: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    fn = getattr(model_or_time_embed, "adaln_input", None)
+    if fn is None and callable(model_or_time_embed):
+        fn = model_or_time_embed
+    if fn is None:
+        raise TypeError("model_or_time_embed needs .adaln_input(timesteps) or must be callable(timesteps)")
+    return fn
+
+
+def _open_checkpoint(path: str):
+    from model.checkpoint import CheckpointReader  # lazy: only weight updates open new checkpoints
+
+    return CheckpointReader(path)
+
+
+def _check_update_source(path: str | os.PathLike, dit_config: Any,
+                         reader_factory: Callable[[str], Any]) -> Any:
+    """Open `path` and check its adaln tensors against `dit_config`; the reader, or WeightUpdateError."""
+    try:
+        reader = reader_factory(os.fspath(path))
+        resolve_adaln_units(reader, dit_config)
+    except (RebuildError, ValueError, OSError, KeyError) as e:
+        raise WeightUpdateError(f"rejected weight update from {os.fspath(path)!r}: {e}") from e
+    return reader
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Online mode
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PreparedPlans:
+    """One request's plans, held in the slab until `release()`.
+
+    `modulation(step)` gathers the step's rows with a device int64 index (`row_index`), so the forward
+    never sees slot numbers as Python ints (CUDA-graph safe: the slab never moves, the index is fixed).
+    """
+
+    def __init__(self, cache: "PlanCache", slots: list[int], row_index: torch.Tensor,
+                 spans: list[tuple[int, int]], stats: AdalnStats):
+        self._cache = cache
+        self._slots = slots
+        self.row_index = row_index  # int64 [sum of M over steps] on the device
+        self._spans = spans         # per step: (offset into row_index, M)
+        self.stats = stats
+        self.released = False
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._spans)
+
+    def step_rows(self, step_index: int) -> torch.Tensor:
+        """Device int64 [M]: slab rows of step `step_index` (a view of `row_index`)."""
+        offset, m = self._spans[step_index]
+        return self.row_index[offset: offset + m]
+
+    @torch.no_grad()
+    def modulation(self, step_index: int) -> Modulation:
+        if self.released:
+            raise RuntimeError("modulation() after release()")
+        rows = self.step_rows(step_index)
+        slab = self._cache.slab
+        # [num_blocks, M, adaln_width] and [M, final_adaln_width], gathered on the device.
+        return Modulation(blocks=slab.blocks.index_select(1, rows), final=slab.final.index_select(0, rows))
+
+    def release(self) -> None:
+        """Drop this request's references (idempotent; call on completion, error or cancel)."""
+        if self.released:
+            return
+        self.released = True
+        for slot in self._slots:
+            self._cache.slab.index.free(slot)
+
+    def __enter__(self) -> "PreparedPlans":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class PlanCache:
+    """Online AdaLN: plans from the GPU slab, else the pinned host tier, else the remote seam, else one
+    streaming rebuild pass over the checkpoint for all of the request's missing plans.
+
+    `PlanCache(config, checkpoint_reader, model_or_time_embed, device)`: `checkpoint_reader` is a
+    `model.checkpoint.CheckpointReader` (or anything with `.config`, `.location(name)`, `.fingerprint`);
+    `model_or_time_embed` gives `adaln_input(timesteps fp32 [M]) -> [M, time_embed_dim]` on `device` (a
+    DiT built with or without adaln, or a callable).
+
+    Invariants: a plan is visible only after every block and the final layer were written (slots commit
+    after the rebuild/H2D); a plan held by an in-flight request is never evicted (slot refcounts); a failed
+    prepare leaves no reference and no half-built plan behind; plan keys carry `weights_version`, which a
+    weight refresh bumps, so no request can see a plan built from old weights.
+    """
+
+    def __init__(self, config: AdalnConfig, checkpoint_reader: Any, model_or_time_embed: Any,
+                 device: torch.device | str, *, dit_config: Any = None, remote: RemoteTier | None = None,
+                 reader_factory: Callable[[str], Any] = _open_checkpoint,
+                 streams: Streams | None = None, host_allocator: PageAllocator | None = None):
+        if config.mode != "online":
+            raise ValueError("PlanCache serves adaln.mode=online; use ResidentModulation for resident")
+        self.config = config
+        self.device = torch.device(device)
+        self.reader = checkpoint_reader
+        self.dit_config = dit_config if dit_config is not None else checkpoint_reader.config
+        self._adaln_input = _adaln_input_fn(model_or_time_embed)
+        self._reader_factory = reader_factory
+        self.remote = remote
+        self.streams = streams if streams is not None else Streams(self.device)
+        cfg = self.dit_config
+        self.slab = PlanSlab(
+            num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=cfg.num_blocks,
+            adaln_width=cfg.adaln_width, final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype,
+            device=self.device,
+        )
+        self.host = HostTier(
+            capacity_bytes=config.host_cache_bytes, num_blocks=cfg.num_blocks, adaln_width=cfg.adaln_width,
+            final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype, streams=self.streams,
+            allocator=host_allocator,
+        )
+        self.rebuilder = AdalnRebuilder(
+            streams=self.streams, readers=config.readers, chunk_bytes=config.read_chunk_mb << 20,
+            direct_chunk_bytes=config.direct_chunk_mb << 20, num_buffers=config.staging_buffers,
+            projection=config.projection, direct_io=config.direct_io,
+        )
+        self._units: list[AdalnUnit] | None = None
+        self._generation = 0
+        self.stats = AdalnStats()
+
+    # -- weights
+    @property
+    def weights_version(self) -> tuple[Hashable, int]:
+        """(checkpoint fingerprint, refresh generation): part of every plan key."""
+        return (self.reader.fingerprint, self._generation)
+
+    def validate_weight_update_source(self, path: str | os.PathLike | None) -> None:
+        """Reject (WeightUpdateError, nothing written) an update this cache cannot follow: no source path
+        (tensor updates: plans are rebuilt from disk, which would still hold the old weights), or a
+        directory whose adaln tensors are missing or mis-shaped."""
+        if path is None:
+            raise WeightUpdateError(
+                "adaln.mode=online rebuilds AdaLN plans from the checkpoint on disk, so a weight update "
+                "without a source path would pair new weights with old plans; update from a checkpoint "
+                "directory or serve with adaln.mode=resident"
+            )
+        _check_update_source(path, self.dit_config, self._reader_factory)
+
+    def refresh_weight_derived_caches(self, path: str | os.PathLike | None) -> None:
+        """After an update from `path`: read plans from there, drop every tier, bump `weights_version`."""
+        if path is None:
+            self.validate_weight_update_source(path)  # raises: the cache would serve stale plans
+        self.reader = _check_update_source(path, self.dit_config, self._reader_factory)
+        self.invalidate()
+        self._generation += 1
+
+    def invalidate(self) -> None:
+        """Forget every plan in every tier (slots in use stay valid for their request, then free)."""
+        self.slab.index.invalidate()
+        self.host.invalidate()
+        self._units = None
+
+    def close(self) -> None:
+        self.rebuilder.close()
+        self.host.synchronize()
+
+    # -- the walk
+    def _admit(self, plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
+        """Keys per step and distinct plans (first-appearance order); AdmissionError before any GPU work."""
+        if not plans:
+            raise ValueError("a request needs at least one plan (one per step)")
+        version = self.weights_version
+        step_keys, distinct = [], {}
+        for i, timesteps in enumerate(plans):
+            check_plan(timesteps)
+            if timesteps.numel() > self.config.plan_width:
+                raise AdmissionError(
+                    f"step {i} has {timesteps.numel()} distinct timesteps but adaln.plan_width is "
+                    f"{self.config.plan_width}; raise adaln.plan_width"
+                )
+            key = plan_key(timesteps, version)
+            step_keys.append(key)
+            distinct.setdefault(key, timesteps)
+        if len(distinct) > self.config.gpu_plans:
+            raise AdmissionError(
+                f"request needs {len(distinct)} distinct AdaLN plans but the GPU slab holds "
+                f"adaln.gpu_plans={self.config.gpu_plans}; raise adaln.gpu_plans or use fewer steps"
+            )
+        return step_keys, distinct
+
+    @torch.no_grad()
+    def prepare(self, plans: Sequence[torch.Tensor], weights_version: Hashable | None = None) -> PreparedPlans:
+        """Make every plan of a request resident in the slab and take a reference on each.
+
+        `plans`: one fp32 [M] tensor per step (`FlowMatchSchedule.plans`). `weights_version`, if given, must
+        be the current one (an engine that loaded weights under another version would get stale plans).
+        """
+        if weights_version is not None and weights_version != self.weights_version:
+            raise WeightUpdateError(
+                f"weights_version {weights_version!r} is not the cache's {self.weights_version!r}; "
+                "call refresh_weight_derived_caches after a weight update"
+            )
+        step_keys, distinct = self._admit(plans)
+        stats = AdalnStats(requests=1)
+        index = self.slab.index
+        compute = self.streams.current()
+        slot_of: dict[PlanKey, int] = {}
+
+        def rows_of(key: PlanKey) -> list[int]:
+            return self.slab.row_ids([(slot_of[key], len(key[1]))])
+
+        held: list[int] = []          # references taken (hits and allocations)
+        building: list[int] = []      # allocated, not yet committed
+        evicted_before = index.num_evicted
+        try:
+            # 1. GPU slab: a hit takes a reference (refreshing its recency on release).
+            missing = []
+            for key in distinct:
+                slot = index.lookup(key)
+                if slot is None:
+                    missing.append(key)
+                else:
+                    index.touch(slot)
+                    held.append(slot)
+                    slot_of[key] = slot
+            stats.gpu_hit_plans = len(distinct) - len(missing)
+            if len(missing) > index.num_free + index.num_evictable:
+                raise SlabFullError(
+                    f"request needs {len(missing)} new slab slots but only "
+                    f"{index.num_free + index.num_evictable} of adaln.gpu_plans={self.config.gpu_plans} are "
+                    "not held by in-flight requests; retry when they finish"
+                )
+            # 2. Host tier, then the remote seam; the rest is rebuilt.
+            host_hits = self.host.lookup(missing)
+            host_hit_set = set(host_hits)
+            rest = [k for k in missing if k not in host_hit_set]
+            remote_hits: dict[PlanKey, PlanRows] = self.remote.lookup(rest) if (self.remote and rest) else {}
+            to_build = [k for k in rest if k not in remote_hits]
+            # 3. Slots for every missing plan (evicting LRU plans), invisible until committed.
+            for key in missing:
+                slot = index.allocate(key)
+                held.append(slot)
+                building.append(slot)
+                slot_of[key] = slot
+            # Slab writes below must not overtake a D2H still reading a recycled slot.
+            self.host.fence_slab_writes(compute)
+            stats.h2d_bytes = self.host.load([(k, rows_of(k)) for k in host_hits], self.slab, compute)
+            stats.host_hit_plans = len(host_hits)
+            for key, rows in remote_hits.items():
+                first = self.slab.first_row(slot_of[key])
+                m = len(key[1])
+                self.slab.blocks[:, first: first + m].copy_(rows.blocks)
+                self.slab.final[first: first + m].copy_(rows.final)
+            stats.remote_hit_plans = len(remote_hits)
+            if to_build:
+                report = self._rebuild([(k, distinct[k], self.slab.first_row(slot_of[k])) for k in to_build])
+                stats.built_plans = len(to_build)
+                stats.rebuild_s = report.seconds
+                stats.rebuild_bytes_read = report.bytes_read
+                if self.remote is not None:
+                    for key in to_build:
+                        first, m = self.slab.first_row(slot_of[key]), len(key[1])
+                        self.remote.publish(key, PlanRows(self.slab.blocks[:, first: first + m].cpu(),
+                                                          self.slab.final[first: first + m].cpu()))
+            # 4. Every row is written (or queued before the forward on the compute stream): publish.
+            for slot in building:
+                index.commit(slot)
+            building.clear()
+        except BaseException:
+            for slot in building:
+                index.abort(slot)
+            building_set = set(building)
+            for slot in held:
+                if slot not in building_set:
+                    index.free(slot)
+            raise
+        stats.gpu_evicted_plans = index.num_evicted - evicted_before
+        try:
+            # 5. Keep the request's group in the host tier (D2H only for plans it does not have yet).
+            stored = self.host.store_group(tuple(distinct), [(k, rows_of(k)) for k in distinct], self.slab,
+                                           compute)
+            stats.host_stored_plans = stored.stored_plans
+            stats.host_evicted_groups = stored.evicted_groups
+            stats.host_pressure_skips = int(stored.skipped)
+            # 6. Per-step slab rows as one device index tensor (one small H2D per request).
+            rows, spans = [], []
+            for key in step_keys:
+                spans.append((len(rows), len(key[1])))
+                rows.extend(rows_of(key))
+            row_index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        except BaseException:
+            for slot in held:
+                index.free(slot)
+            raise
+        self.stats.add_(stats)
+        return PreparedPlans(self, held, row_index, spans, stats)
+
+    def _rebuild(self, jobs: list[tuple[PlanKey, torch.Tensor, int]]):
+        if self._units is None:
+            self._units = resolve_adaln_units(self.reader, self.dit_config)  # checks before any GPU work
+        targets = []
+        for _, timesteps, first_row in jobs:
+            # [M, time_embed_dim] with the same M as resident (the model may live elsewhere under offload).
+            x = self._adaln_input(timesteps.to(self.device)).to(self.device)
+            targets.append(RebuildTarget(x, first_row))
+        return self.rebuilder.rebuild(self._units, targets, self.slab.blocks, self.slab.final)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resident mode
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ResidentPlans:
+    """Resident-mode counterpart of `PreparedPlans`: projects each step from the model's adaln_proj."""
+
+    def __init__(self, owner: "ResidentModulation", timesteps: list[torch.Tensor], stats: AdalnStats):
+        self._owner = owner
+        self._timesteps = timesteps  # per step, fp32 [M] on the device
+        self.stats = stats
+        self.released = False
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._timesteps)
+
+    def modulation(self, step_index: int) -> Modulation:
+        if self.released:
+            raise RuntimeError("modulation() after release()")
+        return self._owner.modulation_for(self._timesteps[step_index])
+
+    def release(self) -> None:
+        self.released = True
+
+    def __enter__(self) -> "ResidentPlans":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class ResidentModulation:
+    """adaln.mode=resident with the `PlanCache` interface: every step projects through the model's own
+    `adaln_proj` weights (nothing cached). `projection=match` calls `model.resident_modulation`;
+    `projection=fp32` projects through `cache.projection.project` in fp32, exactly as the online rebuild
+    does with that setting, so the two modes stay bit-equal under either setting."""
+
+    def __init__(self, config: AdalnConfig, model: Any, device: torch.device | str | None = None, *,
+                 reader_factory: Callable[[str], Any] = _open_checkpoint):
+        if not getattr(model, "with_adaln", True):
+            raise ValueError("adaln.mode=resident needs a DiT built with with_adaln=True")
+        self.config = config
+        self.model = model
+        self.device = torch.device(device) if device is not None else model.device
+        self.dit_config = model.config
+        self._reader_factory = reader_factory
+        self._generation = 0
+        self.stats = AdalnStats()
+
+    @property
+    def weights_version(self) -> int:
+        return self._generation
+
+    def prepare(self, plans: Sequence[torch.Tensor], weights_version: Hashable | None = None) -> ResidentPlans:
+        if not plans:
+            raise ValueError("a request needs at least one plan (one per step)")
+        for timesteps in plans:
+            check_plan(timesteps)
+        stats = AdalnStats(requests=1)
+        self.stats.add_(stats)
+        return ResidentPlans(self, [t.to(self.device) for t in plans], stats)
+
+    @torch.no_grad()
+    def modulation_for(self, timesteps: torch.Tensor) -> Modulation:
+        adaln_input = self.model.adaln_input(timesteps)  # [M, time_embed_dim]
+        projection = self.config.projection
+        if projection == "match":
+            return self.model.resident_modulation(adaln_input)
+        dtype = self.dit_config.torch_dtype
+        with projection_guard(projection):
+            def one(module):
+                w, b = prepare_weight(module.weight, module.bias, projection)
+                return project(adaln_input, w, b, projection, dtype)
+
+            blocks = torch.stack([one(block.adaln_proj) for block in self.model.blocks])
+            return Modulation(blocks=blocks, final=one(self.model.final.adaln_proj))
+
+    def validate_weight_update_source(self, path: str | os.PathLike | None) -> None:
+        """Resident weights are read from the model itself, so tensor updates (path None) are fine; a
+        directory must still carry well-shaped adaln tensors."""
+        if path is not None:
+            _check_update_source(path, self.dit_config, self._reader_factory)
+
+    def refresh_weight_derived_caches(self, path: str | os.PathLike | None) -> None:
+        self.invalidate()
+        self._generation += 1
+
+    def invalidate(self) -> None:
+        """Nothing is cached in resident mode."""
+
+    def close(self) -> None:
+        pass
+
+
+def make_adaln_provider(config: AdalnConfig, model: Any, checkpoint_reader: Any,
+                        device: torch.device | str, **kwargs) -> PlanCache | ResidentModulation:
+    """The provider for `config.mode`: the engine builds the DiT with `with_adaln=(mode == "resident")`."""
+    if config.mode == "resident":
+        return ResidentModulation(config, model, device, **kwargs)
+    return PlanCache(config, checkpoint_reader, model, device, **kwargs)
