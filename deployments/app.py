@@ -1,0 +1,74 @@
+"""The application builder: `serve run serve_config.yaml` calls `build_app(args)`.
+
+This is the only place deployments are bound. The same config runs on a CPU laptop and on a GPU node:
+the worker asks for one GPU per replica when the cluster has GPUs at build time, else for none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+import torch
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from actors.config import EngineConfig
+from deployments.ingress import Ingress
+from deployments.router import ScheduleAffinityRouter
+from deployments.schemas import AppConfig, WorkerOptions
+from deployments.worker import EngineFactory, Worker
+
+logger = logging.getLogger("ray.serve")
+
+
+def cluster_num_gpus() -> float:
+    """GPUs in the Ray cluster (or on this machine when Ray is not up yet: `serve.run` starts it here)."""
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0.0))
+    return float(torch.cuda.device_count())
+
+
+def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float) -> dict[str, Any]:
+    num_gpus = options.num_gpus if options.num_gpus is not None else (1.0 if num_gpus_in_cluster > 0 else 0.0)
+    deployment: dict[str, Any] = {
+        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
+        "max_ongoing_requests": options.max_ongoing_requests,
+    }
+    if options.router == "schedule_affinity":
+        deployment["request_router_config"] = RequestRouterConfig(
+            request_router_class=ScheduleAffinityRouter, request_router_kwargs={"load_factor": options.load_factor}
+        )
+    if options.num_replicas is not None:
+        deployment["num_replicas"] = options.num_replicas
+    else:
+        autoscaling = options.autoscaling.model_dump()
+        if autoscaling["max_replicas"] is None:  # as many replicas as the cluster's GPUs hold; 1 on CPU
+            fit = int(num_gpus_in_cluster // num_gpus) if num_gpus > 0 else 1
+            autoscaling["max_replicas"] = max(1, fit, autoscaling["min_replicas"])
+        deployment["autoscaling_config"] = autoscaling
+    return deployment
+
+
+def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
+    """Pin relative paths to the builder's working directory, so every replica reads the same place."""
+    update = {"checkpoint_root": os.path.abspath(engine.checkpoint_root)}
+    if engine.checkpoint:
+        update["checkpoint"] = os.path.abspath(os.path.expanduser(engine.checkpoint))
+    return engine.model_copy(update=update)
+
+
+def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
+    """Ingress bound to a Worker. `engine_factory` (default: the real GpuWorker) lets tests pass a fake engine."""
+    engine = resolve_engine_config(config.engine)
+    options = worker_deployment_options(config.worker, cluster_num_gpus())
+    logger.info("ditserve: worker options %s, engine %s", options, engine.model_dump())
+    worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
+    return Ingress.bind(worker, config.http.model_dump())
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The `import_path` of serve_config.yaml: `args` -> validated `AppConfig` -> application."""
+    return build_application(AppConfig.model_validate(args or {}))

@@ -1,0 +1,465 @@
+"""Schedule-affinity request routing for the GPU worker deployment.
+
+A request's AdaLN plans depend only on its sampling schedule, so sending every request with the same
+schedule to the same replica keeps that replica's plan slab warm. The caller names the schedule with a
+keyword argument on the handle call::
+
+    worker.generate.remote(request_dict, schedule_key=schedule.schedule_key)
+
+and the worker deployment opts in with::
+
+    @serve.deployment(request_router_config=RequestRouterConfig(
+        request_router_class=ScheduleAffinityRouter,
+        request_router_kwargs={"load_factor": 1.25}))
+    class Worker(ScheduleAffinityReporter): ...
+
+Policy (rendezvous hashing with bounded load):
+
+- Every replica gets the weight ``H(schedule_key, replica_unique_id)``; replicas are tried in descending
+  weight order. The order is a pure function of the key and the replica set, so every process that holds a
+  handle (ingress replicas, proxy, driver) agrees without shared state, and adding or removing a replica moves
+  only the keys whose first choice it is / was.
+- Bounded load: with ``n`` replicas and ``total`` requests in flight, a replica is within bound when its
+  ongoing count plus this request stays ``<= ceil(load_factor * (total + 1) / n)``. A key whose first choice
+  is over the bound spills to the next replica in its rendezvous order (replicas reporting the key warm first),
+  so a hot schedule spreads over a stable, small set of replicas.
+- Requests without ``schedule_key`` go to the least-loaded replica.
+
+Ongoing counts come from Serve's own queue-length cache (fresh for ~10 s after each send, corrected by the
+replica's reply), this process's in-flight counter, and, when the cache entry has expired, the replica's
+``record_routing_stats()["ongoing"]`` (polled by the controller every ``request_routing_stats_period_s``).
+
+The router runs inside every process holding a handle to the worker; nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib
+import logging
+import math
+import random
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+logger = logging.getLogger("ray.serve")
+
+SCHEDULE_KEY_KWARG = "schedule_key"
+"""Keyword argument of the handle call that carries the schedule key."""
+
+DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_SPILL_CONFIRM_S = 0.01
+ROUTING_STATS_ONGOING = "ongoing"
+ROUTING_STATS_WARM_KEYS = "warm_keys"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure policy functions (no Ray): unit-testable, identical in every process.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rendezvous_weight(key: str, replica_id: str) -> int:
+    """64-bit highest-random-weight score of ``replica_id`` for ``key`` (stable across processes/hosts)."""
+    digest = hashlib.blake2b(
+        key.encode() + b"\x00" + replica_id.encode(), digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(key: str, replica_ids: Iterable[str]) -> List[str]:
+    """Replica ids ordered by preference for ``key``: highest weight first (ties broken by id)."""
+    return sorted(replica_ids, key=lambda rid: (-rendezvous_weight(key, rid), rid))
+
+
+def bounded_load_limit(total_ongoing: int, num_replicas: int, load_factor: float) -> int:
+    """Most requests one replica may hold after taking a new one: ceil(load_factor * mean incl. the new one)."""
+    if num_replicas <= 0:
+        return 0
+    return math.ceil(load_factor * (total_ongoing + 1) / num_replicas)
+
+
+def rank_for_key(
+    key: str,
+    loads: Mapping[str, int],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    warm: Optional[Mapping[str, bool]] = None,
+) -> List[str]:
+    """Replica ids in the order to try for ``key``.
+
+    ``loads`` maps every candidate replica id to its ongoing request count. The rendezvous first choice comes
+    first if it is within the bounded-load limit; then the other replicas within the limit (those with
+    ``warm[rid]`` true first, each group in rendezvous order); replicas over the limit come last, in
+    rendezvous order, as a fallback for stale load information.
+    """
+    order = rendezvous_order(key, loads)
+    if not order:
+        return []
+    limit = bounded_load_limit(sum(loads.values()), len(order), load_factor)
+    within = [rid for rid in order if loads[rid] + 1 <= limit]
+    over = [rid for rid in order if loads[rid] + 1 > limit]
+    if within and within[0] == order[0]:
+        head, rest = within[:1], within[1:]
+    else:
+        head, rest = [], within
+    if warm:
+        rest = [rid for rid in rest if warm.get(rid)] + [rid for rid in rest if not warm.get(rid)]
+    return head + rest + over
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replica side: what the worker deployment reports through record_routing_stats().
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ScheduleAffinityReporter:
+    """Mixin for a deployment routed by :class:`ScheduleAffinityRouter`.
+
+    Wrap each request in ``with self.track_schedule(schedule_key):``; the mixin counts ongoing requests and
+    remembers recently served keys (most recent first). Serve calls :meth:`record_routing_stats` every
+    ``request_routing_stats_period_s``; the router reads ``{"ongoing": n, "warm_keys": [...]}`` from it.
+    Override :meth:`warm_schedule_keys` to report the keys whose plans really are resident (e.g. from the
+    plan slab) instead of the recently-served list. No ``__init__`` needed: state is created lazily.
+    """
+
+    max_reported_warm_keys: int = 256
+
+    def _affinity_state(self) -> "_ReporterState":
+        state = self.__dict__.get("_schedule_affinity_state")
+        if state is None:
+            state = _ReporterState()
+            self.__dict__["_schedule_affinity_state"] = state
+        return state
+
+    @contextlib.contextmanager
+    def track_schedule(self, schedule_key: Optional[str]) -> Iterator[None]:
+        """Count one ongoing request for the duration of the block; mark ``schedule_key`` recently served."""
+        state = self._affinity_state()
+        with state.lock:
+            state.ongoing += 1
+        try:
+            yield
+        finally:
+            with state.lock:
+                state.ongoing -= 1
+                if schedule_key:
+                    state.recent[schedule_key] = None
+                    state.recent.move_to_end(schedule_key, last=False)
+                    while len(state.recent) > self.max_reported_warm_keys:
+                        state.recent.popitem(last=True)
+
+    def forget_schedules(self, keys: Optional[Iterable[str]] = None) -> None:
+        """Drop keys (all when None) from the recently-served list, e.g. after a weight update."""
+        state = self._affinity_state()
+        with state.lock:
+            if keys is None:
+                state.recent.clear()
+            else:
+                for key in keys:
+                    state.recent.pop(key, None)
+
+    def warm_schedule_keys(self) -> List[str]:
+        """Keys this replica serves without rebuilding plans, most valuable first. Override for exactness."""
+        state = self._affinity_state()
+        with state.lock:
+            return list(state.recent)
+
+    def record_routing_stats(self) -> Dict[str, Any]:
+        state = self._affinity_state()
+        with state.lock:
+            ongoing = state.ongoing
+        return {
+            ROUTING_STATS_ONGOING: ongoing,
+            ROUTING_STATS_WARM_KEYS: self.warm_schedule_keys()[: self.max_reported_warm_keys],
+        }
+
+
+@dataclass
+class _ReporterState:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ongoing: int = 0
+    recent: "OrderedDict[str, None]" = field(default_factory=OrderedDict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The router.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AffinityCounters:
+    """Per-router counts of routed requests (this process only)."""
+
+    hits: int = 0  # keyed request sent to its rendezvous first choice
+    spills: int = 0  # keyed request sent elsewhere (first choice over the load bound or full)
+    unkeyed: int = 0  # request without a schedule key
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"hits": self.hits, "spills": self.spills, "unkeyed": self.unkeyed}
+
+
+# Routers living in this process, for schedule_affinity_stats(). Serve pickles the router class *by value*
+# (it registers this module with cloudpickle.register_pickle_by_value), so the class's methods see copies of
+# this module's globals; they reach the real registry through importlib (_register_router) instead.
+_MODULE_NAME = __name__
+_ROUTER_REGISTRY: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_ROUTER_REGISTRY_LOCK = threading.Lock()
+
+
+def _register_router(router: Any) -> None:
+    try:
+        module = importlib.import_module(_MODULE_NAME)
+    except ImportError:  # router shipped by value to a process that cannot import ditserve: no stats
+        return
+    with module._ROUTER_REGISTRY_LOCK:
+        module._ROUTER_REGISTRY.add(router)
+
+
+def affinity_routers(deployment_name: Optional[str] = None) -> List[Any]:
+    """The ScheduleAffinityRouters living in this process (optionally only those routing to a deployment)."""
+    with _ROUTER_REGISTRY_LOCK:
+        routers = list(_ROUTER_REGISTRY)
+    return [r for r in routers if deployment_name is None or r.deployment_name == deployment_name]
+
+
+def schedule_affinity_stats(deployment_name: Optional[str] = None) -> Dict[str, int]:
+    """Affinity hits/spills summed over the ScheduleAffinityRouters living in *this* process.
+
+    Call it where the handle lives (e.g. from an ingress replica's stats endpoint); filter by the routed
+    deployment's name when given.
+    """
+    total = {"hits": 0, "spills": 0, "unkeyed": 0}
+    for router in affinity_routers(deployment_name):
+        for name, value in router.counters.as_dict().items():
+            total[name] += value
+    return total
+
+
+class ScheduleAffinityRouter(RequestRouter):
+    """Rendezvous hashing on ``schedule_key`` with bounded load; least load for requests without a key.
+
+    ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
+    skew, smaller balances sooner), ``spill_confirm_s`` (default 0.01) and ``key_kwarg`` (default
+    ``"schedule_key"``).
+
+    Load of a replica = Serve's queue-length cache for it (the replica's own count from its last reply, plus
+    this process's sends, minus this process's completions) + requests this router chose for it that have not
+    been sent yet. The second term matters in a burst: Serve's routing task assigns several queued requests
+    in one pass of the event loop, before any send updates the cache, so without it they would all see the
+    same loads and pile onto one replica. A replica without a cache entry (idle for ~10 s) is probed (one RPC,
+    ``get_queue_len``); if that fails its ``record_routing_stats()["ongoing"]`` is used.
+
+    The cache can run high: a completion reaches it a little after the caller got the result, and another
+    process's finished requests stay in it until the next reply. A spill costs the target a plan rebuild, so
+    before spilling away from a key's first choice the router waits ``spill_confirm_s`` (default 10 ms) and
+    re-probes that replica: a back-to-back request for the same schedule stays on its warm replica.
+
+    Each call returns exactly one replica (a single tier), so what Serve sends is what we counted; replicas
+    Serve knows to be full are skipped, and when all are, every replica is offered in our order and Serve
+    probes them. Deliberately no FIFOMixin: it hands the replica found for one request to the oldest pending
+    request, which would break affinity.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.load_factor = DEFAULT_LOAD_FACTOR
+        self.key_kwarg = SCHEDULE_KEY_KWARG
+        self.spill_confirm_s = DEFAULT_SPILL_CONFIRM_S
+        self.counters = AffinityCounters()
+        # replica unique_id -> requests chosen for it whose future is not resolved yet (not sent yet).
+        self._unsent: Dict[str, int] = {}
+        # id(pending_request) -> (its future when chosen, replica unique_id), until sent or undone.
+        self._chosen: Dict[int, Any] = {}
+        _register_router(self)
+
+    @property
+    def deployment_name(self) -> str:
+        return self._deployment_id.name
+
+    def initialize_state(
+        self,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+        key_kwarg: str = SCHEDULE_KEY_KWARG,
+        spill_confirm_s: float = DEFAULT_SPILL_CONFIRM_S,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(
+                f"ScheduleAffinityRouter got unknown request_router_kwargs {sorted(unknown)}; "
+                "accepted: load_factor, key_kwarg, spill_confirm_s."
+            )
+        if not isinstance(spill_confirm_s, (int, float)) or not 0 <= spill_confirm_s <= 1:
+            raise ValueError(f"spill_confirm_s={spill_confirm_s!r} must be between 0 and 1 second.")
+        self.spill_confirm_s = float(spill_confirm_s)
+        if not isinstance(load_factor, (int, float)) or load_factor < 1.0:
+            raise ValueError(
+                f"load_factor={load_factor!r} must be a number >= 1.0 (1.25 is a good default)."
+            )
+        self.load_factor = float(load_factor)
+        self.key_kwarg = key_kwarg
+
+    # -- load and key extraction ------------------------------------------------------------------------
+
+    def schedule_key_of(self, pending_request: Optional[PendingRequest]) -> Optional[str]:
+        if pending_request is None:
+            return None
+        key = pending_request.kwargs.get(self.key_kwarg)
+        if key is None or key == "":
+            return None
+        return key if isinstance(key, str) else str(key)
+
+    def replica_load(self, replica: RunningReplica) -> int:
+        """Best estimate of the replica's ongoing requests, across all processes routing to it."""
+        unsent = self._unsent.get(replica.replica_id.unique_id, 0)
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        if cached is not None:
+            return cached + unsent
+        stats = replica.routing_stats or {}
+        reported = stats.get(ROUTING_STATS_ONGOING, 0)
+        return (reported if isinstance(reported, int) else 0) + unsent
+
+    async def probe(self, replicas: List[RunningReplica]) -> None:
+        """Refresh the queue-length cache of ``replicas`` from the replicas themselves (concurrently)."""
+        deadline_s = self.queue_len_response_deadline_s
+
+        async def one(replica: RunningReplica) -> None:
+            try:
+                queue_len = await asyncio.wait_for(replica.get_queue_len(deadline_s=deadline_s), deadline_s)
+            except Exception:  # noqa: BLE001 - no answer: keep the previous estimate
+                return
+            self.replica_queue_len_cache.update(replica.replica_id, queue_len)
+
+        await asyncio.gather(*(one(r) for r in replicas))
+
+    def _known_full(self, replica: RunningReplica) -> bool:
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        return cached is not None and cached >= replica.max_ongoing_requests
+
+    @staticmethod
+    def _reports_warm(replica: RunningReplica, key: str) -> bool:
+        stats = replica.routing_stats or {}
+        warm = stats.get(ROUTING_STATS_WARM_KEYS) or ()
+        return key in warm
+
+    def rank(self, candidate_replicas: List[RunningReplica], key: Optional[str]) -> List[RunningReplica]:
+        """Candidates in preference order for ``key`` (least loaded first when ``key`` is None)."""
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
+        if key is None:
+            ids = list(by_id)
+            random.shuffle(ids)  # ties between equally loaded replicas go to a random one
+            return [by_id[rid] for rid in sorted(ids, key=loads.__getitem__)]
+        warm = {rid: self._reports_warm(r, key) for rid, r in by_id.items()}
+        return [by_id[rid] for rid in rank_for_key(key, loads, self.load_factor, warm)]
+
+    # -- RequestRouter API ---------------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # What we return is all there is; without backoff the retry loop would spin at full speed
+            # while every replica is at max_ongoing_requests.
+            pending_request.routing_context.should_backoff = True
+            self._undo_unused_choice(pending_request)
+        if not candidate_replicas:
+            return []
+        try:
+            ranked = await self._rank_fresh(candidate_replicas, self.schedule_key_of(pending_request))
+        except Exception:  # noqa: BLE001 - a bug here must not strand the request: fall back to least load
+            logger.exception("ScheduleAffinityRouter: ranking failed; offering all replicas")
+            return [list(candidate_replicas)]
+        choice = next((r for r in ranked if not self._known_full(r)), None)
+        if choice is None:
+            return [[r] for r in ranked]
+        if pending_request is not None:
+            self._take(pending_request, choice.replica_id.unique_id)
+        return [[choice]]
+
+    async def _rank_fresh(self, candidate_replicas: List[RunningReplica], key: Optional[str]) -> List[RunningReplica]:
+        unknown = [r for r in candidate_replicas if self.replica_queue_len_cache.get(r.replica_id) is None]
+        if unknown:
+            await self.probe(unknown)
+        ranked = self.rank(candidate_replicas, key)
+        if key is None or len(ranked) < 2:
+            return ranked
+        first = max(candidate_replicas, key=lambda r: rendezvous_weight(key, r.replica_id.unique_id))
+        if ranked[0] is not first:
+            # About to spill. The numbers may count a request that just finished (the caller can have its
+            # result a few ms before the replica and this router stop counting it): give that a moment to
+            # settle, ask the replica itself, and decide again.
+            if self.spill_confirm_s > 0:
+                await asyncio.sleep(self.spill_confirm_s)
+            await self.probe([first])
+            ranked = self.rank(candidate_replicas, key)
+        return ranked
+
+    def _take(self, pending_request: PendingRequest, rid: str) -> None:
+        self._unsent[rid] = self._unsent.get(rid, 0) + 1
+        future = pending_request.future
+        self._chosen[id(pending_request)] = (future, rid)
+        # Serve's request task wakes on this future first (it awaited it earlier) and sends synchronously,
+        # bumping the queue-length cache; this callback runs right after and stops counting the choice.
+        future.add_done_callback(lambda f: self._on_resolved(pending_request, f))
+
+    def _on_resolved(self, pending_request: PendingRequest, future: Any) -> None:
+        entry = self._chosen.get(id(pending_request))
+        if entry is None or entry[0] is not future:
+            return  # this choice was undone already
+        del self._chosen[id(pending_request)]
+        self._release(entry[1])
+
+    def _undo_unused_choice(self, pending_request: PendingRequest) -> None:
+        """A second call for the same unsent request: Serve could not use our previous choice."""
+        entry = self._chosen.get(id(pending_request))
+        if entry is not None and entry[0] is pending_request.future and not entry[0].done():
+            del self._chosen[id(pending_request)]
+            self._release(entry[1])
+
+    def _release(self, rid: str) -> None:
+        left = self._unsent.get(rid, 0) - 1
+        if left > 0:
+            self._unsent[rid] = left
+        else:
+            self._unsent.pop(rid, None)
+
+    def on_request_routed(
+        self,
+        pending_request: PendingRequest,
+        replica_id: ReplicaID,
+        result: ReplicaResult,
+    ) -> None:
+        key = self.schedule_key_of(pending_request)
+        if key is None:
+            self.counters.unkeyed += 1
+        elif first_choice(key, [r.unique_id for r in self._replica_id_set]) == replica_id.unique_id:
+            self.counters.hits += 1
+        else:
+            self.counters.spills += 1
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live: Set[str] = {r.replica_id.unique_id for r in replicas}
+        for rid in list(self._unsent):
+            if rid not in live:
+                self._unsent.pop(rid, None)
+
+
+def first_choice(key: str, replica_ids: Sequence[str]) -> Optional[str]:
+    """The rendezvous first choice for ``key`` among ``replica_ids`` (None when empty)."""
+    order = rendezvous_order(key, replica_ids)
+    return order[0] if order else None

@@ -1,0 +1,193 @@
+"""Pydantic models at the HTTP / handle edge, and the app's config (`args` of serve_config.yaml).
+
+The request type is the engine's own (`actors.api.GenerationRequest`), re-exported here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from actors.api import CacheDitOverrides, GenerationRequest, GenerationResult
+from actors.config import EngineConfig
+
+__all__ = [
+    "AppConfig",
+    "AutoscalingOptions",
+    "CacheDitOverrides",
+    "ErrorBody",
+    "ErrorResponse",
+    "GenerationRequest",
+    "GenerationResponse",
+    "HttpOptions",
+    "Timings",
+    "WorkerOptions",
+    "decode_latents",
+]
+
+PREVIEW_PX = 128
+
+
+# --------------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------------
+
+
+class Timings(BaseModel):
+    """Seconds spent per phase inside the engine."""
+
+    plan_s: float = Field(0.0, description="Schedule, Cache-DiT refresh and AdaLN plans (a rebuild on a cache miss).")
+    encode_s: float = Field(0.0, description="Prompt encoding (and the empty prompt for CFG), seeded initial noise.")
+    denoise_s: float = Field(0.0, description="The denoising loop.")
+    total_s: float = Field(0.0, description="Whole engine call.")
+
+
+class GenerationResponse(BaseModel):
+    """A finished generation."""
+
+    id: str = Field(..., description="Generation id (`gen-...`), also in the ingress logs.")
+    model: str = Field(..., description="Model name and checkpoint fingerprint that produced the latents.")
+    seed: int = Field(..., description="Seed of the initial noise (the drawn one when the request gave none).")
+    video_shape: list[int] = Field(..., description="Video latent shape [C, F, H, W].")
+    audio_shape: list[int] = Field(..., description="Audio latent shape [T, Ca].")
+    latents: str | None = Field(
+        None,
+        description="Base64 of safetensors bytes with fp32 tensors `video` [C,F,H,W] and `audio` [T,Ca] "
+        "(`safetensors.torch.load(base64.b64decode(latents))`). None when return_latents is false.",
+    )
+    preview_png: str = Field(
+        ..., description="Base64 PNG of the first video frame's latent channels 0-2, min-max normalized, upscaled."
+    )
+    timings: Timings = Field(..., description="Engine phase timings.")
+    stats: dict[str, Any] = Field(default_factory=dict, description="Engine counters: steps, tokens, plan stats.")
+
+    @classmethod
+    def from_result(cls, result: GenerationResult, *, request_id: str, return_latents: bool) -> "GenerationResponse":
+        video = result.video.detach().to("cpu", torch.float32).contiguous()
+        audio = result.audio.detach().to("cpu", torch.float32).contiguous()
+        latents = None
+        if return_latents:
+            latents = base64.b64encode(save_safetensors({"video": video, "audio": audio})).decode("ascii")
+        return cls(
+            id=request_id,
+            model=result.model,
+            seed=result.seed,
+            video_shape=list(video.shape),
+            audio_shape=list(audio.shape),
+            latents=latents,
+            preview_png=preview_png(video),
+            timings=Timings(**{k: v for k, v in result.timings.items() if k in Timings.model_fields}),
+            stats=result.stats,
+        )
+
+
+def decode_latents(latents_b64: str) -> dict[str, torch.Tensor]:
+    """The inverse of `GenerationResponse.latents`: {"video": [C,F,H,W], "audio": [T,Ca]}."""
+    return load_safetensors(base64.b64decode(latents_b64))
+
+
+def preview_png(video: torch.Tensor, size_px: int = PREVIEW_PX) -> str:
+    """Base64 PNG of video[0:3, 0] (channels as RGB), each channel min-max normalized, nearest-upscaled."""
+    frame = video[:3, 0].float()  # [c<=3, H, W]
+    if frame.shape[0] < 3:
+        frame = torch.cat([frame, frame[-1:].expand(3 - frame.shape[0], -1, -1)])
+    lo = frame.amin(dim=(1, 2), keepdim=True)
+    hi = frame.amax(dim=(1, 2), keepdim=True)
+    frame = (frame - lo) / (hi - lo).clamp_min(1e-12)
+    pixels = (frame.nan_to_num(0.0).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0)  # [H, W, 3]
+    height, width = pixels.shape[:2]
+    factor = max(1, size_px // max(height, width))
+    image = Image.fromarray(np.ascontiguousarray(pixels.numpy()), mode="RGB")
+    image = image.resize((width * factor, height * factor), Image.Resampling.NEAREST)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(..., description="invalid_request | payload_too_large | server_error | unavailable.")
+    message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
+    errors: list[dict[str, Any]] | None = Field(None, description="Per-field validation errors (loc, msg).")
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body."""
+
+    error: ErrorBody
+
+
+# --------------------------------------------------------------------------------------------------
+# App config (serve_config.yaml `args`)
+# --------------------------------------------------------------------------------------------------
+
+
+class AutoscalingOptions(BaseModel):
+    """Worker autoscaling (Ray Serve `autoscaling_config`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest worker replicas.")
+    max_replicas: int | None = Field(
+        None, ge=1, description="Most worker replicas. None: the number of GPUs in the cluster at build time "
+        "(one replica per GPU), or 1 without GPUs.",
+    )
+    target_ongoing_requests: float = Field(1.0, gt=0, description="Requests per replica the autoscaler aims for.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutoscalingOptions":
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        return self
+
+
+class WorkerOptions(BaseModel):
+    """How the worker deployment is replicated and placed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
+    autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per replica; None: 1 if the Ray cluster has GPUs at build time, else 0."
+    )
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
+    max_ongoing_requests: int = Field(
+        4, ge=1, description="Requests one replica holds (it runs one generation at a time; the rest wait in order)."
+    )
+    router: Literal["schedule_affinity", "default"] = Field(
+        "schedule_affinity",
+        description="schedule_affinity: requests with the same sampling schedule go to the same replica (warm AdaLN "
+        "plans), spilling over under load (deployments/router.py); default: Serve's power-of-two-choices router.",
+    )
+    load_factor: float = Field(
+        1.25, ge=1.0, description="schedule_affinity: a replica takes a key's request while its load stays under "
+        "load_factor x the mean; larger keeps affinity longer under skew.",
+    )
+
+
+class HttpOptions(BaseModel):
+    """Limits the ingress enforces before anything reaches a worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
+    health_timeout_s: float = Field(10.0, gt=0, description="Longest /healthz waits for the worker.")
+
+
+class AppConfig(BaseModel):
+    """`args` of serve_config.yaml: validated once in `build_app`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine each worker replica runs.")
+    worker: WorkerOptions = Field(default_factory=WorkerOptions, description="Worker replication and placement.")
+    http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")

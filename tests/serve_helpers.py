@@ -1,0 +1,52 @@
+"""Helpers for tests that run a local Ray cluster with Serve (one cluster per test module)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from typing import Iterator
+
+import requests
+
+# Serve/Ray on a 2-core CI machine: ray.init 3-5 s, serve.run ~3 s (shared/reference.md); be generous.
+STARTUP_TIMEOUT_S = 120.0
+APP_NAME = "ditserve"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
+    """Start Ray + Serve on a free HTTP port; yield the base URL; shut everything down afterwards."""
+    import ray
+    from ray import serve
+
+    port = free_port()
+    # address="local": always a fresh cluster of our own, even if another one was `ray start`ed on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+def wait_healthy(base_url: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = requests.get(f"{base_url}/healthz", timeout=10)
+            if last.status_code == 200:
+                return
+        except requests.RequestException as exc:
+            last = exc
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/healthz not healthy after {timeout_s}s: {last!r}")

@@ -1,0 +1,87 @@
+"""serve_config.yaml, AppConfig, worker placement and response encoding (no Ray cluster)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from actors.api import GenerationResult
+from deployments.app import resolve_engine_config, worker_deployment_options
+from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve_config() -> dict:
+    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+
+
+def test_serve_config_is_a_valid_serve_deploy_config_and_app_config():
+    config = serve_config()
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "deployments.app:build_app"
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    args = AppConfig.model_validate(app["args"])
+    assert args.engine.checkpoint == "" and args.engine.device == "auto" and args.engine.preset == "tiny"
+
+
+def test_app_config_rejects_unknown_names_with_the_field():
+    with pytest.raises(ValidationError, match="engine.checkpoints"):
+        AppConfig.model_validate({"engine": {"checkpoints": "x"}})
+    with pytest.raises(ValidationError, match="unknown preset 'huge'"):
+        AppConfig.model_validate({"engine": {"preset": "huge"}})
+    with pytest.raises(ValidationError, match="min_replicas=3 exceeds max_replicas=2"):
+        AppConfig.model_validate({"worker": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}})
+
+
+def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
+    cpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
+    assert cpu["ray_actor_options"] == {"num_gpus": 0.0, "num_cpus": 1.0}
+    assert cpu["autoscaling_config"]["max_replicas"] == 1
+    gpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=8)
+    assert gpu["ray_actor_options"]["num_gpus"] == 1.0
+    assert gpu["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 1.0}
+    fixed = worker_deployment_options(WorkerOptions(num_replicas=2, num_gpus=0.5), num_gpus_in_cluster=1)
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"]["num_gpus"] == 0.5
+
+
+def test_worker_is_routed_by_schedule_affinity_unless_asked_otherwise():
+    routed = worker_deployment_options(WorkerOptions(load_factor=1.5), num_gpus_in_cluster=0)
+    assert routed["request_router_config"].request_router_class == "deployments.router.ScheduleAffinityRouter"
+    assert routed["request_router_config"].request_router_kwargs == {"load_factor": 1.5}
+    assert "request_router_config" not in worker_deployment_options(WorkerOptions(router="default"), 0)
+
+
+def test_relative_checkpoint_paths_are_pinned_to_the_builder_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engine = resolve_engine_config(AppConfig.model_validate({"engine": {"checkpoint": "ckpt/a"}}).engine)
+    assert engine.checkpoint == str(tmp_path / "ckpt/a") and engine.checkpoint_root == str(tmp_path / "checkpoints")
+    assert resolve_engine_config(AppConfig().engine).checkpoint == ""
+
+
+def test_response_latents_round_trip_through_safetensors_and_png_preview():
+    video, audio = torch.randn(4, 2, 6, 10), torch.randn(3, 8)
+    result = GenerationResult(video=video, audio=audio, seed=1, model="m",
+                              timings={"encode_s": 0.1, "total_s": 0.2}, stats={"steps": 1})
+    response = GenerationResponse.from_result(result, request_id="gen-1", return_latents=True)
+    latents = decode_latents(response.latents)
+    assert torch.equal(latents["video"], video) and torch.equal(latents["audio"], audio)
+    assert response.video_shape == [4, 2, 6, 10] and response.audio_shape == [3, 8]
+    assert response.timings.encode_s == 0.1 and response.timings.denoise_s == 0.0
+    image = Image.open(io.BytesIO(base64.b64decode(response.preview_png)))
+    assert image.size == (120, 72) and image.mode == "RGB"  # nearest upscale x12 (128 // 10)
+
+
+def test_preview_of_a_constant_frame_is_black_not_nan():
+    image = Image.open(io.BytesIO(base64.b64decode(preview_png(torch.ones(2, 1, 4, 4)))))
+    assert image.size == (128, 128) and set(image.getdata()) == {(0, 0, 0)}

@@ -1,0 +1,139 @@
+"""The Serve layer (builder, ingress, worker shim) with a fake engine: routing, status codes, handle API."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import pytest
+import requests
+import torch
+from PIL import Image
+
+from deployments.schemas import AppConfig, GenerationResponse, decode_latents
+from tests.fake_engine import FakeEngine
+from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    from ray import serve
+
+    from deployments.app import build_application
+
+    with serve_cluster() as url:
+        app = build_application(AppConfig.model_validate({"http": {"max_body_bytes": 4096, "request_timeout_s": 1.0}}), FakeEngine)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        wait_healthy(url)
+        yield url
+
+
+def post(base_url, body, **kw):
+    return requests.post(f"{base_url}/v1/generations", json=body, timeout=60, **kw)
+
+
+def test_generation_returns_decodable_latents_and_png(base_url):
+    r = post(base_url, {"prompt": "a cat", "seed": 7, "frames": 2, "height": 8, "width": 12, "audio_len": 5})
+    assert r.status_code == 200, r.text
+    body = GenerationResponse.model_validate(r.json())
+    assert body.id.startswith("gen-")
+    assert body.model == "fake-tiny" and body.seed == 7
+    assert body.video_shape == [4, 2, 8, 12] and body.audio_shape == [5, 8]
+    latents = decode_latents(body.latents)
+    generator = torch.Generator().manual_seed(7)
+    assert torch.equal(latents["video"], torch.randn(4, 2, 8, 12, generator=generator))
+    assert torch.equal(latents["audio"], torch.randn(5, 8, generator=generator))
+    png = Image.open(io.BytesIO(base64.b64decode(body.preview_png)))
+    assert png.format == "PNG" and png.size == (12 * 10, 8 * 10)  # factor 128 // 12 = 10
+
+
+def test_return_latents_false_omits_latents(base_url):
+    r = post(base_url, {"prompt": "x", "return_latents": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["latents"] is None and r.json()["preview_png"]
+
+
+def test_schema_error_is_422_naming_the_field(base_url):
+    r = post(base_url, {"prompt": "x", "steps": 0})
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request" and "steps" in error["message"]
+    assert error["errors"][0]["loc"] == ["steps"]
+
+
+def test_engine_value_error_is_422_with_its_message(base_url):
+    r = post(base_url, {"prompt": "x", "frames": 9})  # tiny: max_frames=8
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == "frames: 9 exceeds the model's max_frames=8 (latent units)"
+
+
+def test_body_over_limit_is_413(base_url):
+    r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": "' + b"a" * 5000 + b'"}', timeout=30)
+    assert r.status_code == 413
+    assert "max_body_bytes=4096" in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(base_url):
+    r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": ', timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_json"
+
+
+def test_models_healthz_and_docs(base_url):
+    models = requests.get(f"{base_url}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "fake-tiny"
+    health = requests.get(f"{base_url}/healthz", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert requests.get(f"{base_url}/docs", timeout=30).status_code == 200
+    schema = requests.get(f"{base_url}/openapi.json", timeout=30).json()
+    body_schema = schema["paths"]["/v1/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "prompt" in body_schema["properties"] and body_schema["properties"]["steps"]["description"]
+
+
+def test_handle_generate_matches_http(base_url):
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+    request = {"prompt": "same", "seed": 3, "frames": 1, "height": 4, "width": 4}
+    by_handle = handle.generate.remote(request).result(timeout_s=60)
+    by_http = GenerationResponse.model_validate(post(base_url, request).json())
+    assert isinstance(by_handle, GenerationResponse)
+    assert by_handle.latents == by_http.latents
+
+
+def test_handle_generate_raises_value_error_on_bad_input(base_url):
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+    with pytest.raises(ValueError, match="steps"):
+        handle.generate.remote({"prompt": "x", "steps": 100}).result(timeout_s=60)
+    with pytest.raises(ValueError, match="max_height=32"):
+        handle.generate.remote({"prompt": "x", "height": 34}).result(timeout_s=60)
+
+
+def wait_for_cancellations(base_url, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if requests.get(f"{base_url}/healthz", timeout=30).json()["worker"]["cancelled"] >= count:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the engine saw fewer than {count} cancellations")
+
+
+def test_timeout_is_504_and_stops_the_engine_between_steps(base_url):
+    start = time.monotonic()
+    r = post(base_url, {"prompt": "slow", "steps": 60})  # 6 s of work, request_timeout_s=1
+    assert r.status_code == 504 and "request_timeout_s=1.0" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 5
+    wait_for_cancellations(base_url, 1)
+    assert post(base_url, {"prompt": "x"}).status_code == 200
+
+
+def test_client_disconnect_cancels_the_generation(base_url):
+    before = requests.get(f"{base_url}/healthz", timeout=30).json()["worker"]["cancelled"]
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{base_url}/v1/generations", json={"prompt": "slow", "steps": 8}, timeout=0.4)
+    wait_for_cancellations(base_url, before + 1)
