@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import git_commit
 from cache.config import AdalnConfig
 from cache.plan_cache import PlanCache, ResidentModulation
 from cache.rebuild import AdalnRebuilder, _Files, resolve_adaln_units
@@ -119,16 +119,6 @@ def timed_prepare(cache: PlanCache, plans, device) -> tuple[float, object]:
     prepared = cache.prepare(plans)
     sync(device)  # host-tier H2D and GEMMs are async: count them
     return time.perf_counter() - start, prepared
-
-
-def git_commit() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return rev.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DITSERVE_COMMIT", "unknown (no commit yet)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,7 +216,11 @@ class PlanSlab:
         self.plan_width = plan_width
         self.device = torch.device(device)
         rows = num_plans * plan_width
-        self.blocks = torch.empty(num_blocks, rows, adaln_width, dtype=dtype, device=self.device)
+        # Stored row-major ([rows, num_blocks, adaln_width]) and exposed as a [num_blocks, rows, adaln_width]
+        # view: one (plan, timestep) row is then contiguous, so a host-tier page moves in one copy instead
+        # of num_blocks strided pieces (44 -> ~55 GB/s on the H200), while per-block writes stay simple.
+        self._row_major = torch.empty(rows, num_blocks, adaln_width, dtype=dtype, device=self.device)
+        self.blocks = self._row_major.transpose(0, 1)
         self.final = torch.empty(rows, final_width, dtype=dtype, device=self.device)
 
     @property
