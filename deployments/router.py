@@ -25,11 +25,14 @@ Policy (rendezvous hashing with bounded load):
   so a hot schedule spreads over a stable, small set of replicas.
 - Requests without ``schedule_key`` go to the least-loaded replica.
 
-Ongoing counts come from Serve's own queue-length cache (fresh for ~10 s after each send, corrected by the
-replica's reply), this process's in-flight counter, and, when the cache entry has expired, the replica's
-``record_routing_stats()["ongoing"]`` (polled by the controller every ``request_routing_stats_period_s``).
+Ongoing counts come from Serve's queue-length cache (the replica's own count in its last reply, plus this
+process's sends, minus its completions), plus the choices this router made that Serve has not sent yet; a
+replica without a cache entry is probed, and ``record_routing_stats()["ongoing"]`` is the last resort. A spill
+away from a key's first choice is confirmed with a fresh probe first (see :class:`ScheduleAffinityRouter`).
 
 The router runs inside every process holding a handle to the worker; nothing here blocks the event loop.
+Serve ships the router class to those processes by value (cloudpickle), so module-level state is not shared
+with them: see ``_register_router``.
 """
 
 from __future__ import annotations

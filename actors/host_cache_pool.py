@@ -1,0 +1,580 @@
+"""Node-wide host tier for AdaLN plans, shared by the GPU workers of one node through Ray's object store.
+
+Layout:
+
+- :class:`GroupLRU` - plain bookkeeping (no Ray): objects keyed by plan key, grouped by request schedule,
+  evicted a whole group at a time, least recently used first, under a byte capacity.
+- :class:`HostCachePool` - the Ray actor (``num_cpus=0``; ``pools_per_node`` of them per node, named
+  ``ditserve-host-cache-pool:<node id>:<index>`` in namespace ``ditserve``). It owns every stored object
+  (it ``ray.put``s the arrays itself), so entries outlive the worker that published them, and hands out
+  ObjectRefs: a worker on the same node ``ray.get``s them zero-copy (read-only views of shared memory).
+- :class:`PoolTier` - the client the GPU worker uses: ``lookup(keys, timeout_s)`` never raises (a dead,
+  slow or missing pool is a cache miss), ``publish_async`` never blocks (a background thread serialises and
+  sends; when it is busy the publish is dropped).
+
+Keys: a plan key (``cache.plan_key.plan_key(timesteps, weights_version)``; any hashable whose ``repr`` is
+stable across processes) or a tuple around it, e.g. ``(plan_key, "blocks")`` and ``(plan_key, "final")``.
+A group key is ``(tuple_of_plan_keys, weights_version)`` (see :func:`make_group_key`; a weights version
+of None cannot be invalidated on its own, ``invalidate(None)`` drops everything). Values are numpy
+arrays; bf16 tensors travel as their uint16 bit patterns (:func:`tensor_to_numpy` / :func:`numpy_to_tensor`),
+so they come back bit-identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Set, Tuple
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+POOL_NAMESPACE = "ditserve"
+POOL_NAME_PREFIX = "ditserve-host-cache-pool"
+
+Key = Hashable
+GroupKey = Tuple[Tuple[Hashable, ...], Hashable]
+
+def make_group_key(plan_keys: Iterable[Hashable], weights_version: Hashable) -> GroupKey:
+    """The group key of one request's plans: (tuple of plan keys, weights version)."""
+    return (tuple(plan_keys), weights_version)
+
+
+def _check_group_key(group_key: Any) -> GroupKey:
+    if not (isinstance(group_key, tuple) and len(group_key) == 2 and isinstance(group_key[0], tuple)):
+        raise ValueError(
+            f"group_key={group_key!r} must be (tuple_of_plan_keys, weights_version); "
+            "build it with make_group_key(plan_keys, weights_version)."
+        )
+    return group_key
+
+
+def pool_actor_name(node_id: str, index: int) -> str:
+    return f"{POOL_NAME_PREFIX}:{node_id}:{index}"
+
+
+def pool_index(key: Hashable, num_pools: int) -> int:
+    """Which of the node's pool actors holds ``key``: a hash of ``repr(key)``, the same in every process."""
+    if num_pools <= 1:
+        return 0
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % num_pools
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bf16 <-> numpy without losing bits
+# ---------------------------------------------------------------------------------------------------------
+
+
+def tensor_to_numpy(tensor: Any) -> np.ndarray:
+    """A CPU tensor as a numpy array with the same bits; bf16 becomes a uint16 view (no copy)."""
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"tensor on {tensor.device} must be copied to host memory first (tensor.cpu()) before publishing."
+        )
+    tensor = tensor.detach().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint16)
+    return tensor.numpy()
+
+
+def numpy_to_tensor(array: np.ndarray, dtype: Any = None) -> Any:
+    """A tensor sharing ``array``'s memory, reinterpreted as ``dtype`` (e.g. torch.bfloat16 for uint16 data).
+
+    Arrays from :meth:`PoolTier.lookup` are read-only views of shared memory: never write to the tensor.
+    """
+    import torch
+
+    with warnings.catch_warnings():
+        # torch warns that the array is not writable; the tensor is only ever read (copied to the device).
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.view(dtype)
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bookkeeping (pure python)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Object:
+    value: Any
+    nbytes: int
+    groups: Set[GroupKey] = field(default_factory=set)
+
+
+class GroupLRU:
+    """Objects by key, held by groups; whole groups are evicted, least recently used first.
+
+    Invariants (checked by :meth:`check`):
+    - ``used_bytes == sum(nbytes of stored objects) <= capacity_bytes``; an object shared by several groups
+      is stored and counted once.
+    - every stored object belongs to at least one group, and ``obj.groups`` is exactly the set of groups that
+      list its key.
+    - a lookup hit or a publish makes the touched groups the most recently used.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 0.")
+        self.capacity_bytes = int(capacity_bytes)
+        self.used_bytes = 0
+        self._objects: Dict[Key, _Object] = {}
+        self._groups: "OrderedDict[GroupKey, Set[Key]]" = OrderedDict()
+        self.evicted_groups = 0
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._objects
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def num_objects(self) -> int:
+        return len(self._objects)
+
+    def group_keys(self) -> List[GroupKey]:
+        """Groups from least to most recently used."""
+        return list(self._groups)
+
+    def lookup(self, keys: Iterable[Key]) -> Dict[Key, Any]:
+        found: Dict[Key, Any] = {}
+        touched: Set[GroupKey] = set()
+        for key in keys:
+            obj = self._objects.get(key)
+            if obj is not None:
+                found[key] = obj.value
+                touched |= obj.groups
+        for group_key in touched:
+            self._groups.move_to_end(group_key)
+        return found
+
+    def missing(self, keys: Iterable[Key]) -> List[Key]:
+        return [k for k in keys if k not in self._objects]
+
+    def admit(
+        self,
+        group_key: GroupKey,
+        entries: Mapping[Key, Tuple[Any, int]],
+        shared: Iterable[Key] = (),
+    ) -> bool:
+        """Add (or extend) group ``group_key`` with new objects ``{key: (value, nbytes)}`` and with the
+        already-stored ``shared`` keys. A key that is already stored is shared, never replaced. Evicts other
+        groups, least recently used first, to make room; returns False (changing nothing) when the new bytes
+        exceed the whole capacity (or the group itself would)."""
+        if self._new_bytes(entries) > self.capacity_bytes:
+            return False
+        while self.used_bytes + self._new_bytes(entries) > self.capacity_bytes:
+            victim = next((g for g in self._groups if g != group_key), None)
+            if victim is None:  # only the group being extended is left and it cannot grow this much
+                return False
+            self._drop_group(victim)
+            self.evicted_groups += 1
+        members = self._groups.setdefault(group_key, set())
+        self._groups.move_to_end(group_key)
+        for key, (value, nbytes) in entries.items():
+            obj = self._objects.get(key)
+            if obj is None:
+                obj = self._objects[key] = _Object(value, int(nbytes))
+                self.used_bytes += obj.nbytes
+            obj.groups.add(group_key)
+            members.add(key)
+        for key in shared:
+            obj = self._objects.get(key)
+            if obj is not None:  # it may have been evicted to make room
+                obj.groups.add(group_key)
+                members.add(key)
+        return True
+
+    def _new_bytes(self, entries: Mapping[Key, Tuple[Any, int]]) -> int:
+        return sum(nbytes for key, (_, nbytes) in entries.items() if key not in self._objects)
+
+    def invalidate(self, weights_version: Any = None) -> int:
+        """Drop every group of ``weights_version`` (group_key[1]); all groups when None."""
+        victims = [g for g in self._groups if weights_version is None or g[1] == weights_version]
+        for group_key in victims:
+            self._drop_group(group_key)
+        return len(victims)
+
+    def _drop_group(self, group_key: GroupKey) -> None:
+        for key in self._groups.pop(group_key):
+            obj = self._objects[key]
+            obj.groups.discard(group_key)
+            if not obj.groups:
+                del self._objects[key]
+                self.used_bytes -= obj.nbytes
+
+    def check(self) -> None:
+        assert self.used_bytes == sum(o.nbytes for o in self._objects.values())
+        assert self.used_bytes <= self.capacity_bytes
+        for key, obj in self._objects.items():
+            assert obj.groups, f"object {key!r} belongs to no group"
+            assert obj.groups == {g for g, members in self._groups.items() if key in members}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pool actor
+# ---------------------------------------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class HostCachePool:
+    """One node-local shard of the host plan tier. See the module docstring.
+
+    The pool owns every object it hands out (it ``ray.put``s published arrays itself), so a published plan
+    stays valid when the publishing worker dies; when the pool dies its objects go with it and clients see
+    misses. A worker still reading an evicted object keeps it alive through its own reference; the byte
+    count covers only what the pool holds.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        self._lru = GroupLRU(capacity_bytes)
+        self._counts = {
+            "lookups": 0,
+            "hits": 0,
+            "misses": 0,
+            "publishes": 0,
+            "published_bytes": 0,
+            "rejected_groups": 0,
+            "invalidated_groups": 0,
+        }
+
+    async def lookup(self, keys: List[Key]) -> Dict[Key, ray.ObjectRef]:
+        """ObjectRefs of the stored keys among ``keys`` (possibly fewer, possibly none)."""
+        found = self._lru.lookup(keys)
+        self._counts["lookups"] += 1
+        self._counts["hits"] += len(found)
+        self._counts["misses"] += len(keys) - len(found)
+        return found
+
+    async def publish(self, group_key: GroupKey, entries: Dict[Key, Any]) -> bool:
+        """Store ``{key: numpy array or ObjectRef of one}`` as (part of) group ``group_key``.
+
+        Returns False when the group is larger than the whole capacity.
+        """
+        _check_group_key(group_key)
+        todo = {k: v for k, v in entries.items() if k not in self._lru}
+        arrays: Dict[Key, np.ndarray] = {}
+        for key, value in todo.items():
+            if isinstance(value, ray.ObjectRef):
+                value = await value
+            if not isinstance(value, np.ndarray):
+                raise ValueError(
+                    f"value for {key!r} is a {type(value).__name__}; publish numpy arrays "
+                    "(tensor_to_numpy(t) for torch tensors)."
+                )
+            arrays[key] = value
+        if sum(a.nbytes for a in arrays.values()) > self._lru.capacity_bytes:
+            self._counts["rejected_groups"] += 1
+            return False
+        # ray.put copies into memory this actor owns; off the event loop so lookups are not held up.
+        loop = asyncio.get_running_loop()
+        refs = await loop.run_in_executor(None, _put_all, arrays)
+        new = {k: (refs[k], arrays[k].nbytes) for k in arrays}
+        shared = [k for k in entries if k not in new]
+        admitted = self._lru.admit(group_key, new, shared)
+        if admitted:
+            self._counts["publishes"] += 1
+            self._counts["published_bytes"] += sum(a.nbytes for a in arrays.values())
+        else:
+            self._counts["rejected_groups"] += 1
+        return admitted
+
+    async def invalidate(self, weights_version: Any = None) -> int:
+        """Drop the groups of ``weights_version`` (every group when None); returns how many."""
+        dropped = self._lru.invalidate(weights_version)
+        self._counts["invalidated_groups"] += dropped
+        return dropped
+
+    async def stats(self) -> Dict[str, Any]:
+        return {
+            "capacity_bytes": self._lru.capacity_bytes,
+            "used_bytes": self._lru.used_bytes,
+            "num_groups": self._lru.num_groups,
+            "num_objects": self._lru.num_objects,
+            "evicted_groups": self._lru.evicted_groups,
+            **self._counts,
+        }
+
+    async def group_keys(self) -> List[GroupKey]:
+        """Groups from least to most recently used (for tests and debugging)."""
+        return self._lru.group_keys()
+
+
+def _put_all(arrays: Dict[Key, np.ndarray]) -> Dict[Key, ray.ObjectRef]:
+    return {key: ray.put(array) for key, array in arrays.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Client
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PoolTier:
+    """The GPU worker's view of its node's host cache pools.
+
+    ``capacity_bytes`` is per node, split evenly over ``pools_per_node`` actors; each key lives in actor
+    ``pool_index(key, pools_per_node)``. Actors are found or created by name on first use and re-created
+    after they die. Nothing here raises on pool trouble: lookups miss, publishes are dropped.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        pools_per_node: int = 1,
+        node_id: Optional[str] = None,
+        namespace: str = POOL_NAMESPACE,
+        detached: bool = True,
+        max_pending_publishes: int = 2,
+        publish_timeout_s: float = 60.0,
+    ):
+        if pools_per_node < 1:
+            raise ValueError(f"pools_per_node={pools_per_node} must be >= 1.")
+        self.capacity_bytes = int(capacity_bytes)
+        self.pools_per_node = pools_per_node
+        self.node_id = node_id or ray.get_runtime_context().get_node_id()
+        self.namespace = namespace
+        self.detached = detached
+        self.max_pending_publishes = max_pending_publishes
+        self.publish_timeout_s = publish_timeout_s
+        self._actors: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-publish")
+        self._pending = 0
+        self._pinned: Dict[Key, np.ndarray] = {}
+        self.counts = {
+            "lookup_failures": 0,
+            "publish_dropped": 0,
+            "publish_failures": 0,
+            "actors_created": 0,
+        }
+
+    # -- actors ---------------------------------------------------------------------------------------------
+
+    def actor(self, index: int) -> Any:
+        """The pool actor ``index`` of this node, found by name or created."""
+        with self._lock:
+            handle = self._actors.get(index)
+            if handle is None:
+                options: Dict[str, Any] = dict(
+                    name=pool_actor_name(self.node_id, index),
+                    namespace=self.namespace,
+                    get_if_exists=True,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
+                )
+                if self.detached:
+                    options["lifetime"] = "detached"
+                per_pool = self.capacity_bytes // self.pools_per_node
+                handle = HostCachePool.options(**options).remote(per_pool)
+                self._actors[index] = handle
+                self.counts["actors_created"] += 1
+            return handle
+
+    def _forget_actor(self, index: int, handle: Any) -> None:
+        with self._lock:
+            if self._actors.get(index) is handle:
+                del self._actors[index]
+
+    def _by_pool(self, keys: Iterable[Key]) -> Dict[int, List[Key]]:
+        shards: Dict[int, List[Key]] = {}
+        for key in keys:
+            shards.setdefault(pool_index(key, self.pools_per_node), []).append(key)
+        return shards
+
+    # -- lookup ---------------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Iterable[Key], timeout_s: float = 1.0, pin_memory: bool = False) -> Dict[Key, np.ndarray]:
+        """Arrays for the stored keys among ``keys``; {} for those the pool lacks, is too slow to return
+        (``timeout_s`` for the whole call) or cannot reach. Blocking: call from sync code (not an event loop).
+
+        ``pin_memory`` registers the arrays' shared-memory pages with CUDA (no-op without CUDA) so host-to-GPU
+        copies from them run at pinned speed; call :meth:`unpin` when done with them.
+        """
+        deadline = time.monotonic() + timeout_s
+        calls = []
+        for index, shard in self._by_pool(keys).items():
+            try:
+                handle = self.actor(index)
+                calls.append((index, handle, handle.lookup.remote(shard)))
+            except Exception:  # noqa: BLE001 - a pool that cannot be created is a miss
+                self.counts["lookup_failures"] += 1
+        refs: Dict[Key, ray.ObjectRef] = {}
+        for index, handle, call in calls:
+            try:
+                refs.update(ray.get(call, timeout=max(0.0, deadline - time.monotonic())))
+            except Exception as e:  # noqa: BLE001
+                self._note_failure(index, handle, e)
+        if not refs:
+            return {}
+        try:
+            values = ray.get(list(refs.values()), timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - e.g. the owning pool died after answering
+            self.counts["lookup_failures"] += 1
+            logger.debug("pool lookup: fetching objects failed: %r", e)
+            return {}
+        found = dict(zip(refs.keys(), values))
+        if pin_memory:
+            found = self._pin(found)
+        return found
+
+    async def lookup_async(self, keys: Iterable[Key], timeout_s: float = 1.0) -> Dict[Key, np.ndarray]:
+        """:meth:`lookup` for async callers (never blocks the event loop)."""
+        keys = list(keys)
+        try:
+            return await asyncio.wait_for(self._lookup_async(keys), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self.counts["lookup_failures"] += 1
+            logger.debug("pool lookup_async failed: %r", e)
+            return {}
+
+    async def _lookup_async(self, keys: List[Key]) -> Dict[Key, np.ndarray]:
+        shards = list(self._by_pool(keys).items())
+        handles = [(index, self.actor(index)) for index, _ in shards]
+        results = await asyncio.gather(
+            *(handle.lookup.remote(shard) for (_, handle), (_, shard) in zip(handles, shards)),
+            return_exceptions=True,
+        )
+        refs: Dict[Key, ray.ObjectRef] = {}
+        for (index, handle), result in zip(handles, results):
+            if isinstance(result, BaseException):
+                self._note_failure(index, handle, result)
+            else:
+                refs.update(result)
+        if not refs:
+            return {}
+        values = await asyncio.gather(*refs.values())
+        return dict(zip(refs.keys(), values))
+
+    def _note_failure(self, index: int, handle: Any, error: BaseException) -> None:
+        self.counts["lookup_failures"] += 1
+        if isinstance(error, RayActorError):
+            # The pool died: forget the handle so the next use finds or creates a live one.
+            self._forget_actor(index, handle)
+        elif not isinstance(error, (GetTimeoutError, asyncio.TimeoutError)):
+            logger.debug("pool %d lookup failed: %r", index, error)
+
+    # -- publish --------------------------------------------------------------------------------------------
+
+    def publish_async(self, group_key: GroupKey, entries: Mapping[Key, Any]) -> bool:
+        """Hand ``{key: numpy array or CPU tensor}`` to the pool in the background; never blocks.
+
+        The caller must not modify the arrays afterwards. Returns False when the publish was dropped because
+        earlier publishes are still being sent.
+        """
+        _check_group_key(group_key)
+        with self._lock:
+            if self._pending >= self.max_pending_publishes:
+                self.counts["publish_dropped"] += 1
+                return False
+            self._pending += 1
+        self._executor.submit(self._publish_now, group_key, dict(entries))
+        return True
+
+    def _publish_now(self, group_key: GroupKey, entries: Dict[Key, Any]) -> None:
+        try:
+            arrays = {k: v if isinstance(v, np.ndarray) else tensor_to_numpy(v) for k, v in entries.items()}
+            for index, shard in self._by_pool(arrays).items():
+                handle = self.actor(index)
+                try:
+                    ray.get(
+                        handle.publish.remote(group_key, {k: arrays[k] for k in shard}),
+                        timeout=self.publish_timeout_s,
+                    )
+                except RayActorError:
+                    self.counts["publish_failures"] += 1
+                    self._forget_actor(index, handle)
+                except RayError as e:
+                    self.counts["publish_failures"] += 1
+                    logger.debug("pool %d publish failed: %r", index, e)
+        except Exception:  # noqa: BLE001 - background thread: log, never propagate
+            self.counts["publish_failures"] += 1
+            logger.exception("pool publish failed")
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until the publishes handed over so far were sent (tests, shutdown)."""
+        self._executor.submit(lambda: None).result(timeout=timeout_s)
+
+    # -- admin ----------------------------------------------------------------------------------------------
+
+    def invalidate(self, weights_version: Any = None, timeout_s: float = 10.0) -> int:
+        """Drop the groups of ``weights_version`` (all when None) on every pool of this node."""
+        dropped = 0
+        for index in range(self.pools_per_node):
+            handle = self.actor(index)
+            try:
+                dropped += ray.get(handle.invalidate.remote(weights_version), timeout=timeout_s)
+            except RayActorError:
+                self._forget_actor(index, handle)
+        return dropped
+
+    def stats(self, timeout_s: float = 5.0) -> List[Dict[str, Any]]:
+        """Per-pool stats of this node (empty dict for a pool that does not answer)."""
+        out = []
+        for index in range(self.pools_per_node):
+            handle = self.actor(index)
+            try:
+                out.append(ray.get(handle.stats.remote(), timeout=timeout_s))
+            except RayActorError:
+                self._forget_actor(index, handle)
+                out.append({})
+            except GetTimeoutError:
+                out.append({})
+        return out
+
+    # -- pinned (cudaHostRegister) pages --------------------------------------------------------------------
+
+    def _pin(self, found: Dict[Key, np.ndarray]) -> Dict[Key, np.ndarray]:
+        import torch
+
+        if not torch.cuda.is_available():
+            return found
+        cudart = torch.cuda.cudart()
+        out = {}
+        for key, array in found.items():
+            pinned = self._pinned.get(key)
+            if pinned is None:
+                err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+                if int(err) != 0:
+                    out[key] = array
+                    continue
+                # Keep the array (and with it the shared-memory mapping) alive while registered.
+                self._pinned[key] = pinned = array
+            out[key] = pinned
+        return out
+
+    def unpin(self, keys: Optional[Iterable[Key]] = None) -> None:
+        """Unregister pages pinned by ``lookup(pin_memory=True)`` (all when ``keys`` is None)."""
+        if not self._pinned:
+            return
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for key in list(self._pinned) if keys is None else list(keys):
+            array = self._pinned.pop(key, None)
+            if array is not None:
+                cudart.cudaHostUnregister(array.ctypes.data)
+
+    def close(self) -> None:
+        self.unpin()
+        self._executor.shutdown(wait=False, cancel_futures=True)
