@@ -19,6 +19,39 @@ MAX_STEPS = 65
 
 
 # --------------------------------------------------------------------------------------------------
+# Node-shared plan pool
+# --------------------------------------------------------------------------------------------------
+
+
+class PoolConfig(BaseModel):
+    """The node-shared host-cache pool (`actors.host_cache_pool`): a tier between a worker's own pinned
+    host tier and the rebuild, shared by every GPU worker of a node through Ray's object store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool | None = Field(
+        None,
+        description="null (auto): on when the engine runs inside Ray (a Serve replica) with adaln.mode=online; "
+        "true/false force it (true without Ray is ignored: there is no object store).",
+    )
+    pools_per_node: int = Field(1, ge=1, description="Pool actors per node; keys are spread over them by hash.")
+    capacity_gb: float = Field(
+        16.0, ge=0,
+        description="Bytes (GB, 10^9) the pools of one node hold in the object store, evicting whole request "
+        "groups LRU. Size the Ray object store to fit it.",
+    )
+    lookup_timeout_s: float = Field(
+        2.0, gt=0,
+        description="Budget of one pool lookup; a slower, dead or missing pool is a miss (the plan is rebuilt).",
+    )
+    pin_memory: bool | None = Field(
+        None,
+        description="Register the zero-copy object-store pages of a hit with CUDA (cudaHostRegister) so the "
+        "copy into the slab runs at pinned speed. null: on when the engine runs on CUDA.",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # Engine config
 # --------------------------------------------------------------------------------------------------
 
@@ -48,6 +81,10 @@ class EngineConfig(BaseModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Layerwise block offload.")
     cache_dit: CacheDitConfig = Field(
         default_factory=CacheDitConfig, description="Cache-DiT (DBCache) block skipping; requests may override it."
+    )
+    pool: PoolConfig = Field(
+        default_factory=PoolConfig,
+        description="Node-shared AdaLN plan pool (Ray object store) between the host tier and the rebuild.",
     )
 
     @field_validator("preset")

@@ -92,7 +92,9 @@ def ensure_checkpoint(config: EngineConfig) -> Path:
 class GpuWorker:
     """Plain torch engine on one device. Thread-safe: generations are serialized by a lock."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, remote: Any = None):
+        """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, e.g.
+        `actors.pool_tier.PoolRemoteTier`, built by the Serve worker); used in adaln.mode=online only."""
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint_dir = ensure_checkpoint(config)
@@ -115,8 +117,13 @@ class GpuWorker:
         if config.cache_dit.enabled:
             self.cache_dit = CacheDit(self.model, config.cache_dit)
         self.text_encoder: TextEncoder = self.model.text_embedder
-        self.adaln = make_adaln_provider(config.adaln, self.model, self.reader, self.device)
+        online_remote = remote if config.adaln.mode == "online" else None
+        self.adaln = make_adaln_provider(config.adaln, self.model, self.reader, self.device,
+                                         **({"remote": online_remote} if online_remote is not None else {}))
         self.model_name = f"{self.dit_config.name}@{self.reader.fingerprint}"
+        #: The node-shared plan pool (`remote`, e.g. `actors.pool_tier.PoolRemoteTier`; None without one):
+        #: `update_weights` calls its `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
+        self.pool_tier: Any = online_remote
         self._lock = threading.Lock()
         self._busy = False
         self._num_requests = 0
@@ -184,10 +191,7 @@ class GpuWorker:
         """
         path = Path(path)
         with self._lock:
-            reader = CheckpointReader(path)
-            resident = self.config.adaln.mode == "resident"
-            reader.validate(expect=self.dit_config, with_adaln=resident)
-            self.adaln.validate_weight_update_source(path)
+            reader = self.validate_weight_update(path)
             # Streamed block tensors go through the offloader (its host buffers are their source of truth);
             # every other parameter (device-resident ones included) is overwritten in place.
             params = dict(self.model.named_parameters())
@@ -199,11 +203,40 @@ class GpuWorker:
                     del params[prefix + n]
             for name, param in params.items():
                 param.copy_(reader.tensor(name, param.device))
+            old_version = self.adaln.weights_version
             self.adaln.refresh_weight_derived_caches(path)
+            if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
+                self.pool_tier.invalidate(old_version)
             self.reader, self.checkpoint_dir = reader, path
             self.model_name = f"{self.dit_config.name}@{reader.fingerprint}"
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
+
+    def validate_weight_update(self, path: str | os.PathLike) -> CheckpointReader:
+        """Check the checkpoint at `path` against the served model without writing anything: config, keys,
+        every tensor's shape and dtype (shard headers), and the AdaLN provider's own check. Returns its
+        reader; raises ValueError (CheckpointError / WeightUpdateError) naming the problem. Read-only, so
+        it may run on another thread while a generation runs."""
+        reader = CheckpointReader(path)
+        reader.validate(expect=self.dit_config, with_adaln=self.config.adaln.mode == "resident")
+        self.adaln.validate_weight_update_source(path)
+        return reader
+
+    def debug_stats(self) -> dict[str, Any]:
+        """Plan bookkeeping for tests and operators: references held in the GPU slab (0 when idle), plans
+        resident, and plans keyed by another weights version than the current one (0 after an update)."""
+        slab = getattr(self.adaln, "slab", None)
+        held = used = stale = 0
+        if slab is not None:
+            index, version = slab.index, self.adaln.weights_version
+            for slot in range(index.capacity):
+                held += index.refcount(slot)
+                key = index.key(slot)
+                if key is not None:
+                    used += 1
+                    stale += key[0] != version
+        return {"busy": self._busy, "held_plan_refs": held, "resident_plans": used, "stale_plans": stale,
+                "model": self.model_name, "fingerprint": self.reader.fingerprint}
 
     def health(self) -> dict[str, Any]:
         """Cheap, never waits for a generation."""

@@ -58,6 +58,11 @@ class AdalnStats(BaseModel):
     gpu_hit_plans: int = Field(0, description="Distinct plans found ready in the GPU slab.")
     host_hit_plans: int = Field(0, description="Plans restored from the pinned host tier (H2D).")
     remote_hit_plans: int = Field(0, description="Plans restored from the remote tier (if any).")
+    pool_hit_plans: int = Field(
+        0, description="Plans restored from the node-shared host-cache pool (the remote tier when it is the "
+        "pool: equals remote_hit_plans then).")
+    pool_published_plans: int = Field(0, description="Built plans offered to the remote tier/pool (background).")
+    pool_lookup_s: float = Field(0.0, description="Wall seconds spent asking the remote tier/pool.")
     built_plans: int = Field(0, description="Plans projected by a streaming rebuild from the checkpoint.")
     gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (LRU) to make room.")
     host_stored_plans: int = Field(0, description="Plans copied D2H into the host tier.")
@@ -81,9 +86,15 @@ class PlanRows:
 
 
 class RemoteTier(Protocol):
-    """Seam for a shared pool between the host tier and the rebuild (e.g. one pool per node; not
-    implemented here). `lookup` returns the plans it has (host tensors, copied into the slab by the cache);
-    `publish` offers a plan the cache just built."""
+    """Seam for a shared pool between the host tier and the rebuild (`actors.pool_tier.PoolRemoteTier`:
+    one pool per node). `lookup` returns the plans it has (host tensors, copied into the slab by the
+    cache); it must answer within its own budget and never raise (a miss is rebuilt). `publish` offers a
+    plan the cache just built.
+
+    Optional: `publish_group(plans: dict[PlanKey, PlanRows], ready: Event | None)` takes all of a request's
+    built plans at once without waiting: their host tensors are filled by D2H copies still queued on the
+    compute stream, complete once `ready` (None: already complete) has happened. It must return at once and
+    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`."""
 
     def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
 
@@ -325,7 +336,11 @@ class PlanCache:
             host_hits = self.host.lookup(missing)
             host_hit_set = set(host_hits)
             rest = [k for k in missing if k not in host_hit_set]
-            remote_hits: dict[PlanKey, PlanRows] = self.remote.lookup(rest) if (self.remote and rest) else {}
+            remote_hits: dict[PlanKey, PlanRows] = {}
+            if self.remote is not None and rest:
+                t_remote = time.perf_counter()
+                remote_hits = self.remote.lookup(rest)
+                stats.pool_lookup_s = time.perf_counter() - t_remote
             to_build = [k for k in rest if k not in remote_hits]
             # 3. Slots for every missing plan (evicting LRU plans), invisible until committed.
             for key in missing:
@@ -342,17 +357,14 @@ class PlanCache:
                 m = len(key[1])
                 self.slab.blocks[:, first: first + m].copy_(rows.blocks)
                 self.slab.final[first: first + m].copy_(rows.final)
-            stats.remote_hit_plans = len(remote_hits)
+            stats.remote_hit_plans = stats.pool_hit_plans = len(remote_hits)
             if to_build:
                 report = self._rebuild([(k, distinct[k], self.slab.first_row(slot_of[k])) for k in to_build])
                 stats.built_plans = len(to_build)
                 stats.rebuild_s = report.seconds
                 stats.rebuild_bytes_read = report.bytes_read
                 if self.remote is not None:
-                    for key in to_build:
-                        first, m = self.slab.first_row(slot_of[key]), len(key[1])
-                        self.remote.publish(key, PlanRows(self.slab.blocks[:, first: first + m].cpu(),
-                                                          self.slab.final[first: first + m].cpu()))
+                    stats.pool_published_plans = self._publish_built(to_build, slot_of, compute)
             # 4. Every row is written (or queued before the forward on the compute stream): publish.
             for slot in building:
                 index.commit(slot)
@@ -385,6 +397,40 @@ class PlanCache:
             raise
         self.stats.add_(stats)
         return PreparedPlans(self, held, row_index, spans, stats)
+
+    def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> int:
+        """Offer the plans just built to the remote tier without holding up the request.
+
+        The rows are copied D2H into fresh host tensors (pinned on CUDA, `non_blocking`) on the compute
+        stream: queued after the rebuild's writes and before the forward, so nothing here waits. The
+        request holds its slots until `release()`, which comes after the engine synchronised the compute
+        stream (results to the host), so the rows cannot be overwritten before the copies ran. A remote
+        with `publish_group` gets the tensors and an event to wait for on its own thread; a plain one gets
+        `publish` per plan after a wait for the copies (on CUDA; on CPU the copies are already done).
+        """
+        pin = self.streams.can_pin
+        plans: dict[PlanKey, PlanRows] = {}
+        for key in keys:
+            first, m = self.slab.first_row(slot_of[key]), len(key[1])
+            src_blocks, src_final = self.slab.blocks[:, first: first + m], self.slab.final[first: first + m]
+            blocks = torch.empty(src_blocks.shape, dtype=src_blocks.dtype, pin_memory=pin)
+            final = torch.empty(src_final.shape, dtype=src_final.dtype, pin_memory=pin)
+            blocks.copy_(src_blocks, non_blocking=pin)
+            final.copy_(src_final, non_blocking=pin)
+            plans[key] = PlanRows(blocks, final)
+        ready = None
+        if self.streams.is_cuda:
+            ready = self.streams.new_event()
+            ready.record(compute)
+        publish_group = getattr(self.remote, "publish_group", None)
+        if publish_group is not None:
+            publish_group(plans, ready)
+        else:
+            if ready is not None:
+                ready.synchronize()
+            for key, rows in plans.items():
+                self.remote.publish(key, rows)
+        return len(plans)
 
     def _rebuild(self, jobs: list[tuple[PlanKey, torch.Tensor, int]]):
         if self._units is None:

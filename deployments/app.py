@@ -66,7 +66,11 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
     options = worker_deployment_options(config.worker, cluster_num_gpus())
     logger.info("ditserve: worker options %s, engine %s", options, engine.model_dump())
     worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
-    return Ingress.bind(worker, config.http.model_dump())
+    admin = config.admin.model_copy(
+        update={"weight_roots": [os.path.abspath(os.path.expanduser(r)) for r in config.admin.weight_roots]
+                or [engine.checkpoint_root]}
+    )
+    return Ingress.bind(worker, config.http.model_dump(), admin.model_dump())
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -1,7 +1,10 @@
 """HTTP + handle front door: validates requests, holds the worker handle, encodes responses.
 
-Routes: `POST /v1/generations`, `GET /healthz`, `GET /v1/models`; OpenAPI at `/docs`.
-Python callers: `serve.get_app_handle("ditserve").generate.remote({...})` -> `GenerationResponse`.
+Routes: `POST /v1/generations` (`?stream=true` or `POST /v1/generations:stream`: server-sent events
+`progress` per step, then `result`), `GET /healthz`, `GET /v1/models`, `POST|GET /admin/weights` (bearer
+token; fleet weight update, see deployments/weights.py); OpenAPI at `/docs`.
+Python callers: `serve.get_app_handle("ditserve").generate.remote({...})` -> `GenerationResponse`;
+`handle.options(stream=True).generate_stream.remote({...})` yields `ProgressEvent`s, then the response.
 
 Status codes: 400 malformed JSON, 413 body over `http.max_body_bytes`, 422 a request that fails the schema
 or the loaded model's limits (message names the field and the limit), 503 worker unavailable, 504 timeout.
@@ -12,13 +15,14 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
 
 
 import asyncio
+import hmac
 import json
 import logging
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
@@ -26,7 +30,18 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from actors.api import GenerationCancelled, GenerationRequest, schedule_for
-from deployments.schemas import ErrorResponse, GenerationResponse, HttpOptions
+from cache.rebuild import RebuildError
+from deployments.metrics import RoutingMetrics
+from deployments.schemas import (
+    AdminOptions,
+    ErrorResponse,
+    GenerationResponse,
+    HttpOptions,
+    ProgressEvent,
+    WeightUpdateRequest,
+)
+from deployments.weights import confine_weights_path, env_admin_token, get_coordinator
+from model.checkpoint import CheckpointError
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,9 +67,11 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.kind, self.message, self.errors = status, kind, message, errors
 
+    def response_body(self) -> dict[str, Any]:
+        return {"error": {"type": self.kind, "message": self.message, "errors": self.errors}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"type": self.kind, "message": self.message, "errors": self.errors}}
-        return JSONResponse(status_code=self.status, content=body)
+        return JSONResponse(status_code=self.status, content=self.response_body())
 
 
 def _validation_error(exc: ValidationError) -> RequestError:
@@ -68,7 +85,8 @@ def _validation_error(exc: ValidationError) -> RequestError:
 def parse_request(payload: Any) -> GenerationRequest:
     """dict | GenerationRequest -> GenerationRequest, or RequestError(422) naming the bad fields."""
     if isinstance(payload, GenerationRequest):
-        return payload
+        # Re-checked: an object made with model_construct() (or mutated) skipped validation.
+        payload = payload.model_dump()
     if not isinstance(payload, dict):
         raise RequestError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
     try:
@@ -87,6 +105,44 @@ def _engine_value_error(exc: BaseException) -> str | None:
     return None
 
 
+def _worker_error(exc: BaseException, request_id: str) -> RequestError:
+    """A failed worker call as the RequestError the caller sees."""
+    if isinstance(getattr(exc, "cause", exc), (RebuildError, CheckpointError)):
+        # A ValueError, but the server's checkpoint broke, not the request: 5xx, details in the log only.
+        logger.error("generation %s failed reading the checkpoint", request_id, exc_info=exc)
+        kind = type(getattr(exc, "cause", exc)).__name__
+        return RequestError(500, "server_error", f"generation failed: {kind} (the server could not read its "
+                            "checkpoint; retry later)")
+    message = _engine_value_error(exc)
+    if message is not None:
+        return RequestError(422, "invalid_request", message)
+    if isinstance(getattr(exc, "cause", exc), GenerationCancelled):
+        return RequestError(499, "cancelled", "the request was cancelled")
+    if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
+        return RequestError(503, "unavailable", f"no worker could take the request: {type(exc).__name__}")
+    logger.error("generation %s failed", request_id, exc_info=exc)
+    return RequestError(500, "server_error", f"generation failed: {type(exc).__name__}")
+
+
+def _sse_event(name: str, item: Any) -> str:
+    return f"event: {name}\ndata: {item.model_dump_json()}\n\n"
+
+
+def _reports(replicas: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
+    """Per replica: id, old/new weights version and model, ok/error (from its last apply)."""
+    reports = []
+    for r in sorted(replicas, key=lambda r: r["replica"]):
+        last = r.get("last_apply") or {}
+        if last.get("new_version", -1) < version:  # still pending (timeout) or superseded
+            last = {"ok": False, "error": "not applied yet" if r["applied_version"] < version else "superseded"}
+        reports.append({
+            "replica": r["replica"], "old_version": last.get("old_version"), "new_version": r["applied_version"],
+            "old_model": last.get("old_model"), "new_model": r.get("model"), "ok": bool(last.get("ok")),
+            "error": last.get("error"), "seconds": last.get("seconds"),
+        })
+    return reports
+
+
 def _new_id() -> str:
     return f"gen-{uuid.uuid4().hex[:24]}"
 
@@ -94,9 +150,15 @@ def _new_id() -> str:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, worker: DeploymentHandle, http: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None
+    ) -> None:
         self._worker = worker
         self._http = HttpOptions.model_validate(http or {})
+        self._admin = AdminOptions.model_validate(admin or {})
+        self._admin_token = self._admin.token or env_admin_token()
+        self._coordinator: Any = None
+        self._routing_metrics = RoutingMetrics()
         self._model_card: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------------------------------------
@@ -110,23 +172,63 @@ class Ingress:
             result = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
         except asyncio.TimeoutError:
             response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
-            raise RequestError(
-                504, "timeout", f"generation took longer than http.request_timeout_s={self._http.request_timeout_s}"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - sorted below
-            message = _engine_value_error(exc)
-            if message is not None:
-                raise RequestError(422, "invalid_request", message) from None
-            if isinstance(getattr(exc, "cause", exc), GenerationCancelled):
-                raise RequestError(499, "cancelled", "the request was cancelled") from None
-            if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
-                raise RequestError(503, "unavailable", f"no worker could take the request: {type(exc).__name__}") from None
-            logger.exception("generation %s failed", request_id)
-            raise RequestError(500, "server_error", f"generation failed: {type(exc).__name__}") from None
+            raise self._timeout_error() from None
+        except Exception as exc:  # noqa: BLE001 - sorted by _worker_error
+            raise _worker_error(exc, request_id) from None
+        finally:
+            self._routing_metrics.update()
         # Encoding latents and the PNG is CPU work: keep it off the event loop.
         return await asyncio.to_thread(
             GenerationResponse.from_result, result, request_id=request_id, return_latents=request.return_latents
         )
+
+    def _timeout_error(self) -> RequestError:
+        return RequestError(
+            504, "timeout", f"generation took longer than http.request_timeout_s={self._http.request_timeout_s}"
+        )
+
+    async def _stream(self, request: GenerationRequest, request_id: str) -> AsyncIterator[Any]:
+        """Yields `ProgressEvent`s, then the `GenerationResponse`; RequestError on failure. Leaving early
+        (the caller cancelled, closed the stream, or timed out) cancels the worker's stream, which stops the
+        engine at its next step."""
+        stream = self._worker.options(stream=True).generate_stream.remote(
+            request, schedule_key=schedule_for(request).schedule_key
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._http.request_timeout_s
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise self._timeout_error() from None
+                except Exception as exc:  # noqa: BLE001 - sorted by _worker_error
+                    raise _worker_error(exc, request_id) from None
+                if event["event"] == "progress":
+                    yield ProgressEvent(step=event["step"], steps=event["steps"], elapsed_s=event["elapsed_s"])
+                else:
+                    yield await asyncio.to_thread(
+                        GenerationResponse.from_result, event["result"], request_id=request_id,
+                        return_latents=request.return_latents,
+                    )
+        finally:
+            stream.cancel()  # no-op once the worker finished; otherwise it stops at the next step
+            self._routing_metrics.update()
+
+    async def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> AsyncIterator[Any]:
+        """Handle API with per-step progress: `handle.options(stream=True).generate_stream.remote({...})`
+        yields `ProgressEvent`s (step 0 when accepted, then one per step) and finally the
+        `GenerationResponse`. Cancelling the response generator stops the engine at its next step.
+        Raises ValueError on bad input."""
+        try:
+            async for item in self._stream(parse_request(request), _new_id()):
+                yield item
+        except RequestError as exc:
+            if exc.status in (400, 413, 422):
+                raise ValueError(exc.message) from None
+            raise RuntimeError(exc.message) from None
 
     async def generate(self, request: dict[str, Any] | GenerationRequest) -> GenerationResponse:
         """Handle API: `serve.get_app_handle(app).generate.remote({...})`. Raises ValueError on bad input."""
@@ -154,6 +256,8 @@ class Ingress:
         },
     )
     async def create_generation(self, http_request: Request) -> JSONResponse:
+        if http_request.query_params.get("stream", "").lower() in ("1", "true", "yes"):
+            return await self._create_generation_stream(http_request)
         request_id = _new_id()
         try:
             payload = await self._read_json(http_request)
@@ -163,6 +267,125 @@ class Ingress:
                 logger.info("request %s refused (%d): %s", request_id, exc.status, exc.message)
             return exc.response()
         return JSONResponse(content=response.model_dump(mode="json"))
+
+    @api.post(
+        "/v1/generations:stream",
+        responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."}},
+        summary="Generate, streaming per-step progress as server-sent events.",
+        description="Same body as POST /v1/generations (also reachable as POST /v1/generations?stream=true). "
+        "Events: `progress` {step, steps, elapsed_s} (step 0 once accepted, then after every step), then "
+        "`result` (a GenerationResponse), or `error` (an ErrorResponse) if it fails after it started. Errors "
+        "found before the first event come back as plain JSON with their status. Closing the connection stops "
+        "the generation at its next step.",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": GenerationRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def create_generation_stream(self, http_request: Request) -> Any:
+        return await self._create_generation_stream(http_request)
+
+    async def _create_generation_stream(self, http_request: Request) -> Any:
+        request_id = _new_id()
+        try:
+            request = parse_request(await self._read_json(http_request))
+            events = self._stream(request, request_id)
+            first = await events.__anext__()  # step 0: the worker accepted it (model limits checked)
+        except RequestError as exc:
+            if exc.status < 500:
+                logger.info("request %s refused (%d): %s", request_id, exc.status, exc.message)
+            return exc.response()
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                yield _sse_event("progress", first)
+                async for item in events:
+                    yield _sse_event("result" if isinstance(item, GenerationResponse) else "progress", item)
+            except RequestError as exc:
+                yield f"event: error\ndata: {json.dumps(exc.response_body())}\n\n"
+            finally:
+                await events.aclose()  # cancels the worker's stream if the client went away
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    # ---------------------------------------------------------------------------------------------
+    # Admin: fleet weight updates (deployments/weights.py has the design and the safety argument)
+    # ---------------------------------------------------------------------------------------------
+
+    def _check_admin(self, http_request: Request) -> None:
+        """404 when no admin token is configured (routes off), 401 on a missing or wrong bearer token."""
+        if not self._admin_token:
+            raise RequestError(404, "not_found", "admin routes are disabled: set admin.token or $DITSERVE_ADMIN_TOKEN")
+        scheme, _, given = http_request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._admin_token.encode()):
+            raise RequestError(401, "unauthorized", "admin routes need 'Authorization: Bearer <admin token>'")
+
+    def _weights_coordinator(self) -> Any:
+        if self._coordinator is None:
+            self._coordinator = get_coordinator(serve.get_replica_context().app_name)
+        return self._coordinator
+
+    @api.post("/admin/weights", summary="Load new weights on every worker replica (bearer token).",
+              description="Body {\"path\": checkpoint dir under admin.weight_roots}. Validates once, then every "
+              "live worker replica applies it between two requests; answers per replica.")
+    async def update_weights(self, http_request: Request) -> JSONResponse:
+        try:
+            self._check_admin(http_request)
+            payload = await self._read_json(http_request)
+            try:
+                body = WeightUpdateRequest.model_validate(payload)
+                path = str(confine_weights_path(body.path, self._admin.weight_roots))
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            except ValueError as exc:
+                raise RequestError(400, "invalid_path", str(exc)) from None
+            return await self._update_weights(path)
+        except RequestError as exc:
+            logger.info("admin weight update refused (%d): %s", exc.status, exc.message)
+            return exc.response() if exc.status != 401 else JSONResponse(
+                status_code=401, content=exc.response_body(), headers={"www-authenticate": "Bearer"})
+
+    async def _update_weights(self, path: str) -> JSONResponse:
+        # 1. Validate once, read-only, on one replica: nothing anywhere changes if this fails.
+        try:
+            checked = await asyncio.wait_for(self._worker.validate_weights.remote(path), timeout=120)
+        except Exception as exc:  # noqa: BLE001
+            message = _engine_value_error(exc)
+            if message is not None:
+                raise RequestError(422, "invalid_weights", message) from None
+            raise _worker_error(exc, "admin-weights") from None
+        # 2. Set the fleet target; 3. wait until every live replica applied it (or failed).
+        coordinator = self._weights_coordinator()
+        version = await coordinator.set_target.remote(path)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._admin.update_timeout_s
+        while True:
+            replicas = await coordinator.replicas.remote()
+            done = [r for r in replicas if max(r["applied_version"], r["failed_version"]) >= version]
+            if replicas and len(done) == len(replicas):
+                break
+            if loop.time() > deadline:
+                body = {"version": version, "path": path, "status": "timeout", "replicas": _reports(replicas, version)}
+                return JSONResponse(status_code=504, content=body)
+            await asyncio.sleep(0.2)
+        reports = _reports(replicas, version)
+        ok = all(r["ok"] for r in reports)
+        body = {"version": version, "path": path, "fingerprint": checked.get("fingerprint"),
+                "status": "ok" if ok else "failed", "replicas": reports}
+        return JSONResponse(status_code=200 if ok else 500, content=body)
+
+    @api.get("/admin/weights", summary="The fleet's weights target and each live worker replica's state (bearer token).")
+    async def weights_status(self, http_request: Request) -> JSONResponse:
+        try:
+            self._check_admin(http_request)
+        except RequestError as exc:
+            return exc.response()
+        coordinator = self._weights_coordinator()
+        version, path = await coordinator.target.remote()
+        replicas = await coordinator.replicas.remote()
+        return JSONResponse(content={"version": version, "path": path, "replicas": replicas})
 
     async def _read_json(self, http_request: Request) -> Any:
         limit = self._http.max_body_bytes
@@ -177,6 +400,8 @@ class Ingress:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+        except RecursionError:  # e.g. "[[[[..." deeper than the parser's recursion limit
+            raise RequestError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
 
     @api.get("/healthz", summary="200 when a worker replica answers its health check.")
     async def healthz(self) -> JSONResponse:

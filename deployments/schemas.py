@@ -20,6 +20,7 @@ from actors.api import CacheDitOverrides, GenerationRequest, GenerationResult
 from actors.config import EngineConfig
 
 __all__ = [
+    "AdminOptions",
     "AppConfig",
     "AutoscalingOptions",
     "CacheDitOverrides",
@@ -28,7 +29,9 @@ __all__ = [
     "GenerationRequest",
     "GenerationResponse",
     "HttpOptions",
+    "ProgressEvent",
     "Timings",
+    "WeightUpdateRequest",
     "WorkerOptions",
     "decode_latents",
 ]
@@ -112,6 +115,22 @@ def preview_png(video: torch.Tensor, size_px: int = PREVIEW_PX) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+class ProgressEvent(BaseModel):
+    """One denoising step done (streaming): SSE event `progress`, or an item of `generate_stream`."""
+
+    step: int = Field(..., description="Steps done (0: accepted, before the first step).")
+    steps: int = Field(..., description="Steps in the request.")
+    elapsed_s: float = Field(..., description="Seconds since the worker accepted the request.")
+
+
+class WeightUpdateRequest(BaseModel):
+    """Body of `POST /admin/weights`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(..., description="Checkpoint directory under one of admin.weight_roots (relative: to the first).")
+
+
 class ErrorBody(BaseModel):
     type: str = Field(..., description="invalid_request | payload_too_large | server_error | unavailable.")
     message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
@@ -183,6 +202,25 @@ class HttpOptions(BaseModel):
     health_timeout_s: float = Field(10.0, gt=0, description="Longest /healthz waits for the worker.")
 
 
+class AdminOptions(BaseModel):
+    """Admin routes (`/admin/*`): off unless a token is configured here or in $DITSERVE_ADMIN_TOKEN."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str | None = Field(
+        None, description="Bearer token of the admin routes; null: $DITSERVE_ADMIN_TOKEN of the ingress process, "
+        "and with neither the admin routes answer 404.",
+    )
+    weight_roots: list[str] = Field(
+        default_factory=list, description="Directories weight updates may read from (symlinks resolved); "
+        "empty: [engine.checkpoint_root].",
+    )
+    update_timeout_s: float = Field(
+        600.0, gt=0, description="Longest POST /admin/weights waits for every live worker replica to apply the "
+        "update (a replica finishes its queued requests first).",
+    )
+
+
 class AppConfig(BaseModel):
     """`args` of serve_config.yaml: validated once in `build_app`."""
 
@@ -191,3 +229,4 @@ class AppConfig(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine each worker replica runs.")
     worker: WorkerOptions = Field(default_factory=WorkerOptions, description="Worker replication and placement.")
     http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")
+    admin: AdminOptions = Field(default_factory=AdminOptions, description="Admin routes: fleet weight updates.")

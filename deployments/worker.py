@@ -12,16 +12,20 @@ replica reports its ongoing count and recent schedules through `record_routing_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 
-from actors.api import Engine, GenerationRequest, GenerationResult
+from actors.api import Engine, GenerationCancelled, GenerationRequest, GenerationResult
 from actors.config import EngineConfig
+from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
+from deployments.weights import WeightFollower
 
 logger = logging.getLogger("ray.serve")
 
@@ -30,9 +34,12 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 def default_engine_factory(config: EngineConfig) -> Engine:
     # Imported here so the Serve layer can be imported (and tested with a fake) without loading the model.
-    from actors.gpu_worker import GpuWorker
+    from actors.gpu_worker import GpuWorker, resolve_device
+    from actors.pool_tier import make_pool_remote
 
-    return GpuWorker(config)
+    # The node-shared AdaLN plan pool (auto: on inside Ray with adaln.mode=online); None when off.
+    remote = make_pool_remote(config.pool, resolve_device(config.device), config.adaln.mode)
+    return GpuWorker(config, remote=remote)
 
 
 @serve.deployment(name="Worker", ray_actor_options={"num_cpus": 1})
@@ -43,15 +50,66 @@ class Worker(ScheduleAffinityReporter):
         config = EngineConfig.model_validate(engine_config)
         self._engine = (engine_factory or default_engine_factory)(config)
         # One thread: the engine owns one device and runs one generation at a time; later requests queue here.
+        # Fleet weight updates run on this same thread, so they always fall between two generations.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._metrics = WorkerMetrics()
+        self._outcomes = {"ok": 0, "cancelled": 0, "invalid": 0, "error": 0}
+        self._last_request: dict[str, Any] = {}
+        context = serve.get_replica_context()
+        self._replica_id = context.replica_id.unique_id
+        self._weights = WeightFollower(
+            context.app_name, self._replica_id, self._executor,
+            getattr(self._engine, "update_weights", None), self._debug_state, self._on_weights_applied,
+        )
+        self._weights.start()  # applies the fleet's weights target (if any) before the first request
+
+    # ---------------------------------------------------------------------------------------------
+    # Generation
+    # ---------------------------------------------------------------------------------------------
+
+    def _submit(self, request: GenerationRequest, cancelled: threading.Event,
+                on_progress: Callable[[int, int], None] | None = None) -> asyncio.Future:
+        """Queue one generation on the engine thread; metrics are recorded when the engine is done with it
+        (a cancelled request stops at its next step boundary, after the caller has gone)."""
+        loop = asyncio.get_running_loop()
+        last = {"step": 0, "steps": request.steps, "outcome": "running"}
+        self._last_request = last
+
+        def progress(step: int, steps: int) -> None:
+            last["step"] = step
+            if on_progress is not None:
+                on_progress(step, steps)
+
+        def run() -> GenerationResult:
+            start = time.perf_counter()
+            outcome, stats = "error", None
+            try:
+                result = self._engine.generate(request, progress, cancelled.is_set)
+                outcome, stats = "ok", result.stats
+                return result
+            except GenerationCancelled:
+                outcome = "cancelled"
+                raise
+            except ValueError:
+                outcome = "invalid"
+                raise
+            finally:
+                last["outcome"] = outcome
+                self._outcomes[outcome] += 1
+                self._metrics.request_finished(outcome, time.perf_counter() - start, stats)
+
+        self._metrics.request_started()
+        future = loop.run_in_executor(self._executor, run)
+        # A caller that went away never reads the outcome: mark the exception retrieved (no asyncio warning).
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
 
     async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
         """Run one generation off the event loop. Raises ValueError for requests the model cannot take.
         `schedule_key` is read by the router (and recorded here as recently served)."""
         cancelled = threading.Event()
-        loop = asyncio.get_running_loop()
         with self.track_schedule(schedule_key):
-            future = loop.run_in_executor(self._executor, self._engine.generate, request, None, cancelled.is_set)
+            future = self._submit(request, cancelled)
             try:
                 # shield: a cancelled caller must not cancel the executor future (the thread runs on regardless);
                 # the engine sees `cancelled` between steps and stops.
@@ -60,6 +118,88 @@ class Worker(ScheduleAffinityReporter):
                 cancelled.set()
                 logger.info("generation cancelled by the caller; the engine stops after the current step")
                 raise
+
+    async def generate_stream(self, request: GenerationRequest, schedule_key: str | None = None) -> AsyncIterator[dict]:
+        """Streaming generation (`handle.options(stream=True)`): yields `{"event": "progress", "step",
+        "steps", "elapsed_s"}` (step 0 once the request is accepted, then after every denoising step) and
+        finally `{"event": "result", "result": GenerationResult}`. Model-limit errors (ValueError) are
+        raised before anything is yielded. A caller that cancels or stops iterating stops the engine at
+        its next step; the plan references are released there."""
+        validate = getattr(self._engine, "validate", None)
+        if validate is not None:
+            validate(request)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        start = time.perf_counter()
+
+        def on_progress(step: int, steps: int) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(events.put_nowait, (step, steps, time.perf_counter() - start))
+
+        cancelled = threading.Event()
+        with self.track_schedule(schedule_key):
+            future = self._submit(request, cancelled, on_progress)
+            try:
+                yield {"event": "progress", "step": 0, "steps": request.steps, "elapsed_s": 0.0}
+                while True:
+                    getter = asyncio.ensure_future(events.get())
+                    try:
+                        await asyncio.wait({getter, future}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        getter.cancel()
+                    if getter.done() and not getter.cancelled():
+                        step, steps, elapsed = getter.result()
+                        yield {"event": "progress", "step": step, "steps": steps, "elapsed_s": elapsed}
+                        continue
+                    if future.done():
+                        await asyncio.sleep(0)  # let call_soon_threadsafe callbacks of the last steps land
+                        while not events.empty():
+                            step, steps, elapsed = events.get_nowait()
+                            yield {"event": "progress", "step": step, "steps": steps, "elapsed_s": elapsed}
+                        yield {"event": "result", "result": future.result()}
+                        return
+            finally:
+                if not future.done():
+                    # Cancelled or closed by the caller: the engine stops at its next step and releases its plans.
+                    cancelled.set()
+                    logger.info("streaming generation stopped by the caller; the engine stops after the current step")
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights, stats
+    # ---------------------------------------------------------------------------------------------
+
+    async def validate_weights(self, path: str) -> dict[str, Any]:
+        """Check the checkpoint at `path` against the served model without writing anything (runs beside a
+        generation: read-only). ValueError names the problem. Used once per fleet update by the admin route."""
+        validate = getattr(self._engine, "validate_weight_update", None)
+        if validate is None:
+            raise ValueError("this engine does not support weight updates")
+        reader = await asyncio.to_thread(validate, path)
+        return {"path": str(path), "fingerprint": getattr(reader, "fingerprint", None)}
+
+    def _on_weights_applied(self, version: int) -> None:
+        self.forget_schedules()  # recently served schedules no longer have warm plans
+        self._metrics.weights_version.set(version)
+
+    def _debug_state(self) -> dict[str, Any]:
+        engine_stats = getattr(self._engine, "debug_stats", None)
+        state = dict(engine_stats()) if engine_stats is not None else {}
+        state.setdefault("model", self._engine.describe().get("id"))
+        return state
+
+    async def debug_stats(self) -> dict[str, Any]:
+        """Replica bookkeeping for tests and operators: held plan references (0 when idle), stale plans,
+        weights version, outcomes, and the most recently submitted request's step and outcome."""
+        return {
+            "replica": self._replica_id,
+            "weights_version": self._weights.applied_version,
+            "outcomes": dict(self._outcomes),
+            "last_request": dict(self._last_request),
+            **self._debug_state(),
+        }
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._weights.stop()
 
     async def health(self) -> dict[str, Any]:
         return self._engine.health()

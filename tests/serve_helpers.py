@@ -21,14 +21,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_cluster(num_cpus: int = 4) -> Iterator[str]:
-    """Start Ray + Serve on a free HTTP port; yield the base URL; shut everything down afterwards."""
+def serve_cluster(num_cpus: int = 4, **init_kwargs) -> Iterator[str]:
+    """Start Ray + Serve on a free HTTP port; yield the base URL; shut everything down afterwards.
+    `init_kwargs` go to `ray.init` (e.g. `_metrics_export_port=free_port()`)."""
     import ray
     from ray import serve
 
     port = free_port()
     # address="local": always a fresh cluster of our own, even if another one was `ray start`ed on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"

@@ -1,0 +1,140 @@
+"""Worker replica metrics through `ray.serve.metrics` (exported on each node's Prometheus port).
+
+Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deployment`, `replica`,
+`application` tags):
+
+| metric | kind | tags | what |
+|---|---|---|---|
+| `ray_ditserve_plans_total` | counter | `tier`: gpu, host, pool, built | AdaLN plans a request found per tier (built = rebuilt from the checkpoint) |
+| `ray_ditserve_plan_warm_requests_total` | counter | `warm`: true, false | requests whose plans were all in the GPU slab (the affinity hit rate, seen from the worker) |
+| `ray_ditserve_rebuild_seconds` | histogram | | seconds of one request's plan rebuild (only requests that rebuilt) |
+| `ray_ditserve_rebuild_read_bytes_total` | counter | | checkpoint bytes read by rebuilds |
+| `ray_ditserve_plan_copied_bytes_total` | counter | | plan bytes copied host tier -> GPU slab |
+| `ray_ditserve_cache_dit_cached_steps_total` | counter | | denoising steps Cache-DiT served from its cache |
+| `ray_ditserve_ongoing_requests` | gauge | | requests accepted by this replica and not finished (queued or running) |
+| `ray_ditserve_requests_total` | counter | `outcome`: ok, cancelled, invalid, error | finished requests |
+| `ray_ditserve_request_seconds` | histogram | `outcome` | engine time per finished request |
+| `ray_ditserve_weights_version` | gauge | | fleet weights version this replica serves (0: the configured checkpoint) |
+
+Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live), from
+`deployments.router.schedule_affinity_stats`, cumulative since the replica started:
+
+| `ray_ditserve_router_requests` | gauge | `route`: affinity_hit, spill, unkeyed | requests the router sent to the key's first choice, spilled, or routed without a key |
+
+Recorded here, in the Serve layer, from the engine's per-request stats: the engine stays free of Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+OUTCOMES = ("ok", "cancelled", "invalid", "error")
+TIERS = {"gpu": "gpu_hit_plans", "host": "host_hit_plans", "pool": "remote_hit_plans", "built": "built_plans"}
+
+_SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+
+
+class WorkerMetrics:
+    """The worker deployment's metrics. Create inside a replica (Serve tags them with the replica)."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.plans = metrics.Counter(
+            "ditserve_plans", description="AdaLN plans found per tier (gpu, host, pool) or built.", tag_keys=("tier",)
+        )
+        self.warm_requests = metrics.Counter(
+            "ditserve_plan_warm_requests",
+            description="Requests whose AdaLN plans were all warm in the GPU slab (warm=true) or not.",
+            tag_keys=("warm",),
+        )
+        self.rebuild_seconds = metrics.Histogram(
+            "ditserve_rebuild_seconds", description="Seconds of one request's AdaLN plan rebuild.",
+            boundaries=_SECONDS_BOUNDARIES,
+        )
+        self.rebuild_read_bytes = metrics.Counter(
+            "ditserve_rebuild_read_bytes", description="Checkpoint bytes read by AdaLN plan rebuilds."
+        )
+        self.plan_copied_bytes = metrics.Counter(
+            "ditserve_plan_copied_bytes", description="AdaLN plan bytes copied from the host tier to the GPU slab."
+        )
+        self.cached_steps = metrics.Counter(
+            "ditserve_cache_dit_cached_steps", description="Denoising steps served from the Cache-DiT cache."
+        )
+        self.ongoing = metrics.Gauge(
+            "ditserve_ongoing_requests", description="Requests accepted by this replica and not finished."
+        )
+        self.requests = metrics.Counter(
+            "ditserve_requests", description="Finished requests by outcome.", tag_keys=("outcome",)
+        )
+        self.request_seconds = metrics.Histogram(
+            "ditserve_request_seconds", description="Engine seconds per finished request.",
+            boundaries=_SECONDS_BOUNDARIES, tag_keys=("outcome",),
+        )
+        self.weights_version = metrics.Gauge(
+            "ditserve_weights_version", description="Fleet weights version served (0: the configured checkpoint)."
+        )
+        self._ongoing = 0
+        self._lock = threading.Lock()  # started on the event loop, finished on the engine thread
+        self.ongoing.set(0)
+        self.weights_version.set(0)
+
+    def request_started(self) -> None:
+        with self._lock:
+            self._ongoing += 1
+            self.ongoing.set(self._ongoing)
+
+    def request_finished(self, outcome: str, seconds: float, stats: dict[str, Any] | None) -> None:
+        """One request left the engine (`stats`: `GenerationResult.stats` when it succeeded)."""
+        with self._lock:
+            self._ongoing -= 1
+            self.ongoing.set(self._ongoing)
+        self.requests.inc(1, tags={"outcome": outcome})
+        self.request_seconds.observe(seconds, tags={"outcome": outcome})
+        if stats:
+            self._record_stats(stats)
+
+    def _record_stats(self, stats: dict[str, Any]) -> None:
+        adaln = stats.get("adaln") or {}
+        num_plans = 0
+        for tier, field in TIERS.items():
+            count = int(adaln.get(field, 0) or 0)
+            num_plans += count
+            if count:
+                self.plans.inc(count, tags={"tier": tier})
+        if num_plans:  # resident mode has no plans: nothing to be warm or cold
+            warm = int(adaln.get("gpu_hit_plans", 0) or 0) == num_plans
+            self.warm_requests.inc(1, tags={"warm": "true" if warm else "false"})
+        if adaln.get("built_plans"):
+            self.rebuild_seconds.observe(float(adaln.get("rebuild_s", 0.0)))
+        if adaln.get("rebuild_bytes_read"):
+            self.rebuild_read_bytes.inc(int(adaln["rebuild_bytes_read"]))
+        if adaln.get("h2d_bytes"):
+            self.plan_copied_bytes.inc(int(adaln["h2d_bytes"]))
+        cached = (stats.get("cache_dit") or {}).get("cached_steps")
+        if cached:
+            self.cached_steps.inc(len(cached) if isinstance(cached, (list, tuple)) else int(cached))
+
+
+class RoutingMetrics:
+    """The schedule-affinity router's counters in this process (an ingress replica), as a gauge."""
+
+    def __init__(self, deployment_name: str = "Worker") -> None:
+        from ray.serve import metrics
+
+        self._deployment_name = deployment_name
+        self.requests = metrics.Gauge(
+            "ditserve_router_requests", description="Schedule-affinity routing decisions in this process since it "
+            "started: affinity_hit (first choice), spill, unkeyed.", tag_keys=("route",),
+        )
+
+    def update(self) -> None:
+        try:
+            from deployments.router import schedule_affinity_stats
+
+            stats = schedule_affinity_stats(self._deployment_name)
+        except Exception:  # noqa: BLE001 - another router (or none): nothing to report
+            return
+        for route, key in (("affinity_hit", "hits"), ("spill", "spills"), ("unkeyed", "unkeyed")):
+            self.requests.set(float(stats.get(key, 0)), tags={"route": route})

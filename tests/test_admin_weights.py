@@ -1,0 +1,207 @@
+"""Fleet-wide weight update (`POST /admin/weights`) on a local cluster with 2 worker replicas (real engine,
+tiny checkpoints on CPU).
+
+The update must reach both replicas, drop every plan built from the old weights, and make the served
+latents bit-identical to a fresh engine on the new checkpoint. Refused updates (token, path, bad
+checkpoint) must change nothing on any replica.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import yaml
+
+from actors.api import GenerationRequest
+from actors.config import EngineConfig
+from actors.gpu_worker import GpuWorker
+from deployments.schemas import decode_latents
+from deployments.weights import confine_weights_path
+from model.checkpoint import make_checkpoint
+from model.config import preset
+from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+
+pytestmark = pytest.mark.timeout(400)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "test-admin-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+# Different step counts: different schedules, so the affinity router spreads them over both replicas.
+BODIES = [{"prompt": "a red fox", "steps": s, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 3}
+          for s in (2, 3, 4, 5, 6, 7)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    new = make_checkpoint(root / "tiny-seed1", preset("tiny"), seed=1)
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args["engine"]["checkpoint_root"] = str(root)
+    args["worker"]["num_replicas"] = 2
+    args["admin"] = {"token": TOKEN, "update_timeout_s": 120}
+    with serve_cluster() as url:
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        wait_healthy(url)
+        yield {"url": url, "root": root, "new": new, "engine": args["engine"], "args": args}
+
+
+def weights_status(url) -> dict:
+    r = requests.get(f"{url}/admin/weights", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def live_replicas(url, count: int = 2, timeout_s: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = weights_status(url)["replicas"]
+        if len(replicas) == count:
+            return sorted(replicas, key=lambda r: r["replica"])
+        assert time.monotonic() < deadline, f"expected {count} live replicas, got {replicas}"
+        time.sleep(0.5)
+
+
+def generate(url, body) -> dict:
+    r = requests.post(f"{url}/v1/generations", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def update(url, path, headers=AUTH):
+    return requests.post(f"{url}/admin/weights", json={"path": str(path)}, headers=headers, timeout=180)
+
+
+def test_confine_weights_path_rules(tmp_path):
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "link-out")
+    assert confine_weights_path(str(root / "a"), [str(root)]) == (root / "a").resolve()
+    assert confine_weights_path("a", [str(root)]) == (root / "a").resolve()
+    for bad, why in [(str(root / ".." / "outside"), "traversal"), ("../outside", "traversal"),
+                     (str(tmp_path / "outside"), "outside admin.weight_roots"),
+                     (str(root / "link-out"), "outside admin.weight_roots"), ("", "non-empty")]:
+        with pytest.raises(ValueError, match=why):
+            confine_weights_path(bad, [str(root)])
+
+
+def test_admin_routes_need_the_bearer_token(cluster):
+    url = cluster["url"]
+    assert update(url, cluster["new"], headers={}).status_code == 401
+    r = update(url, cluster["new"], headers={"authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert requests.get(f"{url}/admin/weights", timeout=30).status_code == 401
+    assert all(r["applied_version"] == 0 for r in live_replicas(url))
+
+
+@pytest.mark.parametrize("path, message", [
+    ("{root}/../elsewhere", "path traversal"),
+    ("/etc", "outside admin.weight_roots"),
+    ("{root}/no-such-dir", "no-such-dir"),
+    ("{root}/wrong-shape", "wrong-shape"),
+])
+def test_refused_updates_are_4xx_and_touch_no_replica(cluster, path, message):
+    url, root = cluster["url"], cluster["root"]
+    if "wrong-shape" in path and not (root / "wrong-shape").exists():
+        make_checkpoint(root / "wrong-shape", preset("tiny", num_blocks=2), seed=1)
+    before = generate(url, BODIES[0])
+    r = update(url, path.format(root=root))
+    assert r.status_code in (400, 422), r.text
+    assert message in r.json()["error"]["message"]
+    status = weights_status(url)
+    assert status["version"] == 0 and status["path"] is None
+    replicas = live_replicas(url)
+    assert [r["applied_version"] for r in replicas] == [0, 0]
+    assert {r["model"] for r in replicas} == {before["model"]}
+    assert generate(url, BODIES[0])["latents"] == before["latents"]
+
+
+def test_update_applies_on_every_replica_and_serves_exactly_the_new_weights(cluster):
+    url, new = cluster["url"], cluster["new"]
+    old = [generate(url, body) for body in BODIES]  # warms plans of the old weights (on both replicas, likely)
+    time.sleep(1.0)  # a heartbeat (every 0.5 s) carries the replicas' plan counts
+    old_models = {r["model"] for r in live_replicas(url)}
+    assert len(old_models) == 1 and sum(r["resident_plans"] for r in live_replicas(url)) > 0
+
+    r = update(url, new)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "ok" and body["version"] == 1 and body["path"] == str(new.resolve())
+    reports = body["replicas"]
+    assert len({rep["replica"] for rep in reports}) == 2
+    for rep in reports:
+        assert rep["ok"] and rep["error"] is None
+        assert (rep["old_version"], rep["new_version"]) == (0, 1)
+        assert rep["old_model"] in old_models and rep["new_model"] not in old_models
+
+    # No replica keeps a plan of the old weights, or a reference.
+    for replica in live_replicas(url):
+        assert replica["applied_version"] == 1 and replica["fingerprint"] == body["fingerprint"]
+        assert replica["stale_plans"] == 0 and replica["resident_plans"] == 0 and replica["held_plan_refs"] == 0
+
+    fresh = GpuWorker(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
+    for i, (body_, before) in enumerate(zip(BODIES, old)):
+        after = generate(url, body_)
+        assert after["model"] == fresh.model_name != before["model"]
+        if i == 0:  # old plans are gone from every tier: the first request rebuilds all of its plans
+            adaln = after["stats"]["adaln"]
+            assert adaln["gpu_hit_plans"] == adaln["host_hit_plans"] == 0 and adaln["built_plans"] > 0
+        local = fresh.generate(GenerationRequest(**body_))
+        latents = decode_latents(after["latents"])
+        assert torch.equal(latents["video"], local.video) and torch.equal(latents["audio"], local.audio)
+    assert {r["model"] for r in live_replicas(url)} == {fresh.model_name}
+
+
+def test_a_replica_started_after_the_update_loads_the_new_weights_before_serving(cluster):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    url, new = cluster["url"], cluster["new"]
+    assert weights_status(url)["version"] == 1  # set by the test above
+    args = {**cluster["args"], "worker": {**cluster["args"]["worker"], "num_replicas": 3}}
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    replicas = live_replicas(url, count=3)
+    assert [r["applied_version"] for r in replicas] == [1, 1, 1]
+    assert len({r["fingerprint"] for r in replicas}) == 1
+    fresh = GpuWorker(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
+    assert {r["model"] for r in replicas} == {fresh.model_name}
+
+
+class RecordingPool:
+    """Stands in for `actors.host_cache_pool.PoolTier`: records invalidations."""
+
+    def __init__(self) -> None:
+        self.invalidated: list = []
+
+    def invalidate(self, weights_version=None, timeout_s: float = 10.0) -> int:
+        self.invalidated.append(weights_version)
+        return 0
+
+
+def test_engine_update_invalidates_the_pool_hook_and_a_rejected_one_writes_nothing(tmp_path):
+    engine = GpuWorker(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
+    engine.pool_tier = pool = RecordingPool()
+    request = GenerationRequest(prompt="x", steps=2, frames=2, height=8, width=8, audio_len=4, seed=1)
+    before = engine.generate(request)
+    wrong = make_checkpoint(tmp_path / "wrong", preset("tiny", num_blocks=2), seed=1)
+    with pytest.raises(ValueError):
+        engine.validate_weight_update(wrong)
+    with pytest.raises(ValueError):
+        engine.update_weights(wrong)
+    assert pool.invalidated == [] and torch.equal(engine.generate(request).video, before.video)
+    old_version = engine.adaln.weights_version
+    engine.update_weights(make_checkpoint(tmp_path / "seed1", preset("tiny"), seed=1))
+    assert pool.invalidated == [old_version]
+    stats = engine.debug_stats()
+    assert stats["resident_plans"] == stats["stale_plans"] == stats["held_plan_refs"] == 0
+    assert not torch.equal(engine.generate(request).video, before.video)

@@ -1,0 +1,89 @@
+"""The node pool through Ray Serve: a freshly started worker replica's first request for a schedule the
+pool already holds is a pool hit, not a rebuild.
+
+Two applications built from serve_config.yaml's args (same checkpoint) run on one node, so their worker
+replicas share the node's pool; the second one is started only after the first published its plans.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+
+from actors.host_cache_pool import POOL_NAMESPACE, pool_actor_name
+from deployments.schemas import decode_latents
+from tests.serve_helpers import serve_cluster
+
+pytestmark = pytest.mark.timeout(400)
+
+ROOT = Path(__file__).resolve().parents[1]
+BODY = {"prompt": "shared plans", "steps": 4, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 3,
+        "shift": 1.7}
+
+
+@pytest.fixture(scope="module")
+def app_args(tmp_path_factory):
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args["engine"]["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
+    args["worker"] = {**args["worker"], "num_replicas": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
+    args["worker"].pop("autoscaling")
+    return args
+
+
+def generate(app: str, body: dict):
+    from ray import serve
+
+    return serve.get_app_handle(app).generate.remote(body).result(timeout_s=240)
+
+
+def wait_for_groups(n: int, timeout_s: float = 120.0) -> list:
+    node_id = ray.get_runtime_context().get_node_id()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pool = ray.get_actor(pool_actor_name(node_id, 0), namespace=POOL_NAMESPACE)
+            groups = ray.get(pool.group_keys.remote(), timeout=30)
+            if len(groups) >= n:
+                return groups
+        except ValueError:  # not created yet
+            pass
+        assert time.monotonic() < deadline, f"the pool never held {n} group(s)"
+        time.sleep(0.5)
+
+
+def test_a_fresh_replica_gets_a_pool_hit_for_a_schedule_the_pool_holds(app_args):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    with serve_cluster():
+        serve.run(build_app(app_args), name="pool-a", route_prefix="/a")
+        rebuilt = generate("pool-a", BODY)
+        a_stats = rebuilt.stats["adaln"]
+        num_plans = a_stats["built_plans"]
+        assert num_plans == 4 and a_stats["pool_hit_plans"] == 0 and a_stats["pool_published_plans"] == num_plans
+        wait_for_groups(1)  # published in the background, after the response
+
+        serve.run(build_app(app_args), name="pool-b", route_prefix="/b")  # a second, fresh worker replica
+        hit = generate("pool-b", BODY)
+        b_stats = hit.stats["adaln"]
+        assert b_stats["pool_hit_plans"] == num_plans and b_stats["built_plans"] == 0
+        assert b_stats["gpu_hit_plans"] == b_stats["host_hit_plans"] == 0
+        assert hit.latents == rebuilt.latents and hit.model == rebuilt.model
+        video = decode_latents(hit.latents)["video"]
+        assert torch.isfinite(video).all()
+
+        # The same replica rebuilding an unseen schedule (warm process), for comparison.
+        other = generate("pool-b", {**BODY, "shift": 2.9})
+        # step 0's plan (sigma 1.0) is every schedule's: a GPU hit; the other three are rebuilt.
+        assert (other.stats["adaln"]["gpu_hit_plans"], other.stats["adaln"]["built_plans"]) == (1, 3)
+        assert other.stats["adaln"]["pool_hit_plans"] == 0
+        print(f"\nfirst-request plan_s: rebuild (replica A, cold) {rebuilt.timings.plan_s:.4f} s, "
+              f"pool hit (fresh replica B) {hit.timings.plan_s:.4f} s "
+              f"[pool lookup {b_stats['pool_lookup_s']:.4f} s], "
+              f"rebuild of a new schedule on B (warm) {other.timings.plan_s:.4f} s")

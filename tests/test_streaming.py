@@ -1,0 +1,187 @@
+"""Per-step progress over the handle and over HTTP (server-sent events), cancellation, and the worker's
+Prometheus metrics, with the real engine on a tiny checkpoint (CPU) and one worker replica.
+
+A caller that cancels (handle) or closes the stream (HTTP) must stop the engine at its next step and
+leave no AdaLN plan reference held; the replica keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from deployments.schemas import GenerationResponse, ProgressEvent
+from tests.serve_helpers import APP_NAME, free_port, serve_cluster, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"prompt": "a lighthouse at dusk", "steps": 3, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 5}
+# ~0.1 s per step on one CPU core: long enough to cancel in the middle.
+LONG = {"prompt": "a long walk", "steps": 60, "frames": 8, "height": 32, "width": 32, "audio_len": 64, "seed": 9}
+METRICS_PORT = free_port()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args["engine"]["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
+    args["worker"]["num_replicas"] = 1
+    with serve_cluster(_metrics_export_port=METRICS_PORT) as url:
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        wait_healthy(url)
+        yield url
+
+
+def app_handle():
+    from ray import serve
+
+    return serve.get_app_handle(APP_NAME)
+
+
+def worker_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Worker", app_name=APP_NAME).debug_stats.remote().result(timeout_s=30)
+
+
+def wait_idle(outcome: str, timeout_s: float = 60.0) -> dict:
+    """The worker's stats once its last request ended with `outcome` and nothing runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats()
+        if stats["last_request"].get("outcome") == outcome and not stats["busy"]:
+            return stats
+        assert time.monotonic() < deadline, f"worker never became idle with outcome {outcome}: {stats}"
+        time.sleep(0.2)
+
+
+def sse_events(response: requests.Response):
+    """(event name, parsed data) per server-sent event, read incrementally."""
+    name = None
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
+
+
+def assert_replica_still_serves() -> None:
+    response = app_handle().generate.remote({**SMALL, "steps": 1}).result(timeout_s=120)
+    assert response.video_shape == [4, 2, 8, 8]
+
+
+def test_handle_stream_yields_one_progress_event_per_step_then_the_same_result(base_url):
+    items = list(app_handle().options(stream=True).generate_stream.remote(SMALL))
+    *progress, result = items
+    assert all(isinstance(p, ProgressEvent) for p in progress)
+    assert [(p.step, p.steps) for p in progress] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert [p.elapsed_s for p in progress] == sorted(p.elapsed_s for p in progress)
+    assert isinstance(result, GenerationResponse)
+    plain = app_handle().generate.remote(SMALL).result(timeout_s=120)
+    assert result.latents == plain.latents and result.model == plain.model
+
+
+@pytest.mark.parametrize("url", ["/v1/generations?stream=true", "/v1/generations:stream"])
+def test_http_stream_is_server_sent_progress_then_result(base_url, url):
+    with requests.post(f"{base_url}{url}", json=SMALL, stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(r))
+    names = [name for name, _ in events]
+    assert names == ["progress"] * 4 + ["result"]
+    assert [data["step"] for _, data in events[:-1]] == [0, 1, 2, 3]
+    assert all(data["steps"] == 3 and data["elapsed_s"] >= 0 for _, data in events[:-1])
+    result = GenerationResponse.model_validate(events[-1][1])
+    plain = requests.post(f"{base_url}/v1/generations", json=SMALL, timeout=120).json()
+    assert result.latents == plain["latents"]
+
+
+def test_http_stream_refused_before_it_starts_is_a_plain_json_4xx(base_url):
+    r = requests.post(f"{base_url}/v1/generations:stream", json={**SMALL, "frames": 9}, timeout=60)
+    assert r.status_code == 422 and "frames: 9 exceeds the model's max_frames=8" in r.json()["error"]["message"]
+    r = requests.post(f"{base_url}/v1/generations?stream=true", json={**SMALL, "steps": "2"}, timeout=60)
+    assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
+
+
+def test_cancelling_the_handle_stream_stops_the_engine_and_releases_its_plans(base_url):
+    stream = app_handle().options(stream=True).generate_stream.remote(LONG)
+    for event in stream:
+        if event.step >= 2:
+            break
+    stream.cancel()
+    stats = wait_idle("cancelled")
+    assert stats["held_plan_refs"] == 0
+    assert 2 <= stats["last_request"]["step"] < LONG["steps"]  # stopped at a step boundary, not at the end
+    assert_replica_still_serves()
+    assert worker_stats()["held_plan_refs"] == 0
+
+
+def test_closing_the_http_stream_stops_the_engine_and_releases_its_plans(base_url):
+    before = worker_stats()["outcomes"]["cancelled"]
+    with requests.post(f"{base_url}/v1/generations:stream", json={**LONG, "seed": 10}, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for name, data in sse_events(r):
+            if name == "progress" and data["step"] >= 2:
+                break
+    # the connection is closed here, mid-stream
+    stats = wait_idle("cancelled")
+    assert stats["outcomes"]["cancelled"] == before + 1
+    assert stats["held_plan_refs"] == 0 and stats["last_request"]["step"] < LONG["steps"]
+    assert_replica_still_serves()
+
+
+def scrape() -> str:
+    return requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+
+
+def sample(text: str, name: str, **tags: str) -> float | None:
+    """Sum of the samples of `name` whose labels include `tags` (None: no such sample)."""
+    total, found = 0.0, False
+    for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(labels.get(k) == v for k, v in tags.items()):
+            total, found = total + float(match.group(2)), True
+    return total if found else None
+
+
+def test_worker_metrics_reach_the_prometheus_endpoint(base_url):
+    # Same schedule twice: the second finds its plans warm in the GPU slab.
+    for _ in range(2):
+        app_handle().generate.remote({**SMALL, "steps": 5, "seed": 1}).result(timeout_s=120)
+    wanted = {
+        ("ray_ditserve_plans_total", "tier", "built"),
+        ("ray_ditserve_plans_total", "tier", "gpu"),
+        ("ray_ditserve_plan_warm_requests_total", "warm", "true"),
+        ("ray_ditserve_plan_warm_requests_total", "warm", "false"),
+        ("ray_ditserve_requests_total", "outcome", "ok"),
+        ("ray_ditserve_requests_total", "outcome", "cancelled"),
+        ("ray_ditserve_rebuild_read_bytes_total", None, None),
+        ("ray_ditserve_rebuild_seconds_count", None, None),
+        ("ray_ditserve_request_seconds_count", "outcome", "ok"),
+        ("ray_ditserve_ongoing_requests", None, None),
+        ("ray_ditserve_weights_version", None, None),
+        ("ray_ditserve_router_requests", "route", "affinity_hit"),
+    }
+    deadline = time.monotonic() + 90  # exported ~10 s after recording
+    while True:
+        text = scrape()
+        missing = [w for w in wanted if sample(text, w[0], **({w[1]: w[2]} if w[1] else {})) is None]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"metrics never appeared: {missing}"
+        time.sleep(2)
+    assert sample(text, "ray_ditserve_plans_total", tier="gpu", deployment="Worker") >= 5
+    assert sample(text, "ray_ditserve_rebuild_read_bytes_total") > 0
+    assert sample(text, "ray_ditserve_requests_total", outcome="cancelled") >= 2
+    assert sample(text, "ray_ditserve_ongoing_requests") == 0
+    assert sample(text, "ray_ditserve_router_requests", route="affinity_hit", deployment="Ingress") >= 2
