@@ -164,7 +164,10 @@ class _Files:
 
     def fd(self, path: str) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as e:  # a shard deleted or unreadable since start: typed, like a short read
+                raise RebuildError(f"cannot open checkpoint shard {path}: {e.strerror or e}") from e
         return self._fds[path]
 
     def direct_fd(self, path: str) -> int | None:

@@ -1,0 +1,251 @@
+"""Injected faults at the engine level (plain torch, CPU): broken checkpoint shards at start and at rebuild
+time, a refused pinned allocation, a weight update during traffic, slab overflow under concurrency.
+
+Every fault must surface as a typed error with a message naming what broke, leave no half-built AdaLN plan
+behind, and leave the engine serving the same bits as before once the cause is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.api import GenerationRequest
+from actors.config import EngineConfig
+from actors.gpu_worker import GpuWorker
+from cache.host_tier import HostTier
+from cache.plan_cache import AdmissionError, SlabFullError
+from cache.rebuild import RebuildError
+from cache.streams import Streams
+from model.checkpoint import CheckpointError, make_checkpoint, shard_name, shard_of
+from tests.test_adaln_support import (  # noqa: F401 (tiny is a fixture)
+    assert_equal_to_resident, host_gb, online_cache, resident, schedule, tiny,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def request(**overrides) -> GenerationRequest:
+    fields = dict(prompt="a red fox", steps=3, frames=2, height=8, width=8, audio_len=4, seed=11)
+    return GenerationRequest(**{**fields, **overrides})
+
+
+def online_engine(checkpoint: Path, **adaln) -> GpuWorker:
+    settings = {"mode": "online", "host_cache_gb": 0.0, "readers": 2, **adaln}
+    return GpuWorker(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln=settings))
+
+
+def resident_engine(checkpoint: Path) -> GpuWorker:
+    return GpuWorker(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln={"mode": "resident"}))
+
+
+def same_bits(a, b) -> bool:
+    return torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
+
+
+def block_shard(checkpoint: Path, block: int, num_blocks: int) -> Path:
+    """The shard file holding `blocks.{block}.*`."""
+    return checkpoint / shard_name(shard_of(f"blocks.{block}.norm1.weight"), num_blocks + 1)
+
+
+def assert_no_plan_held_or_half_built(engine: GpuWorker) -> None:
+    index = engine.adaln.slab.index
+    index.check()
+    assert all(index.refcount(slot) == 0 for slot in range(index.capacity))
+    assert index.num_used == 0  # nothing was committed: a failed build is never visible
+
+
+# --- checkpoint shards ---------------------------------------------------------------------------
+
+
+def missing(path: Path) -> None:
+    path.unlink()
+
+
+def truncated(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def header_garbage(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(b"\xff" * 64 + data[64:])
+
+
+@pytest.mark.parametrize("breakage", [missing, truncated, header_garbage])
+def test_broken_shard_at_start_is_a_checkpoint_error_naming_the_file(tiny_checkpoint, tiny_config, breakage):
+    shard = block_shard(tiny_checkpoint, 1, tiny_config.num_blocks)
+    breakage(shard)
+    for mode in ("online", "resident"):
+        with pytest.raises(CheckpointError, match=shard.name):
+            GpuWorker(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adaln={"mode": mode}))
+
+
+@pytest.mark.parametrize("breakage", [missing, truncated])
+def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_checkpoint, tiny_config, breakage):
+    engine = online_engine(tiny_checkpoint)
+    before = engine.generate(request())
+    engine.adaln.invalidate()  # the plans must now be rebuilt from disk
+    shard = block_shard(tiny_checkpoint, 1, tiny_config.num_blocks)
+    saved = shard.read_bytes()
+    breakage(shard)
+    with pytest.raises(RebuildError, match=shard.name):
+        engine.generate(request())
+    assert_no_plan_held_or_half_built(engine)
+    assert engine.health()["failed"] == 1
+
+    shard.write_bytes(saved)  # the file is back
+    after = engine.generate(request())
+    assert same_bits(after, before) and after.stats["adaln"]["built_plans"] == 3
+    assert engine.health()["requests"] == 2
+
+
+# --- pinned memory refused -----------------------------------------------------------------------
+
+
+class PinnableStreams(Streams):
+    """CPU streams that claim pinned memory exists, so the host tier asks its allocator to pin."""
+
+    @property
+    def can_pin(self) -> bool:
+        return True
+
+
+def test_refused_pinned_allocation_degrades_to_pageable_and_stays_bit_exact(tiny):
+    asked = []
+
+    def refuse_pinning(shape, dtype, pin):
+        asked.append((shape[0], pin))
+        if pin:
+            raise RuntimeError("cudaHostRegister failed: locked memory limit")
+        return torch.empty(shape, dtype=dtype)
+
+    a, b = schedule(0.9, 2), schedule(0.5, 2)
+    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(16))  # half of it holds both groups
+    # The host tier as a host short of lockable memory builds it (CPU streams claiming pinning exists).
+    cfg = tiny.reader.config
+    cache.host = HostTier(capacity_bytes=cache.config.host_cache_bytes, num_blocks=cfg.num_blocks,
+                          adaln_width=cfg.adaln_width, final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype,
+                          streams=PinnableStreams("cpu"), allocator=refuse_pinning)
+    assert asked == [(16, True), (8, True), (8, False)] and not cache.host.pinned and cache.host.enabled
+    reference = resident(tiny)
+    for plans in (a, b, a, b):  # the slab holds one schedule: every repeat restores from the (pageable) tier
+        prepared = cache.prepare(plans)
+        assert_equal_to_resident(prepared, reference, plans)
+        prepared.release()
+    assert cache.stats.built_plans == 4 and cache.stats.host_hit_plans == 4
+
+
+# --- weight update during traffic ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, request):
+    config = request.getfixturevalue("tiny_config")
+    root = tmp_path_factory.mktemp("weights")
+    return make_checkpoint(root / "seed0", config, seed=0), make_checkpoint(root / "seed1", config, seed=1)
+
+
+@pytest.mark.parametrize("mode", ["online", "resident"])
+def test_weight_update_during_traffic_gives_all_old_or_all_new_never_a_mix(two_checkpoints, mode):
+    old_ckpt, new_ckpt = two_checkpoints
+    requests = [request(seed=s, steps=2 + s % 2) for s in range(4)]
+    make = (lambda c: online_engine(c)) if mode == "online" else resident_engine
+    old_ref = {r.seed: make(old_ckpt).generate(r) for r in requests}
+    new_engine = make(new_ckpt)
+    new_ref = {r.seed: new_engine.generate(r) for r in requests}
+
+    engine = make(old_ckpt)
+    results, errors = [], []
+    stop = threading.Event()
+
+    def traffic(r: GenerationRequest) -> None:
+        while not stop.is_set():
+            try:
+                results.append((r.seed, engine.generate(r)))
+            except Exception as exc:  # noqa: BLE001 - any error is a failure of the test
+                errors.append(exc)
+
+    threads = [threading.Thread(target=traffic, args=(r,)) for r in requests]
+    for t in threads:
+        t.start()
+    try:
+        for path in (new_ckpt, old_ckpt, new_ckpt):  # three updates while four clients keep generating
+            while len(results) < 4:
+                threading.Event().wait(0.01)
+            results_before = len(results)
+            engine.update_weights(path)
+            while len(results) < results_before + 4:
+                threading.Event().wait(0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors
+    num_old = num_new = 0
+    for seed, result in results:
+        if result.model == old_ref[seed].model:
+            assert same_bits(result, old_ref[seed]), f"seed {seed}: labelled old weights, bits are not all-old"
+            num_old += 1
+        else:
+            assert result.model == new_ref[seed].model
+            assert same_bits(result, new_ref[seed]), f"seed {seed}: labelled new weights, bits are not all-new"
+            num_new += 1
+    assert num_old > 0 and num_new > 0
+    assert same_bits(engine.generate(requests[0]), new_ref[0])  # the last update won
+
+
+# --- slab overflow under concurrency -------------------------------------------------------------
+
+
+def test_concurrent_distinct_schedules_on_a_small_slab_are_exact_or_refused(tiny_checkpoint):
+    engine = online_engine(tiny_checkpoint, gpu_plans=4, host_cache_gb=0.001)
+    reference = resident_engine(tiny_checkpoint)
+    # Distinct schedules (steps x shift); steps 5 needs 5 plans > gpu_plans=4 and must be refused.
+    requests = [request(steps=steps, shift=shift, seed=steps * 10 + i)
+                for i, shift in enumerate((1.0, 3.0, 5.0)) for steps in (1, 2, 4, 5)]
+    expected = {r: reference.generate(r) for r in requests if r.steps <= 4}
+
+    def run(r: GenerationRequest):
+        try:
+            return engine.generate(r)
+        except (AdmissionError, SlabFullError) as exc:
+            return exc
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(run, requests * 2))
+    for r, outcome in zip(requests * 2, outcomes):
+        if r.steps > 4:
+            assert isinstance(outcome, AdmissionError) and "adaln.gpu_plans=4" in str(outcome)
+        else:
+            assert not isinstance(outcome, Exception), outcome
+            assert same_bits(outcome, expected[r]), f"steps={r.steps} shift={r.shift}: wrong bits"
+    index = engine.adaln.slab.index
+    index.check()
+    assert all(index.refcount(slot) == 0 for slot in range(index.capacity))
+    assert engine.adaln.stats.gpu_evicted_plans > 0  # the slab really overflowed and recycled slots
+
+
+def test_slab_full_while_plans_are_held_is_typed_and_leaves_held_plans_intact(tiny):
+    cache = online_cache(tiny, gpu_plans=4)
+    reference = resident(tiny)
+    a, b, c = schedule(0.9, 2), schedule(0.5, 2), schedule(0.3, 1)
+    held_a, held_b = cache.prepare(a), cache.prepare(b)  # two in-flight requests fill the slab
+    with pytest.raises(SlabFullError, match="adaln.gpu_plans=4"):
+        cache.prepare(c)
+    index = cache.slab.index
+    index.check()
+    assert index.num_used == 4 and sorted(index.refcount(s) for s in range(4)) == [1, 1, 1, 1]
+    assert_equal_to_resident(held_a, reference, a)  # untouched by the refused request
+    assert_equal_to_resident(held_b, reference, b)
+    held_a.release()
+    retry = cache.prepare(c)  # a finished request frees room
+    assert_equal_to_resident(retry, reference, c)
+    retry.release()
+    held_b.release()
+    index.check()
+    assert all(index.refcount(s) == 0 for s in range(4))
