@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from pathlib import Path
 from typing import Iterator
 
 import requests
@@ -51,3 +52,23 @@ def wait_healthy(base_url: str, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
             last = exc
         time.sleep(0.5)
     raise TimeoutError(f"{base_url}/healthz not healthy after {timeout_s}s: {last!r}")
+
+
+def serve_config_args(checkpoint_root) -> dict:
+    """The `args` of the shipped serve_config.yaml, with checkpoints made under `checkpoint_root`."""
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "serve_config.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["engine"]["checkpoint_root"] = str(checkpoint_root)
+    return args
+
+
+def run_app(base_url: str, args: dict, name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """Deploy the ditserve app built from `args` and wait until it answers /healthz."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=route_prefix)
+    wait_healthy(base_url + route_prefix.rstrip("/"))

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-import yaml
 
 from actors.api import GenerationRequest
 from actors.config import EngineConfig
@@ -24,11 +22,10 @@ from deployments.schemas import decode_latents
 from deployments.weights import confine_weights_path
 from model.checkpoint import make_checkpoint
 from model.config import preset
-from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(400)
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "test-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 # Different step counts: different schedules, so the affinity router spreads them over both replicas.
@@ -38,19 +35,13 @@ BODIES = [{"prompt": "a red fox", "steps": s, "frames": 2, "height": 8, "width":
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ray import serve
-
-    from deployments.app import build_app
-
     root = tmp_path_factory.mktemp("checkpoints")
     new = make_checkpoint(root / "tiny-seed1", preset("tiny"), seed=1)
-    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
-    args["engine"]["checkpoint_root"] = str(root)
+    args = serve_config_args(root)
     args["worker"]["num_replicas"] = 2
     args["admin"] = {"token": TOKEN, "update_timeout_s": 120}
     with serve_cluster() as url:
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        wait_healthy(url)
+        run_app(url, args)
         yield {"url": url, "root": root, "new": new, "engine": args["engine"], "args": args}
 
 

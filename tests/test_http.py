@@ -8,44 +8,34 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-import yaml
 
 from actors.api import GenerationRequest
 from actors.config import EngineConfig
 from actors.gpu_worker import GpuWorker
 from deployments.schemas import GenerationResponse, decode_latents
-from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 8192
 VALID = {"prompt": "a lighthouse at dusk", "steps": 2, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 5}
 
 
 @pytest.fixture(scope="module")
 def app_args(tmp_path_factory):
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    args = config["applications"][0]["args"]
-    args["engine"]["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
+    args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
     args["http"]["max_body_bytes"] = MAX_BODY_BYTES
     return args
 
 
 @pytest.fixture(scope="module")
 def base_url(app_args):
-    from ray import serve
-
-    from deployments.app import build_app
-
     with serve_cluster() as url:
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
-        wait_healthy(url)
+        run_app(url, app_args)
         yield url
 
 

@@ -22,19 +22,17 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-import yaml
 
 from actors.api import GenerationRequest
 from actors.config import EngineConfig
 from actors.gpu_worker import GpuWorker
 from deployments.schemas import GenerationResponse, decode_latents
 from model.checkpoint import make_checkpoint, shard_name, shard_of
-from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args, wait_healthy
 from tests.test_http import BAD_REQUESTS, MAX_BODY_BYTES, VALID, post, raw
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 GPU_PLANS = 4
 #: plan_width 1 admits video-only requests only (audio adds a second distinct timestep per step).
 VIDEO = {**VALID, "audio_len": 0}
@@ -44,10 +42,8 @@ AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture(scope="module")
 def app_args(tmp_path_factory):
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    args = config["applications"][0]["args"]
+    args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
     engine = args["engine"]
-    engine["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
     engine["adaln"].update(gpu_plans=GPU_PLANS, plan_width=1, host_cache_gb=0.001)
     engine["cache_dit"] = {"enabled": True}
     args["http"]["max_body_bytes"] = MAX_BODY_BYTES
@@ -57,13 +53,8 @@ def app_args(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(app_args):
-    from ray import serve
-
-    from deployments.app import build_app
-
     with serve_cluster() as url:
-        serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
-        wait_healthy(url)
+        run_app(url, app_args)
         yield url
 
 

@@ -10,18 +10,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import requests
-import yaml
 
 from deployments.schemas import GenerationResponse, ProgressEvent
-from tests.serve_helpers import APP_NAME, free_port, serve_cluster, wait_healthy
+from tests.serve_helpers import APP_NAME, free_port, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"prompt": "a lighthouse at dusk", "steps": 3, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 5}
 # ~0.1 s per step on one CPU core: long enough to cancel in the middle.
 LONG = {"prompt": "a long walk", "steps": 60, "frames": 8, "height": 32, "width": 32, "audio_len": 64, "seed": 9}
@@ -30,16 +27,10 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
-    args["engine"]["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
+    args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
     args["worker"]["num_replicas"] = 1
     with serve_cluster(_metrics_export_port=METRICS_PORT) as url:
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        wait_healthy(url)
+        run_app(url, args)
         yield url
 
 
