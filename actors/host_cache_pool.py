@@ -488,22 +488,29 @@ class PoolTier:
         self._executor.submit(self._publish_now, group_key, dict(entries))
         return True
 
+    def publish_now(self, group_key: GroupKey, entries: Mapping[Key, Any]) -> bool:
+        """Send ``{key: numpy array or CPU tensor}`` to the pool and wait (for callers already on a background
+        thread). True when every pool actor took its share; a dead actor is forgotten and recreated on next use."""
+        _check_group_key(group_key)
+        arrays = {k: v if isinstance(v, np.ndarray) else tensor_to_numpy(v) for k, v in entries.items()}
+        ok = True
+        for index, shard in self._by_pool(arrays).items():
+            handle = self.actor(index)
+            try:
+                ray.get(handle.publish.remote(group_key, {k: arrays[k] for k in shard}), timeout=self.publish_timeout_s)
+            except RayActorError:
+                ok = False
+                self.counts["publish_failures"] += 1
+                self._forget_actor(index, handle)
+            except RayError as e:
+                ok = False
+                self.counts["publish_failures"] += 1
+                logger.debug("pool %d publish failed: %r", index, e)
+        return ok
+
     def _publish_now(self, group_key: GroupKey, entries: Dict[Key, Any]) -> None:
         try:
-            arrays = {k: v if isinstance(v, np.ndarray) else tensor_to_numpy(v) for k, v in entries.items()}
-            for index, shard in self._by_pool(arrays).items():
-                handle = self.actor(index)
-                try:
-                    ray.get(
-                        handle.publish.remote(group_key, {k: arrays[k] for k in shard}),
-                        timeout=self.publish_timeout_s,
-                    )
-                except RayActorError:
-                    self.counts["publish_failures"] += 1
-                    self._forget_actor(index, handle)
-                except RayError as e:
-                    self.counts["publish_failures"] += 1
-                    logger.debug("pool %d publish failed: %r", index, e)
+            self.publish_now(group_key, entries)
         except Exception:  # noqa: BLE001 - background thread: log, never propagate
             self.counts["publish_failures"] += 1
             logger.exception("pool publish failed")

@@ -132,8 +132,8 @@ class PoolRemoteTier:
                 entries[(key, FINAL)] = tensor_to_numpy(rows.final)
             for version, entries in by_version.items():
                 plan_keys = [k for k, part in entries if part == BLOCKS]
-                if self.pool.publish_async(make_group_key(plan_keys, version), entries):
-                    self.pool.flush(self.flush_timeout_s)  # one group in flight at a time
+                # Already on our own background thread: send directly (one group in flight at a time).
+                if self.pool.publish_now(make_group_key(plan_keys, version), entries):
                     self.counts["published_groups"] += 1
                 else:
                     self.counts["dropped_groups"] += 1
@@ -147,7 +147,6 @@ class PoolRemoteTier:
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the groups queued so far reached the pool (tests, weight updates, shutdown)."""
         self._executor.submit(lambda: None).result(timeout=timeout_s or self.flush_timeout_s)
-        self.pool.flush(timeout_s or self.flush_timeout_s)
 
     # -- admin ------------------------------------------------------------------------------------------
 
