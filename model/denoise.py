@@ -1,0 +1,169 @@
+"""The t2va denoising loop of MiniMax-H3, in pieces an engine can drive one forward pass at a time.
+
+    denoiser = Denoiser(geometry, schedule, num_text_tokens=L, device=device)
+    latents = denoiser.initial_latents(seed)
+    for i in range(schedule.num_forwards):
+        inputs = denoiser.transformer_inputs(i, latents, text_embeds)   # engine hooks: AdaLN plan i, cache, ...
+        velocity_video, velocity_audio = inputs.run(transformer)
+        latents = denoiser.step(i, latents, velocity_video, velocity_audio)
+    video, audio = denoiser.finish(latents)
+
+This reproduces diffusers' `MiniMaxH3CoreDenoiseStep` (layout, noise, timesteps, loop, unpack) bit for bit for the
+same prompt embedding and seed: the noise is drawn from a CPU `torch.Generator` seeded with `seed` (video latents
+first, then the audio rows), the transformer gets the same tensors, and the update is the scheduler's fp32 Euler step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from torch import Tensor
+
+from model.geometry import VideoGeometry
+from model.packing import PackedLayout, PackingError, patchify_video, unpatchify_video
+from model.schedule import H3Schedule, euler_update
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLatents:
+    """The generated rows of the packed sequence, as the transformer reads and the scheduler writes them (fp32)."""
+
+    video: Tensor  # [num_video_tokens, patch_dim]
+    audio: Tensor  # [2 * num_audio_latents, audio_latent_channels], channel-major
+
+
+@dataclass(frozen=True, eq=False)
+class TransformerInputs:
+    """Exactly the tensors one forward of `MiniMaxH3Transformer3DModel` takes, by its parameter names."""
+
+    hidden_states: Tensor  # fp32 [1, Nv, patch_dim]
+    audio_hidden_states: Tensor  # fp32 [1, 2A, Ca]
+    encoder_hidden_states: Tensor  # [1, L, text_dim], the text encoder's dtype
+    timestep: Tensor  # fp32 [M]: distinct, ascending; the AdaLN plan
+    timestep_indices: Tensor  # int64 [S]
+    token_tags: Tensor  # int64 [S]
+    position_ids: Tensor  # fp64 [S, 3]
+    video_indices: Tensor  # int64 [Nv]
+    audio_indices: Tensor  # int64 [2A]
+    text_indices: Tensor  # int64 [L]
+
+    def run(self, transformer: MiniMaxH3Transformer3DModel) -> tuple[Tensor, Tensor]:
+        """Call the module (so its hooks fire); returns the velocities ([Nv, patch_dim], [2A, Ca]), batch dropped."""
+        video, audio = transformer(
+            hidden_states=self.hidden_states,
+            audio_hidden_states=self.audio_hidden_states,
+            encoder_hidden_states=self.encoder_hidden_states,
+            timestep=self.timestep,
+            timestep_indices=self.timestep_indices,
+            token_tags=self.token_tags,
+            position_ids=self.position_ids,
+            video_indices=self.video_indices,
+            audio_indices=self.audio_indices,
+            text_indices=self.text_indices,
+            return_dict=False,
+        )
+        return video[0], audio[0]
+
+
+class Denoiser:
+    """One request's layout and schedule tensors on `device`; it holds no latents (they pass through its methods)."""
+
+    def __init__(
+        self,
+        geometry: VideoGeometry,
+        schedule: H3Schedule,
+        num_text_tokens: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.geometry = geometry
+        self.schedule = schedule
+        self.device = torch.device(device)
+        self.layout = PackedLayout.build(geometry, num_text_tokens, self.device)
+        self._plans = [step.timesteps.to(self.device) for step in schedule.steps]
+        self._video_sigmas = schedule.video_sigmas.to(self.device)
+        self._audio_sigmas = schedule.audio_sigmas.to(self.device)
+        self._video_timesteps = schedule.video_timesteps.to(self.device)
+        self._audio_timesteps = schedule.audio_timesteps.to(self.device)
+        # Only a few (video_index, audio_index) pairs occur (forward 0 has one plan row, the rest two).
+        self._timestep_indices: dict[tuple[int, int], Tensor] = {}
+
+    def initial_latents(self, seed: int) -> PackedLatents:
+        """Pure noise, drawn as the pipeline draws it: a CPU generator, video [C, F, H, W] first, then audio rows."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}]")
+        generator = torch.Generator("cpu").manual_seed(seed)
+        spec = self.geometry.spec
+        video = torch.randn(self.geometry.video_latent_shape, generator=generator, dtype=torch.float32)
+        audio = torch.randn(
+            (self.geometry.num_audio_rows, spec.audio_latent_channels), generator=generator, dtype=torch.float32
+        )
+        return PackedLatents(patchify_video(video, self.geometry).to(self.device), audio.to(self.device))
+
+    def transformer_inputs(self, i: int, latents: PackedLatents, text_embeds: Tensor) -> TransformerInputs:
+        """Forward i's inputs. `text_embeds` is [L, text_dim] on this device, as the prompt encoder returns it."""
+        plan = self.schedule.steps[self._check_step(i)]
+        if text_embeds.ndim != 2 or text_embeds.shape[0] != self.layout.num_text_tokens:
+            raise PackingError(
+                f"text_embeds of shape {tuple(text_embeds.shape)}; this request's layout has "
+                f"{self.layout.num_text_tokens} text rows ([L, text_dim])"
+            )
+        pair = (plan.video_index, plan.audio_index)
+        if pair not in self._timestep_indices:
+            self._timestep_indices[pair] = self.layout.timestep_indices(*pair)
+        return TransformerInputs(
+            hidden_states=latents.video[None],
+            audio_hidden_states=latents.audio[None],
+            encoder_hidden_states=text_embeds[None],
+            timestep=self._plans[i],
+            timestep_indices=self._timestep_indices[pair],
+            token_tags=self.layout.token_tags,
+            position_ids=self.layout.position_ids,
+            video_indices=self.layout.video_indices,
+            audio_indices=self.layout.audio_indices,
+            text_indices=self.layout.text_indices,
+        )
+
+    def step(self, i: int, latents: PackedLatents, velocity_video: Tensor, velocity_audio: Tensor) -> PackedLatents:
+        """Move both modalities from grid point i to i + 1 on their own sigma grids (fp32)."""
+        i = self._check_step(i)
+        pairs = (("velocity_video", velocity_video, latents.video), ("velocity_audio", velocity_audio, latents.audio))
+        for name, velocity, rows in pairs:
+            if velocity.shape != rows.shape:
+                raise PackingError(f"{name} of shape {tuple(velocity.shape)}; expected {tuple(rows.shape)}")
+        video = euler_update(
+            latents.video, velocity_video, self._video_timesteps[i], self._video_sigmas[i], self._video_sigmas[i + 1]
+        )
+        audio = euler_update(
+            latents.audio, velocity_audio, self._audio_timesteps[i], self._audio_sigmas[i], self._audio_sigmas[i + 1]
+        )
+        return PackedLatents(video, audio)
+
+    def finish(self, latents: PackedLatents) -> tuple[Tensor, Tensor]:
+        """(video latents [C, F, H, W] fp32, audio rows [2A, Ca] fp32 channel-major) for the decoders."""
+        return unpatchify_video(latents.video, self.geometry), latents.audio
+
+    def _check_step(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.schedule.num_forwards:
+            raise ValueError(f"step i={i!r} must be an integer in [0, {self.schedule.num_forwards})")
+        return i
+
+
+@torch.no_grad()
+def denoise(
+    transformer: MiniMaxH3Transformer3DModel,
+    text_embeds: Tensor,
+    geometry: VideoGeometry,
+    schedule: H3Schedule,
+    seed: int,
+) -> tuple[Tensor, Tensor]:
+    """The whole loop on `text_embeds.device`: (video latents [C, F, H, W], audio rows [2A, Ca]), both fp32."""
+    denoiser = Denoiser(geometry, schedule, text_embeds.shape[0], text_embeds.device)
+    latents = denoiser.initial_latents(seed)
+    for i in range(schedule.num_forwards):
+        velocity_video, velocity_audio = denoiser.transformer_inputs(i, latents, text_embeds).run(transformer)
+        latents = denoiser.step(i, latents, velocity_video, velocity_audio)
+    return denoiser.finish(latents)
