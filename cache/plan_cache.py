@@ -13,6 +13,11 @@ The engine calls, per request (both modes have the same interface, so it treats 
 and around a weight update: `provider.validate_weight_update_source(path)` before writing any weight,
 `provider.refresh_weight_derived_caches(path)` after.
 
+`model` is what the cache asks about the AdaLN projections (`model.adaln.AdalnModel`: shapes, unit names,
+the projection input, the resident projection): diffusers' `MiniMaxH3Transformer3DModel` (seen through
+`model.adaln.H3Adaln`) or, until it is deleted, the look-alike `model.dit.DiT`. `reader` locates the
+projections' bytes: a `model.weights.TransformerWeights` or a `model.checkpoint.CheckpointReader`.
+
 Not thread-safe: one engine thread drives a provider.
 """
 
@@ -25,15 +30,19 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from cache.config import AdalnConfig
 from cache.host_tier import HostTier, PageAllocator
 from cache.plan_key import PlanKey, check_plan, plan_key
 from cache.projection import prepare_weight, project, projection_guard
-from cache.rebuild import AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, resolve_adaln_units
+from cache.rebuild import (
+    AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, dit_adaln_unit_names, resolve_adaln_units,
+)
 from cache.slab import PlanSlab, SlabFullError
 from cache.streams import Streams
-from model.dit import Modulation
+from model.adaln import AdalnModel, H3Adaln, Modulation
+from model.dit import DiT
 
 __all__ = [
     "AdalnStats", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
@@ -101,27 +110,76 @@ class RemoteTier(Protocol):
     def publish(self, key: PlanKey, rows: PlanRows) -> None: ...
 
 
-def _adaln_input_fn(model_or_time_embed: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    fn = getattr(model_or_time_embed, "adaln_input", None)
-    if fn is None and callable(model_or_time_embed):
-        fn = model_or_time_embed
-    if fn is None:
-        raise TypeError("model_or_time_embed needs .adaln_input(timesteps) or must be callable(timesteps)")
-    return fn
+class _DiTAdaln:
+    """`AdalnModel` view of the look-alike `model.dit.DiT` (goes when the DiT goes)."""
+
+    def __init__(self, dit: DiT):
+        self.dit = dit
+        config = dit.config
+        self.num_blocks = config.num_blocks
+        self.time_embed_dim = config.time_embed_dim
+        self.adaln_width = config.adaln_width
+        self.final_adaln_width = config.final_adaln_width
+        self.torch_dtype = config.torch_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.dit.device
+
+    def adaln_input(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return self.dit.adaln_input(timesteps)
+
+    def resident_modulation(self, adaln_input: torch.Tensor) -> Modulation:
+        modulation = self.dit.resident_modulation(adaln_input)
+        return Modulation(blocks=modulation.blocks, final=modulation.final)
+
+    def resident_projections(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.dit.with_adaln:
+            raise RuntimeError("this DiT was built with with_adaln=False")
+        modules = [block.adaln_proj for block in self.dit.blocks] + [self.dit.final.adaln_proj]
+        return [(module.weight, module.bias) for module in modules]
+
+    def unit_names(self) -> list[tuple[str, int | None]]:
+        return dit_adaln_unit_names(self.num_blocks)
 
 
-def _open_checkpoint(path: str):
+def as_adaln_model(model: AdalnModel | nn.Module) -> AdalnModel:
+    """The cache's view of `model`: a `MiniMaxH3Transformer3DModel` (as `H3Adaln`), a look-alike DiT, or
+    something that already is an `AdalnModel`."""
+    if isinstance(model, DiT):
+        return _DiTAdaln(model)
+    if isinstance(model, nn.Module):
+        return H3Adaln(model)  # TypeError unless it is the H3 transformer
+    return model
+
+
+def _open_dit_checkpoint(path: str):
     from model.checkpoint import CheckpointReader  # lazy: only weight updates open new checkpoints
 
     return CheckpointReader(path)
 
 
-def _check_update_source(path: str | os.PathLike, dit_config: Any,
+def _open_h3_transformer(path: str):
+    """The FL2VA transformer of the H3 checkpoint at `path` (any layout `model.layout.H3Checkpoint` opens).
+    Serving another partition: pass `reader_factory`."""
+    from model.layout import H3Checkpoint  # lazy, as above
+    from model.weights import TransformerWeights
+
+    checkpoint = H3Checkpoint.open(path)
+    return TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
+
+
+def _default_reader_factory(model: AdalnModel) -> Callable[[str], Any]:
+    """How a weight update's directory is opened, for the kind of model served."""
+    return _open_dit_checkpoint if isinstance(model, _DiTAdaln) else _open_h3_transformer
+
+
+def _check_update_source(path: str | os.PathLike, model: AdalnModel,
                          reader_factory: Callable[[str], Any]) -> Any:
-    """Open `path` and check its adaln tensors against `dit_config`; the reader, or WeightUpdateError."""
+    """Open `path` and check its adaln tensors against `model`'s; the reader, or WeightUpdateError."""
     try:
         reader = reader_factory(os.fspath(path))
-        resolve_adaln_units(reader, dit_config)
+        resolve_adaln_units(reader, model, model.unit_names())
     except (RebuildError, ValueError, OSError, KeyError) as e:
         raise WeightUpdateError(f"rejected weight update from {os.fspath(path)!r}: {e}") from e
     return reader
@@ -185,10 +243,11 @@ class PlanCache:
     """Online AdaLN: plans from the GPU slab, else the pinned host tier, else the remote seam, else one
     streaming rebuild pass over the checkpoint for all of the request's missing plans.
 
-    `PlanCache(config, checkpoint_reader, model_or_time_embed, device)`: `checkpoint_reader` is a
-    `model.checkpoint.CheckpointReader` (or anything with `.config`, `.location(name)`, `.fingerprint`);
-    `model_or_time_embed` gives `adaln_input(timesteps fp32 [M]) -> [M, time_embed_dim]` on `device` (a
-    DiT built with or without adaln, or a callable).
+    `PlanCache(config, checkpoint_reader, model, device)`: `checkpoint_reader` has `.location(name)` and
+    `.fingerprint` (`model.weights.TransformerWeights`, `model.checkpoint.CheckpointReader`); `model` (see
+    `as_adaln_model`; built with or without its AdaLN weights) gives the slab's shapes, the unit names and
+    `adaln_input(timesteps fp32 [M]) -> [M, time_embed_dim]`. `reader_factory(path)` opens a weight update's
+    directory (default: as the served model's checkpoints are laid out).
 
     Invariants: a plan is visible only after every block and the final layer were written (slots commit
     after the rebuild/H2D); a plan held by an in-flight request is never evicted (slot refcounts); a failed
@@ -196,29 +255,29 @@ class PlanCache:
     weight refresh bumps, so no request can see a plan built from old weights.
     """
 
-    def __init__(self, config: AdalnConfig, checkpoint_reader: Any, model_or_time_embed: Any,
-                 device: torch.device | str, *, dit_config: Any = None, remote: RemoteTier | None = None,
-                 reader_factory: Callable[[str], Any] = _open_checkpoint,
+    def __init__(self, config: AdalnConfig, checkpoint_reader: Any, model: AdalnModel | nn.Module,
+                 device: torch.device | str, *, remote: RemoteTier | None = None,
+                 reader_factory: Callable[[str], Any] | None = None,
                  streams: Streams | None = None, host_allocator: PageAllocator | None = None):
         if config.mode != "online":
             raise ValueError("PlanCache serves adaln.mode=online; use ResidentModulation for resident")
         self.config = config
         self.device = torch.device(device)
         self.reader = checkpoint_reader
-        self.dit_config = dit_config if dit_config is not None else checkpoint_reader.config
-        self._adaln_input = _adaln_input_fn(model_or_time_embed)
-        self._reader_factory = reader_factory
+        self.model = as_adaln_model(model)
+        self._adaln_input = self.model.adaln_input
+        self._reader_factory = reader_factory or _default_reader_factory(self.model)
         self.remote = remote
         self.streams = streams if streams is not None else Streams(self.device)
-        cfg = self.dit_config
+        dims = self.model  # the slab and host pages are shaped like the served model's projections
         self.slab = PlanSlab(
-            num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=cfg.num_blocks,
-            adaln_width=cfg.adaln_width, final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype,
+            num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=dims.num_blocks,
+            adaln_width=dims.adaln_width, final_width=dims.final_adaln_width, dtype=dims.torch_dtype,
             device=self.device,
         )
         self.host = HostTier(
-            capacity_bytes=config.host_cache_bytes, num_blocks=cfg.num_blocks, adaln_width=cfg.adaln_width,
-            final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype, streams=self.streams,
+            capacity_bytes=config.host_cache_bytes, num_blocks=dims.num_blocks, adaln_width=dims.adaln_width,
+            final_width=dims.final_adaln_width, dtype=dims.torch_dtype, streams=self.streams,
             allocator=host_allocator,
         )
         self.rebuilder = AdalnRebuilder(
@@ -246,13 +305,13 @@ class PlanCache:
                 "without a source path would pair new weights with old plans; update from a checkpoint "
                 "directory or serve with adaln.mode=resident"
             )
-        _check_update_source(path, self.dit_config, self._reader_factory)
+        _check_update_source(path, self.model, self._reader_factory)
 
     def refresh_weight_derived_caches(self, path: str | os.PathLike | None) -> None:
         """After an update from `path`: read plans from there, drop every tier, bump `weights_version`."""
         if path is None:
             self.validate_weight_update_source(path)  # raises: the cache would serve stale plans
-        self.reader = _check_update_source(path, self.dit_config, self._reader_factory)
+        self.reader = _check_update_source(path, self.model, self._reader_factory)
         self.invalidate()
         self._generation += 1
 
@@ -434,7 +493,8 @@ class PlanCache:
 
     def _rebuild(self, jobs: list[tuple[PlanKey, torch.Tensor, int]]):
         if self._units is None:
-            self._units = resolve_adaln_units(self.reader, self.dit_config)  # checks before any GPU work
+            # Checks every tensor before any GPU work.
+            self._units = resolve_adaln_units(self.reader, self.model, self.model.unit_names())
         targets = []
         for _, timesteps, first_row in jobs:
             # [M, time_embed_dim] with the same M as resident (the model may live elsewhere under offload).
@@ -478,19 +538,22 @@ class ResidentPlans:
 
 class ResidentModulation:
     """adaln.mode=resident with the `PlanCache` interface: every step projects through the model's own
-    `adaln_proj` weights (nothing cached). `projection=match` calls `model.resident_modulation`;
+    AdaLN weights (nothing cached). `projection=match` calls the model's `resident_modulation`;
     `projection=fp32` projects through `cache.projection.project` in fp32, exactly as the online rebuild
     does with that setting, so the two modes stay bit-equal under either setting."""
 
-    def __init__(self, config: AdalnConfig, model: Any, device: torch.device | str | None = None, *,
-                 reader_factory: Callable[[str], Any] = _open_checkpoint):
-        if not getattr(model, "with_adaln", True):
-            raise ValueError("adaln.mode=resident needs a DiT built with with_adaln=True")
+    def __init__(self, config: AdalnConfig, model: AdalnModel | nn.Module, device: torch.device | str | None = None,
+                 *, reader_factory: Callable[[str], Any] | None = None):
+        self.model = as_adaln_model(model)
+        try:
+            projections = self.model.resident_projections()
+        except RuntimeError as e:
+            raise ValueError(f"adaln.mode=resident needs the model's AdaLN weights: {e}") from e
+        if any(weight.is_meta or bias.is_meta for weight, bias in projections):
+            raise ValueError("adaln.mode=resident needs the model's AdaLN weights: they are on meta")
         self.config = config
-        self.model = model
-        self.device = torch.device(device) if device is not None else model.device
-        self.dit_config = model.config
-        self._reader_factory = reader_factory
+        self.device = torch.device(device) if device is not None else self.model.device
+        self._reader_factory = reader_factory or _default_reader_factory(self.model)
         self._generation = 0
         self.stats = AdalnStats()
 
@@ -513,20 +576,19 @@ class ResidentModulation:
         projection = self.config.projection
         if projection == "match":
             return self.model.resident_modulation(adaln_input)
-        dtype = self.dit_config.torch_dtype
+        dtype = self.model.torch_dtype
         with projection_guard(projection):
-            def one(module):
-                w, b = prepare_weight(module.weight, module.bias, projection)
-                return project(adaln_input, w, b, projection, dtype)
-
-            blocks = torch.stack([one(block.adaln_proj) for block in self.model.blocks])
-            return Modulation(blocks=blocks, final=one(self.model.final.adaln_proj))
+            rows = []
+            for weight, bias in self.model.resident_projections():  # blocks, then the final layer
+                w, b = prepare_weight(weight, bias, projection)
+                rows.append(project(adaln_input, w, b, projection, dtype))
+            return Modulation(blocks=torch.stack(rows[:-1]), final=rows[-1])
 
     def validate_weight_update_source(self, path: str | os.PathLike | None) -> None:
         """Resident weights are read from the model itself, so tensor updates (path None) are fine; a
         directory must still carry well-shaped adaln tensors."""
         if path is not None:
-            _check_update_source(path, self.dit_config, self._reader_factory)
+            _check_update_source(path, self.model, self._reader_factory)
 
     def refresh_weight_derived_caches(self, path: str | os.PathLike | None) -> None:
         self.invalidate()
@@ -539,9 +601,9 @@ class ResidentModulation:
         pass
 
 
-def make_adaln_provider(config: AdalnConfig, model: Any, checkpoint_reader: Any,
+def make_adaln_provider(config: AdalnConfig, model: AdalnModel | nn.Module, checkpoint_reader: Any,
                         device: torch.device | str, **kwargs) -> PlanCache | ResidentModulation:
-    """The provider for `config.mode`: the engine builds the DiT with `with_adaln=(mode == "resident")`."""
+    """The provider for `config.mode`: the engine loads the model's AdaLN weights only for resident mode."""
     if config.mode == "resident":
         return ResidentModulation(config, model, device, **kwargs)
     return PlanCache(config, checkpoint_reader, model, device, **kwargs)

@@ -30,13 +30,16 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from cache.host_memory import PinOwner, pinned_empty
 from cache.projection import Projection, prepare_weight, project, projection_guard
 from cache.streams import Event, Streams
+
+if TYPE_CHECKING:  # model.adaln is only needed for types here (the ingress imports this module for RebuildError)
+    from model.adaln import AdalnDims
 
 _ALIGN = 4096
 _MIN_CHUNK = 1 << 20
@@ -68,7 +71,7 @@ class Span:
 
 @dataclass(frozen=True)
 class AdalnUnit:
-    """One projection to stream: `blocks.{i}.adaln_proj` or `final.adaln_proj`."""
+    """One projection to stream: a block's (`block` = its index) or the final layer's (`block` None)."""
 
     name: str
     block: int | None  # None for the final layer
@@ -85,20 +88,26 @@ class AdalnUnit:
         return _align(self.weight.nbytes) + _ALIGN + self.bias.nbytes
 
 
-def adaln_unit_names(num_blocks: int) -> list[tuple[str, int | None]]:
-    """(module name, block index or None) of every AdaLN projection, in streaming order."""
+def dit_adaln_unit_names(num_blocks: int) -> list[tuple[str, int | None]]:
+    """(module name, block index or None) of every AdaLN projection of the look-alike `model.dit.DiT`, in
+    streaming order. The real transformer's are `model.weights.adaln_unit_names`."""
     return [(f"blocks.{i}.adaln_proj", i) for i in range(num_blocks)] + [("final.adaln_proj", None)]
 
 
-def resolve_adaln_units(reader: Any, dit_config: Any) -> list[AdalnUnit]:
-    """Locate and check every adaln tensor of `reader` against `dit_config` before any byte is read.
+def resolve_adaln_units(reader: Any, dims: AdalnDims,
+                        unit_names: Sequence[tuple[str, int | None]] | None = None) -> list[AdalnUnit]:
+    """Locate and check every adaln tensor of `reader` against `dims` before any byte is read.
 
+    `unit_names`: (module name, block index or None) per projection, blocks first (`AdalnModel.unit_names()`);
+    the tensors are `{name}.weight` and `{name}.bias`. None: the look-alike DiT's names.
     Raises `RebuildError` naming the first missing tensor or wrong shape/dtype (and the file, when known).
     """
     units = []
-    in_dim = dit_config.time_embed_dim
-    for name, block in adaln_unit_names(dit_config.num_blocks):
-        width = dit_config.adaln_width if block is not None else dit_config.final_adaln_width
+    in_dim = dims.time_embed_dim
+    if unit_names is None:
+        unit_names = dit_adaln_unit_names(dims.num_blocks)
+    for name, block in unit_names:
+        width = dims.adaln_width if block is not None else dims.final_adaln_width
         spans = {}
         for part, shape in (("weight", (width, in_dim)), ("bias", (width,))):
             tensor_name = f"{name}.{part}"
@@ -108,10 +117,10 @@ def resolve_adaln_units(reader: Any, dit_config: Any) -> list[AdalnUnit]:
                 raise
             except (KeyError, ValueError, OSError) as e:
                 raise RebuildError(f"checkpoint has no usable tensor {tensor_name!r}: {e}") from e
-            if span.shape != shape or span.dtype != dit_config.torch_dtype:
+            if span.shape != shape or span.dtype != dims.torch_dtype:
                 raise RebuildError(
                     f"{tensor_name} in {span.path} is {span.dtype} {list(span.shape)}, expected "
-                    f"{dit_config.torch_dtype} {list(shape)}"
+                    f"{dims.torch_dtype} {list(shape)}"
                 )
             if span.nbytes != math.prod(shape) * span.dtype.itemsize:
                 raise RebuildError(f"{tensor_name} in {span.path}: {span.nbytes} bytes for shape {list(shape)}")

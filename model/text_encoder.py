@@ -1,0 +1,309 @@
+"""Prompt -> MiniMax-H3 text conditioning: Qwen3-VL `hidden_states[50]`, and an LRU cache of the results.
+
+What the reference pipeline feeds the transformer for t2va (diffusers `MiniMaxH3TextEncoderStep` and
+`get_qwen3vl_prompt_embeds`): the prompt tokenized verbatim (`add_special_tokens=False`: no chat template, no
+special tokens, no padding, no truncation), one Qwen3-VL forward with an all-ones attention mask, and
+`hidden_states[50]`: the output of decoder layer 49, before the final norm, in the text encoder's dtype.
+
+`PromptEncoder` loads only what feeds that: the token embedding and decoder layers 0..49 of the language model,
+about 50.3 GB of the 67 GB text encoder in bfloat16 (the vision tower, layers 50.., the final norm and the LM head
+are never read; vllm-omni's 51.5 GB also keeps the vision tower, which text-only prompts do not use). With the
+stack cut to 50 layers, the pre-norm output of its last layer is exactly `hidden_states[50]` of the full model,
+so the final norm is replaced by an identity instead of collecting every hidden state.
+Tensors go straight from the safetensors files to `device` in their stored dtype (bfloat16 in the release).
+
+Text-only prompts carry no vision tokens, so Qwen3-VL's multimodal rotary layout reduces to plain positions
+0..L-1 on all three axes; the language model computes exactly that when given no position ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLTextConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+#: MiniMax-H3 conditions on hidden_states[50] of its Qwen3-VL (diffusers `text_encoder_layer`).
+H3_HIDDEN_STATE_INDEX = 50
+#: Where a Qwen3VLForConditionalGeneration checkpoint keeps its language model's tensors.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class PromptError(ValueError):
+    """A prompt the encoder cannot condition on; the message names the value and the limit."""
+
+
+class EmptyPromptError(PromptError):
+    pass
+
+
+class PromptTooLongError(PromptError):
+    pass
+
+
+class TextEncoderLoadError(ValueError):
+    """A text encoder or tokenizer directory that cannot be loaded; the message names the path and the problem."""
+
+
+class PromptEncoding(Protocol):
+    """What `PromptEmbeddingCache.get_or_encode` needs from an encoder."""
+
+    @property
+    def identity(self) -> str: ...
+
+    def encode(self, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor: ...
+
+
+class PromptEncoder:
+    """Qwen3-VL truncated to the layers feeding `hidden_states[hidden_state_index]`, on one device.
+
+    `encode(prompt)` -> [num_tokens, text_dim] in the checkpoint's dtype on `device`. `identity` is a 16-hex
+    fingerprint of the weight files (path, size, mtime, header), the tokenizer files and the layer index (no
+    tensor data is read), so caches keyed by it never mix encoders.
+    """
+
+    def __init__(self, text_encoder_dir: str | Path, tokenizer_dir: str | Path, device: torch.device | str, *,
+                 hidden_state_index: int = H3_HIDDEN_STATE_INDEX) -> None:
+        self.text_encoder_dir, self.tokenizer_dir = Path(text_encoder_dir), Path(tokenizer_dir)
+        self.device = torch.device(device)
+        self.hidden_state_index = hidden_state_index
+        self.tokenizer = _load_tokenizer(self.tokenizer_dir)
+        text_config = _truncated_text_config(self.text_encoder_dir, hidden_state_index)
+        self.text_dim: int = text_config.hidden_size
+        weight_files = _weight_files(self.text_encoder_dir)
+        self._model = _load_truncated_language_model(text_config, weight_files, self.device)
+        self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model.embed_tokens.weight.dtype
+
+    @property
+    def num_loaded_layers(self) -> int:
+        """Decoder layers held in memory (= hidden_state_index; the rest of the checkpoint is never read)."""
+        return len(self._model.layers)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """The prompt's token ids, verbatim as the reference tokenizes it. Raises EmptyPromptError on 0 tokens."""
+        if not isinstance(prompt, str):
+            raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
+        token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not token_ids:
+            raise EmptyPromptError(f"prompt {prompt!r} has no tokens: the text encoder needs at least 1")
+        return token_ids
+
+    def count_tokens(self, prompt: str) -> int:
+        """How many rows `encode(prompt)` returns (for enforcing a maximum before encoding)."""
+        return len(self.tokenize(prompt))
+
+    @torch.inference_mode()
+    def encode(self, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor:
+        """[num_tokens, text_dim]: the hidden state after decoder layer `hidden_state_index - 1`, pre-norm."""
+        token_ids = self.tokenize(prompt)
+        _check_token_count(len(token_ids), max_tokens)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        output = self._model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+        return output.last_hidden_state[0]
+
+
+def _check_token_count(num_tokens: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and num_tokens > max_tokens:
+        raise PromptTooLongError(f"prompt has {num_tokens} tokens, more than the limit of {max_tokens}")
+
+
+# --- Loading ------------------------------------------------------------------------------------------------
+
+
+def _load_tokenizer(tokenizer_dir: Path) -> Qwen2TokenizerFast:
+    if not tokenizer_dir.is_dir():
+        raise TextEncoderLoadError(f"tokenizer directory {tokenizer_dir} does not exist")
+    try:
+        return Qwen2TokenizerFast.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        raise TextEncoderLoadError(f"cannot load a Qwen2 tokenizer from {tokenizer_dir}: {e}") from None
+
+
+def _truncated_text_config(text_encoder_dir: Path, hidden_state_index: int) -> Qwen3VLTextConfig:
+    """The language model's config with only the `hidden_state_index` layers that feed the state read."""
+    if not (text_encoder_dir / "config.json").is_file():
+        raise TextEncoderLoadError(f"{text_encoder_dir / 'config.json'} is missing")
+    text_config = Qwen3VLConfig.from_pretrained(text_encoder_dir).text_config
+    num_layers = text_config.num_hidden_layers
+    # hidden_states[num_layers] is the final, normed state, not a layer output; MiniMax-H3 reads a layer output.
+    if not 1 <= hidden_state_index < num_layers:
+        raise TextEncoderLoadError(
+            f"hidden_state_index {hidden_state_index} is out of range for {text_encoder_dir}: its text model has "
+            f"{num_layers} decoder layers, so the index must be in 1..{num_layers - 1}")
+    return Qwen3VLTextConfig.from_dict({**text_config.to_dict(), "num_hidden_layers": hidden_state_index})
+
+
+def _weight_files(text_encoder_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (sharded with an index, or a single file)."""
+    index_path = text_encoder_dir / SAFETENSORS_INDEX
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return {name: text_encoder_dir / file for name, file in weight_map.items()}
+    files = sorted(text_encoder_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        raise TextEncoderLoadError(f"{text_encoder_dir} has no {SAFETENSORS_INDEX} and {len(files)} safetensors "
+                                   f"files; expected an index or exactly one file")
+    with safe_open(files[0], framework="pt") as handle:
+        return {name: files[0] for name in handle.keys()}
+
+
+def _load_truncated_language_model(text_config: Qwen3VLTextConfig, weight_files: dict[str, Path],
+                                   device: torch.device) -> Qwen3VLTextModel:
+    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed for real
+        model = Qwen3VLTextModel(text_config)
+    model.norm = torch.nn.Identity()  # the state read is pre-norm (see the module docstring)
+    wanted = set(model.state_dict())
+    by_file: dict[Path, list[str]] = {}
+    for stored_name, path in weight_files.items():
+        if stored_name.startswith(LANGUAGE_MODEL_PREFIX) and stored_name[len(LANGUAGE_MODEL_PREFIX):] in wanted:
+            by_file.setdefault(path, []).append(stored_name)
+    state: dict[str, torch.Tensor] = {}
+    for path, stored_names in sorted(by_file.items()):
+        with safe_open(path, framework="pt", device=str(device)) as handle:
+            for stored_name in stored_names:
+                state[stored_name[len(LANGUAGE_MODEL_PREFIX):]] = handle.get_tensor(stored_name)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise TextEncoderLoadError(f"text encoder weights lack {len(missing)} of the tensors needed (under "
+                                   f"{LANGUAGE_MODEL_PREFIX!r}), e.g. {missing[:3]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _fingerprint(text_encoder_dir: Path, weight_files: dict[str, Path], tokenizer_dir: Path,
+                 hidden_state_index: int) -> str:
+    """Which weight files (path, size, modification time, header), which tokenizer (bytes), which layer.
+
+    Hashing 67 GB of tensor data is too slow for a cache key, so a weight file counts as changed when it is
+    replaced (new mtime or size) or lives at another path; the same bytes at two paths are two encoders.
+    """
+    digest = hashlib.sha256(f"hidden_states[{hidden_state_index}]".encode())
+    digest.update((text_encoder_dir / "config.json").read_bytes())
+    for path in sorted(set(weight_files.values())):
+        stat = path.stat()
+        digest.update(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        digest.update(_safetensors_header(path))
+    for path in sorted(p for p in tokenizer_dir.iterdir() if p.is_file()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets), without the tensor data."""
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return handle.read(length)
+
+
+# --- Cache --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    encoder_identity: str
+    prompt: str
+
+
+@dataclass(frozen=True)
+class PromptCacheStats:
+    hits: int
+    misses: int
+    evictions: int
+    entries: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+class PromptEmbeddingCache:
+    """Prompt embeddings by (encoder identity, prompt), least recently used evicted first, bounded by bytes.
+
+    Invariants (checked after every change): used_bytes == the sum of the entries' bytes <= capacity_bytes.
+    An embedding larger than the whole capacity is returned but not kept. Entries are the encoder's own
+    tensors (not copies): callers must not modify them in place. Thread-safe; two concurrent misses on one
+    prompt both encode and the second insert wins.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[PromptKey, torch.Tensor] = OrderedDict()  # least recently used first
+        self._used_bytes = 0
+        self._hits = self._misses = self._evictions = 0
+        self._lock = threading.Lock()
+
+    def lookup(self, key: PromptKey) -> torch.Tensor | None:
+        """The cached embedding (now the most recently used), or None; counts a hit or a miss."""
+        with self._lock:
+            embedding = self._entries.get(key)
+            if embedding is None:
+                self._misses += 1
+                return None
+            self._hits += 1
+            self._entries.move_to_end(key)
+            return embedding
+
+    def insert(self, key: PromptKey, embedding: torch.Tensor) -> bool:
+        """Keep `embedding` under `key`, evicting least recently used entries to make room; False if it is
+        larger than the capacity (then nothing is evicted)."""
+        size = embedding.numel() * embedding.element_size()
+        with self._lock:
+            if size > self.capacity_bytes:
+                return False
+            previous = self._entries.pop(key, None)
+            if previous is not None:
+                self._used_bytes -= previous.numel() * previous.element_size()
+            while self._used_bytes + size > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._used_bytes -= evicted.numel() * evicted.element_size()
+                self._evictions += 1
+            self._entries[key] = embedding
+            self._used_bytes += size
+            self._check()
+            return True
+
+    def get_or_encode(self, encoder: PromptEncoding, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor:
+        """The cached embedding of `prompt` by `encoder`, encoding (and caching) it on a miss. `max_tokens` is
+        enforced on hits too."""
+        key = PromptKey(encoder.identity, prompt)
+        embedding = self.lookup(key)
+        if embedding is None:
+            embedding = encoder.encode(prompt, max_tokens=max_tokens)
+            self.insert(key, embedding)
+        else:
+            _check_token_count(embedding.shape[0], max_tokens)
+        return embedding
+
+    def stats(self) -> PromptCacheStats:
+        with self._lock:
+            return PromptCacheStats(hits=self._hits, misses=self._misses, evictions=self._evictions,
+                                    entries=len(self._entries), used_bytes=self._used_bytes,
+                                    capacity_bytes=self.capacity_bytes)
+
+    def clear(self) -> None:
+        """Drop every entry (the hit/miss/eviction counters are kept)."""
+        with self._lock:
+            self._entries.clear()
+            self._used_bytes = 0
+
+    def _check(self) -> None:
+        total = sum(e.numel() * e.element_size() for e in self._entries.values())
+        if total != self._used_bytes or self._used_bytes > self.capacity_bytes:
+            raise AssertionError(f"prompt cache bookkeeping broken: used_bytes {self._used_bytes}, entries hold "
+                                 f"{total}, capacity {self.capacity_bytes}")
