@@ -1,18 +1,22 @@
-"""cache-dit's DBCache on the DiT, through the real library. The only module that imports cache_dit
-(lazily: `CacheDitConfig` is importable without cache-dit, diffusers or transformers installed).
+"""cache-dit's DBCache on a DiT's block stack, through the real library. The only module that imports
+cache_dit (lazily: `CacheDitConfig` is importable without cache-dit, diffusers or transformers installed).
 
-What the DiT must provide (model/dit.py does):
+What the model must provide (diffusers' `MiniMaxH3Transformer3DModel` and ditserve's old `model/dit.py` do):
 
-- `blocks: nn.ModuleList`, each block `forward(hidden_states, *, ctx) -> hidden_states`
-  (`ForwardPattern.Pattern_3`: hidden states in, hidden states out; cache-dit passes `ctx=` through
-  untouched). No op may write into `hidden_states` in place: DBCache diffs a block's input against its
-  output, an in-place write makes the residual 0/0 and silently disables caching.
-- a forward that runs the blocks as `for block in self.blocks: h = block(h, ctx=ctx)`. During forward
-  cache-dit temporarily replaces the attribute `blocks` by a one-element ModuleList holding its
-  `CachedBlocks`, so the loop must read the attribute (no `self.blocks[i]`, no `len(self.blocks)`, no
-  reference to the list kept from `__init__`).
-- any forward signature: cache-dit wraps `forward(*args, **kwargs)` as is; ours is
-  `(video, audio, text_states, step, modulation)`.
+- its block stack as a direct child `nn.ModuleList` named `transformer_blocks` (diffusers) or `blocks`
+  (`find_block_stack`; pass a `BlockStack` to `CacheDit` to name another).
+- blocks of cache-dit's `ForwardPattern.Pattern_3`: `forward(hidden_states, ...) -> hidden_states`, any
+  other arguments positional (H3: `temb, adaln_indices, rotary_emb`) or keyword (the old DiT: `ctx=`);
+  cache-dit passes them through untouched. The pattern is read from the block's signature and return
+  annotation, never assumed. No op may write into `hidden_states` in place: DBCache diffs a block's input
+  against its output, an in-place write makes the residual 0/0 and silently disables caching.
+- a forward that runs the blocks as `for block in self.<attr>: h = block(h, ...)`. During forward cache-dit
+  temporarily replaces that attribute by a one-element ModuleList holding its `CachedBlocks`, so the loop
+  must read the attribute (no `self.blocks[i]`, no `len(self.blocks)`, no list kept from `__init__`).
+- any forward signature: cache-dit wraps `forward(*args, **kwargs)` as is.
+
+cache-dit 1.5.3's registry of predefined block adapters has no entry for MiniMax-H3, so the adapter is
+built here from the `BlockStack`.
 
 Per request: `CacheDit.refresh(num_inference_steps, overrides)` rebuilds cache-dit's context (buffers,
 step counters, cached steps, TaylorSeer state), so nothing leaks from one request into the next; per
@@ -21,7 +25,9 @@ step, `predict_middle()` tells the offloader whether the middle blocks will sure
 
 from __future__ import annotations
 
+import inspect
 import logging
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -31,6 +37,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 logger = logging.getLogger(__name__)
+
+#: Where a model keeps its DiT block stack, in lookup order: diffusers' transformers, then ditserve's DiT.
+BLOCK_STACK_ATTRS: tuple[str, ...] = ("transformer_blocks", "blocks")
+
+#: cache-dit forward patterns this adapter serves (hidden states in, hidden states out).
+ForwardPatternName = Literal["Pattern_3"]
 
 StepsMaskPolicy = Literal["slow", "medium", "fast", "ultra"]
 
@@ -181,33 +193,94 @@ class CacheDitStats:
         return len(self.cached_steps)
 
 
+class BlockStackError(ValueError):
+    """The model has no block stack DBCache can wrap (the message names the model, block and reason)."""
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """The block list DBCache wraps, the model attribute holding it and how its blocks are called."""
+
+    attr: str  # cache-dit swaps `model.<attr>` for its CachedBlocks during forward
+    blocks: "nn.ModuleList"
+    forward_pattern: ForwardPatternName
+
+
+def block_forward_pattern(block: "nn.Module") -> ForwardPatternName:
+    """cache-dit's forward pattern of `block`, read from its forward's signature and return annotation.
+
+    Pattern_3: the first parameter is `hidden_states`, there is no `encoder_hidden_states` (a dual-stream
+    block, Patterns 0-2), and the return annotation is a single tensor (a tuple would be Pattern 4/5).
+    """
+    import torch
+
+    forward = type(block).forward
+    name = type(block).__name__
+    params = list(inspect.signature(forward).parameters.values())[1:]  # drop self
+    if not params or params[0].name != "hidden_states" or params[0].kind not in (
+            inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        raise BlockStackError(f"{name}.forward must take hidden_states as its first positional argument, "
+                              f"got {[p.name for p in params]}")
+    if any(p.name == "encoder_hidden_states" for p in params):
+        raise BlockStackError(f"{name}.forward takes encoder_hidden_states (a dual-stream block); "
+                              "only hidden-states-only blocks (cache-dit Pattern_3) are served")
+    try:
+        returns = typing.get_type_hints(forward).get("return")
+    except (NameError, TypeError) as exc:  # an annotation naming something the block's module cannot resolve
+        raise BlockStackError(f"{name}.forward's annotations do not resolve ({exc}); "
+                              "cannot tell its forward pattern") from None
+    if returns is not torch.Tensor:
+        raise BlockStackError(f"{name}.forward must be annotated to return torch.Tensor (hidden_states only, "
+                              f"cache-dit Pattern_3), got {returns!r}")
+    return "Pattern_3"
+
+
+def find_block_stack(model: "nn.Module") -> BlockStack:
+    """The model's block stack: its first direct child named in `BLOCK_STACK_ATTRS` that is a non-empty
+    `nn.ModuleList` of blocks of one class, with their forward pattern."""
+    from torch import nn
+
+    for attr in BLOCK_STACK_ATTRS:
+        blocks = model._modules.get(attr)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            break
+    else:
+        raise BlockStackError(f"{type(model).__name__} has no block stack: expected a non-empty nn.ModuleList "
+                              f"child named one of {BLOCK_STACK_ATTRS}")
+    classes = sorted({type(b).__name__ for b in blocks})
+    if len(classes) != 1:
+        raise BlockStackError(f"{type(model).__name__}.{attr} mixes block classes {classes}; DBCache needs one")
+    return BlockStack(attr=attr, blocks=blocks, forward_pattern=block_forward_pattern(blocks[0]))
+
+
 class CacheDit:
-    """DBCache applied to `model.<blocks_attr>` with cache-dit's BlockAdapter (ForwardPattern.Pattern_3).
+    """DBCache applied to the model's block stack (`find_block_stack(model)` unless `stack` is given)
+    with cache-dit's BlockAdapter and the stack's forward pattern.
 
     The server config is applied at construction (validated against the block count); `refresh` must be
     called before every request. A request may switch caching off (`enabled=False`): cache-dit then
     stays wrapped but computes every step (threshold 0, no warmup, no mask).
     """
 
-    def __init__(self, model: "nn.Module", config: CacheDitConfig, *, blocks_attr: str = "blocks"):
+    def __init__(self, model: "nn.Module", config: CacheDitConfig, *, stack: BlockStack | None = None):
         import cache_dit
 
-        blocks = getattr(model, blocks_attr, None)
-        from torch import nn
-
-        if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"model.{blocks_attr} must be an nn.ModuleList of blocks")
-        config.check_num_blocks(len(blocks))
+        stack = stack if stack is not None else find_block_stack(model)
+        if model._modules.get(stack.attr) is not stack.blocks:
+            raise BlockStackError(f"{type(model).__name__}.{stack.attr} is not the stack's block list; "
+                                  "cache-dit swaps that attribute during forward")
+        config.check_num_blocks(len(stack.blocks))
         self.model = model
         self.config = config
-        self.num_blocks = len(blocks)
+        self.stack = stack
+        self.num_blocks = len(stack.blocks)
         self.effective = config
         self.num_inference_steps = 0
         adapter = cache_dit.BlockAdapter(
             transformer=model,
-            blocks=blocks,
-            blocks_name=blocks_attr,
-            forward_pattern=cache_dit.ForwardPattern.Pattern_3,
+            blocks=stack.blocks,
+            blocks_name=stack.attr,
+            forward_pattern=cache_dit.ForwardPattern[stack.forward_pattern],
             check_forward_pattern=True,
         )
         cache_config, calibrator = self._cache_dit_configs(config, None)
@@ -343,4 +416,14 @@ class CacheDit:
         return self.model._context_manager.get_context(self._names[0])
 
 
-__all__ = ["CacheDit", "CacheDitConfig", "CacheDitOverrides", "CacheDitStats"]
+__all__ = [
+    "BLOCK_STACK_ATTRS",
+    "BlockStack",
+    "BlockStackError",
+    "CacheDit",
+    "CacheDitConfig",
+    "CacheDitOverrides",
+    "CacheDitStats",
+    "block_forward_pattern",
+    "find_block_stack",
+]

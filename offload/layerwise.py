@@ -19,7 +19,16 @@ them, then the last Bn blocks):
   `cache.cache_dit.CacheDit.predict_middle`) or the first middle block's pre-forward hook fires (the
   residual check missed). A cached step therefore copies no weights at all.
 
+Blocks are called with any arguments (the hooks never read them): the diffusers MiniMax-H3 block
+`(hidden_states, temb, adaln_indices, rotary_emb)` positionally, the old DiT's `(hidden_states, ctx=)`.
+Block tensors named by `resident_tensors` (H3: `adaln_proj`, whose projection also serves the AdaLN plan
+cache) are moved to the device once like the model's other weights; a block whose `adaln_proj` holds no
+tensors (AdaLN served from the plan cache) simply has nothing there to keep. Every tensor must be loaded
+(not meta) and every submodule replacement done before `apply`.
+
 Invariants (checked by `check_invariants`):
+- every streamed tensor belongs to a submodule still in its block (replacing one after `apply` would
+  leave its old weights streamed);
 - a block holds real device weights iff its state is not OFF; otherwise every tensor is a placeholder;
 - resident blocks are never OFF after `apply`;
 - `device_bytes` equals the bytes of the blocks that are not OFF.
@@ -255,6 +264,7 @@ class LayerwiseOffloader:
         for i, block in enumerate(self.blocks):
             if getattr(block, HOOK_NAME, None) is not None:
                 raise RuntimeError(f"block {i} already carries the {HOOK_NAME!r} hooks; remove() them first")
+        self._check_materialised()
         per_block = [_block_tensors(b, self.config.resident_tensors) for b in self.blocks]
         owner: dict[int, int] = {}
         for i, (tensors, _) in enumerate(per_block):
@@ -307,6 +317,25 @@ class LayerwiseOffloader:
             e.state, e.flat = _State.OFF, None
         self.device_bytes = 0
         self._applied = False
+
+    def _check_materialised(self) -> None:
+        """ValueError naming the tensors still on the meta device: a loader may leave some there (e.g. AdaLN
+        projections served from the plan cache) for the caller to replace, which must happen before `apply`,
+        since neither a host buffer nor a resident copy can be made of a meta tensor."""
+        named: dict[int, tuple[str, nn.Module]] = {}  # by module: its name (the root's names first)
+        for i, block in enumerate(self.blocks):
+            for n, sub in block.named_modules():
+                named[id(sub)] = (f"block {i}" + (f" {n}" if n else ""), sub)
+        if self.root is not None:
+            named.update((id(sub), (n or type(sub).__name__, sub)) for n, sub in self.root.named_modules())
+        meta = sorted({f"{prefix}.{attr}"
+                       for prefix, sub in named.values()
+                       for table in (sub._parameters, sub._buffers)
+                       for attr, t in table.items() if t is not None and t.is_meta})
+        if meta:
+            shown = ", ".join(meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+            raise ValueError(f"{len(meta)} tensors are on the meta device (not loaded): {shown}; "
+                             "load or replace them before applying the offloader")
 
     def _move_resident_tensors(self, streamed: set[int]) -> None:
         """Non-block weights of `root` and the blocks' `resident_tensors` stay resident: move them once.
@@ -643,6 +672,11 @@ class LayerwiseOffloader:
         """Raise RuntimeError naming every violated invariant (see the module docstring)."""
         problems = []
         for e in self._entries:
+            inside = {id(m) for m in e.module.modules()}
+            detached = sorted(name for name, refs in e.refs.items() if any(id(r.owner) not in inside for r in refs))
+            if detached:
+                # e.g. an adaln_proj replaced after apply: its old weights would still be streamed every step
+                problems.append(f"block {e.index} streams {detached} of submodules no longer in the block")
             if e.state is _State.OFF:
                 if not self.holds_placeholders(e.index):
                     problems.append(f"block {e.index} is off the device but holds real tensors")
