@@ -1,0 +1,719 @@
+"""`/v1/videos`: the OpenAI-style video job API over a `JobService` (a FastAPI APIRouter, no Ray needed).
+
+Routes (every body and error described in OpenAPI):
+- `POST /v1/videos` (JSON, or multipart / urlencoded form fields): validate, queue, answer the job at once.
+- `POST /v1/videos/sync`: the same, then wait and answer the MP4 itself (for short requests).
+- `GET /v1/videos` (newest first, `limit` / `after`), `GET /v1/videos/{id}`.
+- `GET|HEAD /v1/videos/{id}/content` (`video/mp4`, or `variant=thumbnail` PNG; single-range Range requests:
+  206 + Content-Range, 416 when unsatisfiable).
+- `GET /v1/videos/{id}/events`: server-sent events, `progress` per change, then `completed`/`failed`/
+  `cancelled`; each event's data is the job object.
+- `POST /v1/videos/{id}/cancel` (409 for a finished job), `DELETE /v1/videos/{id}` (cancel if active, delete
+  the record and the MP4).
+
+Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or unknown API key (when
+`auth.api_keys` is set), 404 unknown id (or another client's), 409 wrong state, 410 output expired, 413 body
+over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable range, 422 invalid request
+(message names the field and the limit), 429 queue full (Retry-After), 503 job database unavailable,
+504 sync wait over `jobs.sync_timeout_s`. Every error body is `{"error": {"type", "message", ...}}`.
+
+The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
+at import time and the service in its constructor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
+
+from jobs.config import AuthConfig, JobsConfig
+from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
+from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
+from jobs.records import JobRecord, JobStatus
+from jobs.schemas import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
+from jobs.service import JobService
+
+__all__ = [
+    "VideoApi",
+    "VideoApiSlot",
+    "VideoErrorResponse",
+    "build_videos_app",
+    "owner_for_key",
+    "parse_range",
+    "videos_router",
+]
+
+logger = logging.getLogger("ditserve.videos")
+
+VIDEO_ID = re.compile(r"^video_[A-Za-z0-9_-]{22}$")
+READ_CHUNK_BYTES = 1 << 20
+DISCONNECT_POLL_S = 0.5
+FORM_MAX_FIELDS = 32
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+class FieldError(BaseModel):
+    loc: list[str | int] = Field(..., description="Where: the field name (and index) in the body.")
+    msg: str = Field(..., description="What is wrong with it.")
+    type: str = Field(..., description="Validation error kind.")
+
+
+class VideoErrorBody(BaseModel):
+    type: str = Field(
+        ..., description="invalid_request | invalid_json | invalid_id | unauthorized | not_found | conflict | "
+        "expired | payload_too_large | unsupported_media_type | range_not_satisfiable | queue_full | "
+        "unavailable | timeout | server_error | cancelled.",
+    )
+    message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
+    errors: list[FieldError] | None = Field(None, description="Per-field validation errors.")
+
+
+class VideoErrorResponse(BaseModel):
+    """Every 4xx/5xx body of the video routes (the same shape as the rest of the app)."""
+
+    error: VideoErrorBody
+
+
+class ApiError(Exception):
+    """A refusal: HTTP status, error type, message, optional per-field errors and headers."""
+
+    def __init__(
+        self, status: int, kind: str, message: str, *, errors: list[FieldError] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.errors, self.headers = status, kind, message, errors, headers
+
+    def response(self) -> JSONResponse:
+        body = VideoErrorResponse(error=VideoErrorBody(type=self.kind, message=self.message, errors=self.errors))
+        return JSONResponse(status_code=self.status, content=body.model_dump(mode="json"), headers=self.headers)
+
+
+def _api_error(exc: Exception) -> ApiError:
+    """A job-layer error as the HTTP refusal the client sees."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidVideoRequest):
+        field_error = FieldError(loc=[exc.field], msg=str(exc), type="value_error")
+        return ApiError(422, "invalid_request", str(exc), errors=[field_error])
+    if isinstance(exc, JobNotFound):
+        return ApiError(404, "not_found", str(exc))
+    if isinstance(exc, JobConflict):
+        return ApiError(409, "conflict", str(exc))
+    if isinstance(exc, OutputExpired):
+        return ApiError(410, "expired", str(exc))
+    if isinstance(exc, QueueFull):
+        retry_after = str(exc.retry_after_s or 1)
+        return ApiError(429, "queue_full", str(exc), headers={"retry-after": retry_after})
+    if isinstance(exc, StoreUnavailable):
+        logger.error("video job store unavailable: %s", exc)
+        return ApiError(
+            503, "unavailable", "the job database is unavailable; retry later", headers={"retry-after": "5"}
+        )
+    raise exc
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    errors = [
+        FieldError(loc=[str(p) if not isinstance(p, int) else p for p in err["loc"]], msg=err["msg"], type=err["type"])
+        for err in exc.errors(include_url=False)
+    ]
+    summary = "; ".join(f"{'.'.join(map(str, e.loc)) or 'body'}: {e.msg}" for e in errors)
+    return ApiError(422, "invalid_request", summary, errors=errors)
+
+
+_REFUSALS = (ApiError, InvalidVideoRequest, JobNotFound, JobConflict, OutputExpired, QueueFull, StoreUnavailable)
+
+
+def _guarded(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Turn the job layer's typed errors into their HTTP responses."""
+
+    @functools.wraps(handler)
+    async def guarded(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except _REFUSALS as exc:
+            error = _api_error(exc)
+            if error.status >= 500:
+                logger.warning("video request failed (%d): %s", error.status, error.message)
+            return error.response()
+
+    return guarded
+
+
+def _error_doc(description: str) -> dict[str, Any]:
+    return {"model": VideoErrorResponse, "description": description}
+
+
+_COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error_doc("Malformed id (path-like, wrong form)."),
+    401: _error_doc("auth.api_keys is set and the request has no listed `Authorization: Bearer` key."),
+    404: _error_doc("Unknown id, or another client's job."),
+    503: _error_doc("The job database is unavailable."),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Auth, ids, bodies
+# --------------------------------------------------------------------------------------------------
+
+
+def owner_for_key(api_key: str) -> str:
+    """What a job stores about its creator: a hash of the key, never the key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class VideoApi:
+    """What the routes need: the replica's job service and the auth config."""
+
+    service: JobService
+    auth: AuthConfig
+
+    def owner(self, request: Request) -> str | None:
+        """The caller's owner hash; None when auth is off (every job visible). 401 without a listed key."""
+        if not self.auth.api_keys:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        presented = owner_for_key(given.strip()) if scheme.lower() == "bearer" and given.strip() else ""
+        # Compare every configured key (no early exit): timing says nothing about which prefix matched.
+        matched = False
+        for key in self.auth.api_keys:
+            matched |= hmac.compare_digest(presented.encode(), owner_for_key(key).encode())
+        if not matched:
+            raise ApiError(
+                401, "unauthorized", "video routes need 'Authorization: Bearer <api key>' with a configured key",
+                headers={"www-authenticate": "Bearer"},
+            )
+        return presented
+
+
+class VideoApiSlot:
+    """Where a Serve ingress puts its VideoApi once built: the router exists at import time (routes are declared
+    with the app), the service only in the replica's constructor. `videos_router(slot.get)`."""
+
+    def __init__(self) -> None:
+        self._api: VideoApi | None = None
+
+    def set(self, api: VideoApi) -> None:
+        self._api = api
+
+    def get(self) -> VideoApi:
+        if self._api is None:
+            raise ApiError(
+                503, "unavailable", "video jobs are not ready yet; retry shortly", headers={"retry-after": "5"}
+            )
+        return self._api
+
+
+def _checked_id(video_id: str) -> str:
+    if not VIDEO_ID.fullmatch(video_id):
+        shown = video_id if len(video_id) <= 64 else video_id[:64] + "..."
+        raise ApiError(400, "invalid_id", f"{shown!r} is not a video id (video_ + 22 URL-safe characters)")
+    return video_id
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise _too_large(int(declared), max_body_bytes)
+    body = await request.body()
+    if len(body) > max_body_bytes:
+        raise _too_large(len(body), max_body_bytes)
+    return body
+
+
+def _too_large(num_bytes: int, max_body_bytes: int) -> ApiError:
+    return ApiError(413, "payload_too_large", f"body of {num_bytes} bytes exceeds jobs.max_body_bytes={max_body_bytes}")
+
+
+async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateRequest:
+    """The POST body (JSON strictly typed; form fields as strings, converted) as a VideoCreateRequest."""
+    body = await _read_body(request, max_body_bytes)
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        fields = await _form_fields(request)
+        try:
+            return VideoCreateRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+    if content_type != "application/json":
+        raise ApiError(
+            415, "unsupported_media_type",
+            f"content-type {content_type!r}: send application/json, multipart/form-data or "
+            "application/x-www-form-urlencoded",
+        )
+    try:
+        # Python's json accepts NaN/Infinity; the schema then rejects them with a field-level message.
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
+    try:
+        return VideoCreateRequest.model_validate(payload, strict=True)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+async def _form_fields(request: Request) -> dict[str, str]:
+    try:
+        form = await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)
+    except MultiPartException as exc:
+        raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+    fields: dict[str, str] = {}
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            raise ApiError(422, "invalid_request", f"{name}: file uploads are not supported yet (input_reference)")
+        if name in fields:
+            raise ApiError(422, "invalid_request", f"{name}: given more than once")
+        fields[name] = value
+    return fields
+
+
+# --------------------------------------------------------------------------------------------------
+# Ranges and content
+# --------------------------------------------------------------------------------------------------
+
+
+class RangeNotSatisfiable(Exception):
+    pass
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """A `Range` header -> (first, last) byte, inclusive, or None to send the whole body (no header, another
+    unit, several ranges, or a malformed one: RFC 9110 lets a server ignore those). RangeNotSatisfiable when
+    the range starts past the end."""
+    if header is None:
+        return None
+    unit, _, spec = header.strip().partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    first_text, dash, last_text = spec.strip().partition("-")
+    if not dash or not (first_text.isdigit() or first_text == "") or not (last_text.isdigit() or last_text == ""):
+        return None
+    if first_text == "":  # suffix: the last N bytes
+        if last_text == "":
+            return None
+        length = int(last_text)
+        if length == 0 or size == 0:
+            raise RangeNotSatisfiable()
+        return max(0, size - length), size - 1
+    first = int(first_text)
+    if last_text != "" and int(last_text) < first:
+        return None
+    if first >= size:
+        raise RangeNotSatisfiable()
+    return first, size - 1 if last_text == "" else min(int(last_text), size - 1)
+
+
+async def _blob_chunks(blob: OutputBlob, first: int, last: int) -> AsyncIterator[bytes]:
+    offset = first
+    while offset <= last:
+        length = min(READ_CHUNK_BYTES, last + 1 - offset)
+        try:
+            chunk = await asyncio.to_thread(blob.read, offset, length)
+        except OutputMissing:  # deleted while streaming: the client sees a short body
+            logger.warning("output deleted while being sent")
+            return
+        if not chunk:
+            return
+        yield chunk
+        offset += len(chunk)
+
+
+def _content_response(
+    request: Request, blob: OutputBlob, variant: VideoVariant, video_id: str,
+    extra_headers: dict[str, str] | None = None,
+) -> Response:
+    headers = {
+        "accept-ranges": "bytes",
+        "content-disposition": f'inline; filename="{video_id}{variant.suffix}"',
+        **(extra_headers or {}),
+    }
+    # Ranges apply to GET and HEAD; POST /v1/videos/sync always answers the whole file.
+    range_header = request.headers.get("range") if request.method in ("GET", "HEAD") else None
+    try:
+        byte_range = parse_range(range_header, blob.size)
+    except RangeNotSatisfiable:
+        return ApiError(
+            416, "range_not_satisfiable",
+            f"range {range_header!r} starts past the end of {blob.size} bytes",
+            headers={**headers, "content-range": f"bytes */{blob.size}"},
+        ).response()
+    status = 200
+    first, last = 0, blob.size - 1
+    if byte_range is not None:
+        first, last = byte_range
+        status = 206
+        headers["content-range"] = f"bytes {first}-{last}/{blob.size}"
+    headers["content-length"] = str(max(0, last + 1 - first))
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers, media_type=variant.media_type)
+    return StreamingResponse(
+        _blob_chunks(blob, first, last), status_code=status, headers=headers, media_type=variant.media_type
+    )
+
+
+async def _with_keepalive(records: AsyncIterator[JobRecord], config: JobsConfig) -> AsyncIterator[JobRecord | None]:
+    """`records`, with a None whenever none came for events_keepalive_s (a queued job can wait for minutes)."""
+    pending: asyncio.Future[JobRecord] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(records))
+            done, _ = await asyncio.wait({pending}, timeout=config.events_keepalive_s)
+            if not done:
+                yield None
+                continue
+            try:
+                record = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield record
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+
+
+def _job_json(record: JobRecord) -> dict[str, Any]:
+    return VideoJob.from_record(record).model_dump(mode="json")
+
+
+def _sse(event: str, record: JobRecord) -> str:
+    return f"event: {event}\ndata: {json.dumps(_job_json(record))}\n\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenAPI helpers (handlers read the raw request, so parameters are described here)
+# --------------------------------------------------------------------------------------------------
+
+_CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": VideoCreateRequest.model_json_schema()},
+            "multipart/form-data": {"schema": VideoCreateRequest.model_json_schema()},
+            "application/x-www-form-urlencoded": {"schema": VideoCreateRequest.model_json_schema()},
+        },
+    }
+}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+_CONTENT_SUMMARY = "Download a completed job's MP4 (or its thumbnail PNG)."
+_CONTENT_DESCRIPTION = (
+    "Supports single-range `Range: bytes=...` requests (206 + Content-Range) so players can seek; HEAD answers the "
+    "headers only."
+)
+_CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The whole file."},
+    206: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The requested byte range."},
+    **_COMMON_ERRORS,
+    409: _error_doc("The job has not completed."),
+    410: _error_doc("The output expired (jobs.retention_s) and was deleted."),
+    416: _error_doc("The range starts past the end (Content-Range: bytes */size)."),
+    422: _error_doc("Unknown variant."),
+}
+_CONTENT_PARAMETERS = {"parameters": [
+    _query("variant", {"type": "string", "enum": [v.value for v in VideoVariant], "default": "video"},
+           "video: the MP4; thumbnail: a PNG of one frame."),
+    {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "`bytes=first-last`, `bytes=first-` or `bytes=-suffix_length`."},
+]}
+
+VideoIdPath = Path(..., description="Job id: `video_` + 22 URL-safe characters.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------------
+
+
+def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
+    """The `/v1/videos` routes; `get_api()` is called on each request."""
+    router = APIRouter(tags=["videos"])
+
+    @router.post(
+        "/v1/videos",
+        response_model=VideoJob,
+        summary="Create a video job.",
+        description="Validates the request against the model's limits, queues it and answers the job object at "
+        "once (`status: queued`, `queue_position`). Poll GET /v1/videos/{id} or follow /events, then download "
+        "/content.",
+        responses={
+            **_COMMON_ERRORS,
+            400: _error_doc("Malformed JSON."),
+            413: _error_doc("Body over jobs.max_body_bytes."),
+            415: _error_doc("Not JSON or a form."),
+            422: _error_doc("Invalid request: schema or the model's limits (the message names field and limit)."),
+            429: {**_error_doc("The model's queue is full; retry after `Retry-After` seconds."),
+                  "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}}},
+        },
+        openapi_extra=_CREATE_BODY,
+    )
+    @_guarded
+    async def create_video(request: Request) -> Response:
+        api = get_api()
+        owner = api.owner(request)
+        body = await _create_request(request, api.service.config.max_body_bytes)
+        record = await api.service.submit(api.service.resolve(body), owner)
+        return JSONResponse(content=_job_json(record))
+
+    @router.post(
+        "/v1/videos/sync",
+        response_class=Response,
+        summary="Create a video job and answer its MP4 when done (short requests).",
+        description="Same body as POST /v1/videos. Waits up to jobs.sync_timeout_s; the job is an ordinary job "
+        "(listed, downloadable again) whose id is in the `x-video-id` header. A client that disconnects cancels it.",
+        responses={
+            200: {"content": {"video/mp4": {}}, "description": "The MP4."},
+            **_COMMON_ERRORS,
+            409: _error_doc("The job was cancelled meanwhile."),
+            422: _error_doc("Invalid request, or the model could not serve it."),
+            429: _error_doc("The model's queue is full."),
+            500: _error_doc("The job failed on the server."),
+            504: _error_doc("Not done within jobs.sync_timeout_s (the job is cancelled)."),
+        },
+        openapi_extra=_CREATE_BODY,
+    )
+    @_guarded
+    async def create_video_sync(request: Request) -> Response:
+        api = get_api()
+        owner = api.owner(request)
+        body = await _create_request(request, api.service.config.max_body_bytes)
+        record = await api.service.submit(api.service.resolve(body), owner)
+        final = await _wait_or_cancel(api.service, record.id, owner, request)
+        if final.status is JobStatus.COMPLETED:
+            blob = await api.service.open_output(final.id, owner, VideoVariant.VIDEO)
+            return _content_response(request, blob, VideoVariant.VIDEO, final.id, {"x-video-id": final.id})
+        headers = {"x-video-id": final.id}
+        if final.status is JobStatus.CANCELLED:
+            raise ApiError(409, "cancelled", f"video job {final.id} was cancelled", headers=headers)
+        assert final.error is not None  # failed
+        if final.error.code == "invalid_request":
+            raise ApiError(422, "invalid_request", final.error.message, headers=headers)
+        raise ApiError(500, "server_error", f"video job {final.id} failed ({final.error.code}): {final.error.message}",
+                       headers=headers)
+
+    @router.get(
+        "/v1/videos",
+        response_model=VideoList,
+        summary="List video jobs, newest first.",
+        description="With auth.api_keys set, only the caller's jobs. Page with `after` = the previous page's last_id.",
+        responses={**_COMMON_ERRORS, 422: _error_doc("limit out of range, or `after` is not a known video id.")},
+        openapi_extra={"parameters": [
+            _query("limit", {"type": "integer", "minimum": 1, "default": 20},
+                   "Jobs per page, at most jobs.max_list_limit."),
+            _query("after", {"type": "string"},
+                   "Return jobs older than this job id (the last_id of the previous page)."),
+        ]},
+    )
+    @_guarded
+    async def list_videos(request: Request) -> Response:
+        api = get_api()
+        owner = api.owner(request)
+        limit = _limit(request.query_params.get("limit"), api.service.config.max_list_limit)
+        after = request.query_params.get("after")
+        if after is not None and not VIDEO_ID.fullmatch(after):
+            raise ApiError(422, "invalid_request", f"after: {after[:64]!r} is not a video id")
+        try:
+            page = await api.service.list_jobs(owner, limit, after)
+        except JobNotFound:
+            raise ApiError(422, "invalid_request", f"after: no video job with id {after!r}") from None
+        data = [VideoJob.from_record(r) for r in page.jobs]
+        body = VideoList(
+            data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+            has_more=page.has_more,
+        )
+        return JSONResponse(content=body.model_dump(mode="json"))
+
+    @router.get(
+        "/v1/videos/{video_id}",
+        response_model=VideoJob,
+        summary="A video job: status, progress, queue position, error, timings.",
+        responses=_COMMON_ERRORS,
+    )
+    @_guarded
+    async def get_video(request: Request, video_id: str = VideoIdPath) -> Response:
+        api = get_api()
+        record = await api.service.get(_checked_id(video_id), api.owner(request))
+        return JSONResponse(content=_job_json(record))
+
+    @router.get(
+        "/v1/videos/{video_id}/content", operation_id="get_video_content", response_class=Response,
+        summary=_CONTENT_SUMMARY, description=_CONTENT_DESCRIPTION, responses=_CONTENT_RESPONSES,
+        openapi_extra=_CONTENT_PARAMETERS,
+    )
+    @router.head(
+        "/v1/videos/{video_id}/content", operation_id="head_video_content", response_class=Response,
+        summary=_CONTENT_SUMMARY, description=_CONTENT_DESCRIPTION, responses=_CONTENT_RESPONSES,
+        openapi_extra=_CONTENT_PARAMETERS,
+    )
+    @_guarded
+    async def get_video_content(request: Request, video_id: str = VideoIdPath) -> Response:
+        api = get_api()
+        owner = api.owner(request)
+        video_id = _checked_id(video_id)
+        variant_text = request.query_params.get("variant", VideoVariant.VIDEO.value)
+        try:
+            variant = VideoVariant(variant_text)
+        except ValueError:
+            raise ApiError(
+                422, "invalid_request",
+                f"variant: {variant_text[:64]!r} is not one of {[v.value for v in VideoVariant]}",
+            ) from None
+        blob = await api.service.open_output(video_id, owner, variant)
+        return _content_response(request, blob, variant, video_id)
+
+    @router.get(
+        "/v1/videos/{video_id}/events",
+        response_class=StreamingResponse,
+        summary="Follow a job as server-sent events.",
+        description="Event `progress` each time status or progress changes (the first one at once), then one of "
+        "`completed`, `failed`, `cancelled`, and the stream ends. Each event's data is the job object. Event "
+        "`error` (an error body) if the job is deleted meanwhile.",
+        responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."}, **_COMMON_ERRORS},
+    )
+    @_guarded
+    async def video_events(request: Request, video_id: str = VideoIdPath) -> Response:
+        api = get_api()
+        owner = api.owner(request)
+        video_id = _checked_id(video_id)
+        await api.service.get(video_id, owner)  # 404 as a plain response, before the stream starts
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for record in _with_keepalive(api.service.watch(video_id, owner), api.service.config):
+                    if record is None:
+                        yield ": keepalive\n\n"  # a comment: keeps proxies from closing a quiet stream
+                        continue
+                    name = record.status.value if record.status.is_finished else "progress"
+                    yield _sse(name, record)
+            except JobNotFound as exc:
+                error = _api_error(exc)
+                body = VideoErrorResponse(error=VideoErrorBody(type=error.kind, message=error.message))
+                yield f"event: error\ndata: {body.model_dump_json()}\n\n"
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+        )
+
+    @router.post(
+        "/v1/videos/{video_id}/cancel",
+        response_model=VideoJob,
+        summary="Cancel a job: a queued one at once, a running one at its next step.",
+        responses={**_COMMON_ERRORS, 409: _error_doc("The job already completed, failed or was cancelled.")},
+    )
+    @_guarded
+    async def cancel_video(request: Request, video_id: str = VideoIdPath) -> Response:
+        api = get_api()
+        record = await api.service.cancel(_checked_id(video_id), api.owner(request))
+        return JSONResponse(content=_job_json(record))
+
+    @router.delete(
+        "/v1/videos/{video_id}",
+        response_model=VideoDeleted,
+        summary="Delete a job: cancel it if active, remove its record and its MP4.",
+        responses=_COMMON_ERRORS,
+    )
+    @_guarded
+    async def delete_video(request: Request, video_id: str = VideoIdPath) -> Response:
+        api = get_api()
+        record = await api.service.delete(_checked_id(video_id), api.owner(request))
+        return JSONResponse(content=VideoDeleted(id=record.id).model_dump(mode="json"))
+
+    @router.api_route(
+        "/v1/videos/{rest:path}", methods=["GET", "HEAD", "POST", "DELETE"], include_in_schema=False,
+    )
+    @_guarded
+    async def unknown_video_route(request: Request, rest: str) -> Response:
+        # Ids with a slash (`../x`, `a%2Fb`) land here rather than on a route: a malformed id is a 400.
+        _checked_id(rest.split("/", 1)[0])
+        raise ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
+
+    return router
+
+
+def _limit(text: str | None, max_limit: int) -> int:
+    if text is None:
+        return min(20, max_limit)
+    if not text.isdigit():
+        raise ApiError(422, "invalid_request", f"limit: {text[:32]!r} is not a positive integer")
+    limit = int(text)
+    if not 1 <= limit <= max_limit:
+        raise ApiError(422, "invalid_request", f"limit: {limit} is outside 1..{max_limit} (jobs.max_list_limit)")
+    return limit
+
+
+async def _wait_or_cancel(service: JobService, job_id: str, owner: str | None, request: Request) -> JobRecord:
+    """The job once finished. Cancels it (and raises) on timeout or when the client goes away."""
+    waiter = asyncio.create_task(service.wait_finished(job_id, owner))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + service.config.sync_timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=min(DISCONNECT_POLL_S, max(0.0, deadline - loop.time())))
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                await _cancel_quietly(service, job_id, owner)
+                raise ApiError(499, "cancelled", "the client disconnected; the job was cancelled")
+            if loop.time() >= deadline:
+                await _cancel_quietly(service, job_id, owner)
+                raise ApiError(
+                    504, "timeout", f"not done within jobs.sync_timeout_s={service.config.sync_timeout_s:g}; the job "
+                    "was cancelled", headers={"x-video-id": job_id},
+                )
+    finally:
+        waiter.cancel()
+
+
+async def _cancel_quietly(service: JobService, job_id: str, owner: str | None) -> None:
+    try:
+        await service.cancel(job_id, owner)
+    except (JobConflict, JobNotFound):  # finished or deleted meanwhile
+        pass
+
+
+def build_videos_app(api: VideoApi, *, title: str = "ditserve videos") -> FastAPI:
+    """A standalone FastAPI app with the video routes whose lifespan starts and stops the service (tests,
+    or serving without Ray). A Serve ingress instead includes `videos_router` in its own app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await api.service.start()
+        try:
+            yield
+        finally:
+            await api.service.stop()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    app.include_router(videos_router(lambda: api))
+    return app

@@ -1,0 +1,122 @@
+"""The seam between the job layer and the generation side: what a video job asks for and gets back.
+
+The job service hands a `VideoBackend` a validated, model-independent `VideoSpec` (pixels and seconds,
+not latents) and receives a finished MP4 plus a thumbnail, with typed timings and stats. Failures come
+back as one of three exception types, so the job record can say whose fault it was:
+
+- `VideoRequestError` (a ValueError): the request cannot be served (e.g. its prompt is longer than the
+  text encoder takes); the job fails with code `invalid_request`.
+- `VideoServerError`: the server broke (a checkpoint it cannot read, a lost worker); code `server_error`.
+- `VideoCancelled`: the backend saw `cancelled()` return True and stopped at a step boundary.
+
+Any other exception is treated as a server fault. `on_progress(step, num_steps)` may be called from any
+thread (a Ray callback, an engine thread); the service makes it thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "CancelCheck",
+    "ProgressCallback",
+    "Quality",
+    "VideoBackend",
+    "VideoCancelled",
+    "VideoOutput",
+    "VideoRequestError",
+    "VideoServerError",
+    "VideoSpec",
+    "VideoStats",
+    "VideoTimings",
+]
+
+Quality = Literal["lossless", "high"]
+ProgressCallback = Callable[[int, int], None]  # (steps done, steps in the request)
+CancelCheck = Callable[[], bool]  # True: stop at the next step boundary, raise VideoCancelled
+
+
+class VideoSpec(BaseModel):
+    """One video to generate, resolved against a model's limits (every default filled in)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(..., description="Served model name.")
+    prompt: str = Field(..., description="Text prompt, verbatim.")
+    seconds: float = Field(..., gt=0, description="Clip duration in seconds.")
+    width: int = Field(..., gt=0, description="Frame width in pixels.")
+    height: int = Field(..., gt=0, description="Frame height in pixels.")
+    num_inference_steps: int = Field(..., ge=1, description="Sampling grid points, the terminal 0 included.")
+    seed: int = Field(..., ge=0, description="Seed of the initial noise.")
+    flow_shift: float = Field(..., gt=0, description="Video timestep shift of the flow-matching schedule.")
+    audio_flow_shift: float = Field(..., gt=0, description="Audio timestep shift of the flow-matching schedule.")
+    quality: Quality = Field(..., description="lossless: exact sampling; high: the measured Cache-DiT profile.")
+
+    @property
+    def size(self) -> str:
+        """`WIDTHxHEIGHT`, as the API writes sizes."""
+        return f"{self.width}x{self.height}"
+
+
+class VideoTimings(BaseModel):
+    """Seconds per stage of one job, as measured by the backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    encode_s: float = Field(0.0, ge=0, description="Prompt encoding.")
+    denoise_s: float = Field(0.0, ge=0, description="The denoising loop.")
+    decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode.")
+    mux_s: float = Field(0.0, ge=0, description="H.264 + AAC encode and MP4 mux.")
+    total_s: float = Field(0.0, ge=0, description="The whole backend call.")
+
+
+class VideoStats(BaseModel):
+    """Counters of one job, as reported by the backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_steps: int = Field(0, ge=0, description="Denoising steps run.")
+    num_frames: int = Field(0, ge=0, description="Frames in the MP4.")
+    fps: float = Field(0.0, ge=0, description="Frames per second of the MP4.")
+    audio_sample_rate: int = Field(0, ge=0, description="Audio sample rate of the MP4 in Hz (0: no audio).")
+    plan_cache_hits: int = Field(0, ge=0, description="AdaLN plans served from a cache tier.")
+    plan_cache_misses: int = Field(0, ge=0, description="AdaLN plans rebuilt.")
+    cached_steps: int = Field(0, ge=0, description="Steps Cache-DiT served from its cache (quality=high).")
+
+
+@dataclass(frozen=True)
+class VideoOutput:
+    """A finished video: the MP4 (H.264 + AAC) and a PNG of one frame."""
+
+    mp4: bytes
+    thumbnail_png: bytes
+    timings: VideoTimings
+    stats: VideoStats
+
+
+class VideoRequestError(ValueError):
+    """The request cannot be served by this model; the message names the value and the limit."""
+
+
+class VideoServerError(RuntimeError):
+    """The server failed to produce the video; not the client's fault."""
+
+
+class VideoCancelled(Exception):
+    """The backend stopped at a step boundary because `cancelled()` returned True."""
+
+
+class VideoBackend(Protocol):
+    """The generation side as the job service sees it."""
+
+    async def run(
+        self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck
+    ) -> VideoOutput:
+        """Generate `spec`. Calls `on_progress(step, num_steps)` after each denoising step (and may call it
+        with step 0 once accepted), checks `cancelled()` between steps. Raises VideoRequestError,
+        VideoServerError or VideoCancelled."""
+        ...

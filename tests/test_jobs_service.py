@@ -1,0 +1,493 @@
+"""The job service: order, replicas sharing one database, cancellation, failures, a replica killed mid-job,
+graceful stop, restart, retention, Retry-After and progress watching, with the fake backend.
+
+The multi-replica and crash cases run on SQLite and on a real PostgreSQL server (scripts/postgres; they fail,
+not skip, when it cannot start). Waits are bounded polls, never wall-clock asserts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.backend import VideoSpec, VideoStats, VideoTimings
+from jobs.config import JobsConfig
+from jobs.errors import JobNotFound, OutputExpired, QueueFull
+from jobs.limits import VideoModelLimits
+from jobs.outputs import OutputStore, VideoVariant
+from jobs.records import JobError, JobRecord, JobStatus
+from jobs.service import JobService, open_job_service
+from jobs.store import open_job_store
+from jobs.testing import FakeClock, FakeVideoBackend, fake_mp4, fake_png, postgres_server, reset_postgres
+
+# 600: the first PostgreSQL test may install Debian's postgresql package (scripts/postgres) on a fresh machine.
+pytestmark = pytest.mark.timeout(600)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = VideoModelLimits(
+    name="tiny", min_seconds=0.5, max_seconds=2, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
+    max_pixels=128 * 64, default_size="64x32", default_short_edge=32, max_steps=8, default_steps=4,
+)
+LEASE_S = 0.5
+WAIT_S = 20.0
+
+
+def fast_config(tmp_path: Path, **overrides: float) -> JobsConfig:
+    base = {"state_dir": str(tmp_path), "lease_s": LEASE_S, "poll_s": 0.02, "reap_interval_s": 0.05,
+            "events_poll_s": 0.05}
+    return JobsConfig.model_validate({**base, **overrides})
+
+
+def make_spec(prompt: str = "a lighthouse", steps: int = 4) -> VideoSpec:
+    return VideoSpec(
+        model="tiny", prompt=prompt, seconds=1.0, width=64, height=32, num_inference_steps=steps, seed=5,
+        flow_shift=12.0, audio_flow_shift=3.0, quality="lossless",
+    )
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
+    url = request.getfixturevalue("postgres_url")
+    reset_postgres(url)
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
+
+
+def make_service(database_url: str, tmp_path: Path, backend: FakeVideoBackend, clock=None, **config) -> JobService:
+    store = open_job_store(database_url, clock=clock) if clock else open_job_store(database_url)
+    return JobService(
+        store=store, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend, models=[TINY],
+        config=fast_config(tmp_path, **config),
+    )
+
+
+async def wait_for_job(service: JobService, job_id: str, predicate, what: str) -> JobRecord:
+    """Poll until predicate(record) holds; fail naming `what` after WAIT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while True:
+        record = await service.get(job_id, None)
+        if predicate(record):
+            return record
+        assert loop.time() < deadline, f"gave up waiting for {what}; job is {record}"
+        await asyncio.sleep(0.01)
+
+
+def finished(record: JobRecord) -> bool:
+    return record.status.is_finished
+
+
+def output_files(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "outputs").iterdir())
+
+
+# --- Running jobs --------------------------------------------------------------------------------------
+
+
+def test_jobs_start_in_creation_order_and_complete_with_their_outputs(sqlite_url, tmp_path):
+    async def scenario():
+        backend = FakeVideoBackend()
+        service = make_service(sqlite_url, tmp_path, backend)
+        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(4)]
+        await service.start()
+        try:
+            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
+        finally:
+            await service.stop()
+        assert backend.started == [j.id for j in jobs]
+        for job, record in zip(jobs, done):
+            assert (record.status, record.progress, record.attempts, record.error) == (
+                JobStatus.COMPLETED, 100, 1, None
+            )
+            assert record.stats == VideoStats(num_steps=4, num_frames=24, fps=24)
+            assert record.timings == VideoTimings()
+            blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
+            assert blob.read(0, blob.size) == fake_mp4(job.spec)
+            thumb = await service.open_output(job.id, None, VideoVariant.THUMBNAIL)
+            assert thumb.read(0, thumb.size) == fake_png(job.spec)
+
+    asyncio.run(scenario())
+
+
+def test_two_replicas_share_the_queue_and_run_each_job_once(database_url, tmp_path):
+    async def scenario():
+        backends = [FakeVideoBackend(step_s=0.002), FakeVideoBackend(step_s=0.002)]
+        services = [make_service(database_url, tmp_path, b) for b in backends]
+        jobs = [await services[i % 2].submit(make_spec(prompt=f"p{i}"), None) for i in range(10)]
+        for service in services:
+            await service.start()
+        try:
+            for job in jobs:
+                record = await wait_for_job(services[0], job.id, finished, "completion")
+                assert (record.status, record.attempts) == (JobStatus.COMPLETED, 1)
+        finally:
+            for service in services:
+                await service.stop()
+        assert sorted(backends[0].started + backends[1].started) == sorted(j.id for j in jobs)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error"),
+    [
+        ("fail:request", JobError("invalid_request", "prompt: 12 tokens exceed the text encoder's 8 (fake)")),
+        ("fail:server", JobError("server_error", "the decoder could not read its weights (fake)")),
+        ("fail:crash", JobError("server_error", "RuntimeError: segfault in a fake kernel")),
+    ],
+)
+def test_backend_failures_become_job_errors(sqlite_url, tmp_path, prompt, error):
+    async def scenario():
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend())
+        job = await service.submit(make_spec(prompt=prompt), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "failure")
+        finally:
+            await service.stop()
+        assert (record.status, record.error, record.output_key) == (JobStatus.FAILED, error, None)
+
+    asyncio.run(scenario())
+
+
+def test_a_run_longer_than_max_run_s_fails_as_timeout(sqlite_url, tmp_path):
+    async def scenario():
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend(hold_before_step=1), max_run_s=0.2)
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "timeout")
+        finally:
+            await service.stop()
+        assert record.error == JobError("timeout", "the run took longer than max_run_s=0.2")
+
+    asyncio.run(scenario())
+
+
+class FlakyOutputs(OutputStore):
+    """An output store whose puts fail while `full` is set (a full disk)."""
+
+    full = True
+
+    def put(self, key, variant, data):
+        if self.full:
+            raise OSError(28, "No space left on device")
+        super().put(key, variant, data)
+
+
+def test_a_failed_upload_fails_the_job_and_the_runner_goes_on(sqlite_url, tmp_path):
+    async def scenario():
+        outputs = FlakyOutputs(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url), outputs=outputs, backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path))
+        first = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            failed = await wait_for_job(service, first.id, finished, "the failed upload")
+            outputs.full = False
+            second = await service.submit(make_spec(), None)
+            done = await wait_for_job(service, second.id, finished, "the next job")
+        finally:
+            await service.stop()
+        assert failed.error == JobError(
+            "server_error", "storing the output failed: OSError: [Errno 28] No space left on device"
+        )
+        assert done.status is JobStatus.COMPLETED
+        assert len(output_files(tmp_path)) == 2  # only the second job's MP4 and thumbnail
+
+    asyncio.run(scenario())
+
+
+# --- Cancel and delete ---------------------------------------------------------------------------------
+
+
+def test_cancelling_a_running_job_stops_it_at_the_next_step(sqlite_url, tmp_path):
+    async def scenario():
+        backend = FakeVideoBackend(hold_before_step=3)
+        service = make_service(sqlite_url, tmp_path, backend)
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_for_job(service, job.id, lambda r: r.step == 2, "step 2")
+            flagged = await service.cancel(job.id, None)
+            assert (flagged.status, flagged.cancel_requested) == (JobStatus.IN_PROGRESS, True)
+            record = await wait_for_job(service, job.id, finished, "cancellation")
+        finally:
+            await service.stop()
+        assert (record.status, record.step) == (JobStatus.CANCELLED, 2)
+        assert backend.steps_done[job.id] == 2
+        assert output_files(tmp_path) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_on_another_replica_reaches_the_runner(database_url, tmp_path):
+    async def scenario():
+        backend = FakeVideoBackend(hold_before_step=2)
+        runner = make_service(database_url, tmp_path, backend)
+        other = make_service(database_url, tmp_path, FakeVideoBackend())  # never started: API only
+        job = await other.submit(make_spec(), None)
+        await runner.start()
+        try:
+            await wait_for_job(other, job.id, lambda r: r.step == 1, "step 1")
+            await other.cancel(job.id, None)  # the runner learns it at its next lease renewal
+            record = await wait_for_job(other, job.id, finished, "cancellation")
+        finally:
+            await runner.stop()
+        assert (record.status, backend.steps_done[job.id]) == (JobStatus.CANCELLED, 1)
+
+    asyncio.run(scenario())
+
+
+def test_deleting_a_running_job_discards_its_output(sqlite_url, tmp_path):
+    async def scenario():
+        backend = FakeVideoBackend(hold_before_step=2)
+        service = make_service(sqlite_url, tmp_path, backend)
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_for_job(service, job.id, lambda r: r.step == 1, "step 1")
+            deleted = await service.delete(job.id, None)
+            assert deleted.id == job.id
+            backend.release()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + WAIT_S
+            while service.num_running:
+                assert loop.time() < deadline, "the deleted job kept running"
+                await asyncio.sleep(0.01)
+        finally:
+            await service.stop()
+        assert await asyncio.to_thread(service._store.get, job.id) is None
+        assert backend.steps_done[job.id] == 1
+        assert output_files(tmp_path) == []
+
+    asyncio.run(scenario())
+
+
+# --- Admission -----------------------------------------------------------------------------------------
+
+
+def test_a_full_queue_refuses_with_a_retry_after_from_recent_runs(sqlite_url, tmp_path):
+    async def scenario():
+        clock = FakeClock()
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend(), clock=clock, max_queued_per_model=1,
+                               default_retry_after_s=30)
+        store = service._store
+        await service.submit(make_spec(), None)
+        with pytest.raises(QueueFull) as full:
+            await service.submit(make_spec(), None)
+        assert full.value.retry_after_s == 30  # no run finished yet: the configured default
+
+        for run_s in (12.0, 18.0):  # history: runs of 12 s and 18 s, mean 15 s
+            job = store.claim(["tiny"], "r", 60)
+            clock.advance(run_s)
+            store.complete(job.id, "r", "k", VideoTimings(), VideoStats(), 100)
+            await service.submit(make_spec(), None)
+        store.claim(["tiny"], "r", 60)  # one running
+        await service.submit(make_spec(), None)
+        with pytest.raises(QueueFull) as full:
+            await service.submit(make_spec(), None)
+        assert full.value.retry_after_s == 15  # mean run / running jobs
+        assert str(full.value) == "the queue of model 'tiny' is full (1 queued, max_queued_per_model=1); retry later"
+
+    asyncio.run(scenario())
+
+
+# --- Crashes, shutdown, restart ------------------------------------------------------------------------
+
+KILLABLE_REPLICA = """
+import asyncio, sys
+from jobs.config import JobsConfig
+from jobs.limits import VideoModelLimits
+from jobs.outputs import OutputStore
+from jobs.service import JobService, open_job_service
+from jobs.store import open_job_store
+from jobs.testing import FakeVideoBackend
+
+async def main():
+    service = JobService(
+        store=open_job_store(sys.argv[1]), outputs=OutputStore(sys.argv[2]),
+        backend=FakeVideoBackend(hold_before_step=int(sys.argv[3])),
+        models=[VideoModelLimits.model_validate_json(sys.argv[4])], config=JobsConfig.model_validate_json(sys.argv[5]),
+    )
+    await service.start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("hold_before_step", "expected"),
+    [
+        (1, "retried"),  # killed before its first step: a second run completes it
+        (3, "failed"),  # killed after step 2: failed with the cause
+    ],
+)
+def test_a_replica_killed_mid_job(database_url, tmp_path, hold_before_step, expected):
+    async def scenario():
+        config = fast_config(tmp_path)
+        survivor_backend = FakeVideoBackend()
+        survivor = make_service(database_url, tmp_path, survivor_backend)
+        job = await survivor.submit(make_spec(), None)
+        doomed = subprocess.Popen(
+            [sys.executable, "-c", KILLABLE_REPLICA, database_url, str(tmp_path / "outputs"), str(hold_before_step),
+             TINY.model_dump_json(), config.model_dump_json()],
+            cwd=REPO, stderr=subprocess.PIPE,
+        )
+        try:
+            await wait_for_job(survivor, job.id, lambda r: r.status is JobStatus.IN_PROGRESS
+                               and r.step == hold_before_step - 1, f"the doomed replica at step {hold_before_step - 1}")
+        finally:
+            os.kill(doomed.pid, signal.SIGKILL)
+            doomed.wait(timeout=30)
+        await survivor.start()  # its reaper finds the expired lease
+        try:
+            record = await wait_for_job(survivor, job.id, finished, "the reaper's verdict")
+        finally:
+            await survivor.stop()
+        if expected == "retried":
+            assert (record.status, record.attempts, survivor_backend.started) == (JobStatus.COMPLETED, 2, [job.id])
+        else:
+            assert (record.status, record.attempts, survivor_backend.started) == (JobStatus.FAILED, 1, [])
+            assert record.error == JobError(
+                "worker_lost", "lost at step 2/4 of run 1: the replica running it stopped renewing its lease"
+            )
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("hold_before_step", "expected_status", "expected_error"),
+    [
+        (1, JobStatus.QUEUED, None),
+        (3, JobStatus.FAILED, JobError("worker_lost", "lost at step 2/4 of run 1: the replica running it shut down")),
+    ],
+)
+def test_stopping_a_replica_gives_its_running_job_back_at_once(
+    sqlite_url, tmp_path, hold_before_step, expected_status, expected_error
+):
+    async def scenario():
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend(hold_before_step=hold_before_step),
+                               lease_s=600)  # no lease expiry: the release is what settles it
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_for_job(service, job.id, lambda r: r.status is JobStatus.IN_PROGRESS
+                               and r.step == hold_before_step - 1, f"step {hold_before_step - 1}")
+        finally:
+            await service.stop()
+        record = await service.get(job.id, None)
+        assert (record.status, record.error, record.lease_owner) == (expected_status, expected_error, None)
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_service_sees_old_jobs_and_their_content(database_url, tmp_path):
+    async def scenario():
+        first = make_service(database_url, tmp_path, FakeVideoBackend())
+        job = await first.submit(make_spec(), "owner-a")
+        await first.start()
+        try:
+            await wait_for_job(first, job.id, finished, "completion")
+        finally:
+            await first.stop()
+            first._store.close()
+
+        second = make_service(database_url, tmp_path, FakeVideoBackend())
+        record = await second.get(job.id, "owner-a")
+        assert (record.status, record.owner) == (JobStatus.COMPLETED, "owner-a")
+        blob = await second.open_output(job.id, "owner-a", VideoVariant.VIDEO)
+        assert blob.read(0, blob.size) == fake_mp4(job.spec)
+        assert [j.id for j in (await second.list_jobs("owner-a", limit=10)).jobs] == [job.id]
+
+    asyncio.run(scenario())
+
+
+# --- Retention and watching ----------------------------------------------------------------------------
+
+
+def test_outputs_past_retention_are_deleted_and_answer_expired(sqlite_url, tmp_path):
+    async def scenario():
+        clock = FakeClock()
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend(), clock=clock, retention_s=3600)
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_for_job(service, job.id, finished, "completion")
+        finally:
+            await service.stop()
+        assert len(output_files(tmp_path)) == 2  # the MP4 and the thumbnail
+        clock.advance(3600)
+        await service.reap_once()
+        assert output_files(tmp_path) == []
+        with pytest.raises(OutputExpired):
+            await service.open_output(job.id, None, VideoVariant.VIDEO)
+        assert (await service.get(job.id, None)).status is JobStatus.COMPLETED  # the record stays
+
+    asyncio.run(scenario())
+
+
+def test_watch_follows_a_job_to_its_end(sqlite_url, tmp_path):
+    async def scenario():
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend(step_s=0.02), heartbeat_s=0.1)
+        job = await service.submit(make_spec(steps=5), None)
+        await service.start()
+        try:
+            seen = [r async for r in service.watch(job.id, None)]
+        finally:
+            await service.stop()
+        assert seen[0].status is JobStatus.QUEUED or seen[0].status is JobStatus.IN_PROGRESS
+        assert seen[-1].status is JobStatus.COMPLETED and seen[-1].progress == 100
+        progress = [r.progress for r in seen]
+        assert progress == sorted(progress)  # never backwards
+        assert len({r.step for r in seen}) >= 3  # intermediate steps were seen, not just start and end
+
+    asyncio.run(scenario())
+
+
+def test_other_owners_jobs_are_not_found(sqlite_url, tmp_path):
+    async def scenario():
+        service = make_service(sqlite_url, tmp_path, FakeVideoBackend())
+        job = await service.submit(make_spec(), "owner-a")
+        for operation in (service.get, service.cancel, service.delete):
+            with pytest.raises(JobNotFound):
+                await operation(job.id, "owner-b")
+        assert (await service.get(job.id, None)).id == job.id  # auth off: everything visible
+
+    asyncio.run(scenario())
+
+
+def test_the_default_config_keeps_jobs_and_outputs_under_state_dir(tmp_path):
+    async def scenario():
+        service = open_job_service(fast_config(tmp_path / "state"), FakeVideoBackend(), [TINY])
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            done = await wait_for_job(service, job.id, finished, "completion")
+        finally:
+            await service.stop()
+        assert (tmp_path / "state" / "jobs.sqlite3").is_file()
+        assert sorted(p.name for p in (tmp_path / "state" / "outputs").iterdir()) == [
+            f"{done.output_key}.mp4", f"{done.output_key}.png"
+        ]
+
+    asyncio.run(scenario())
