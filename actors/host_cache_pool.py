@@ -1,4 +1,4 @@
-"""Node-wide host tier for AdaLN plans, shared by the GPU workers of one node through Ray's object store.
+"""The node-shared plan pool: AdaLN plans in Ray's object store, shared by the GPU workers of one node.
 
 Layout:
 
@@ -8,16 +8,22 @@ Layout:
   ``ditserve-host-cache-pool:<node id>:<index>`` in namespace ``ditserve``). It owns every stored object
   (it ``ray.put``s the arrays itself), so entries outlive the worker that published them, and hands out
   ObjectRefs: a worker on the same node ``ray.get``s them zero-copy (read-only views of shared memory).
-- :class:`PoolTier` - the client the GPU worker uses: ``lookup(keys, timeout_s)`` never raises (a dead,
-  slow or missing pool is a cache miss), ``publish_async`` never blocks (a background thread serialises and
-  sends; when it is busy the publish is dropped).
+- :class:`PoolClient` - the one client, a worker's plan cache's remote tier (``cache.plan_cache.RemoteTier``):
+  ``lookup(plan_keys)`` never raises and answers within ``lookup_timeout_s`` (a dead, slow or missing pool
+  is a miss); ``publish_group(plans, ready)`` never blocks (one bounded queue, one background thread; when
+  it is busy the group is dropped); with ``pin_memory`` a hit's pages are registered with CUDA
+  (cudaHostRegister) until the next lookup (one pin path).
 
-Keys: a plan key (``cache.plan_key.plan_key(timesteps, weights_version)``; any hashable whose ``repr`` is
-stable across processes) or a tuple around it, e.g. ``(plan_key, "blocks")`` and ``(plan_key, "final")``.
-A group key is ``(tuple_of_plan_keys, weights_version)`` (see :func:`make_group_key`; a weights version
-of None cannot be invalidated on its own, ``invalidate(None)`` drops everything). Values are numpy
-arrays; bf16 tensors travel as their uint16 bit patterns (:func:`tensor_to_numpy` / :func:`numpy_to_tensor`),
-so they come back bit-identical.
+Keys: per plan key (``cache.plan_key.plan_key(timesteps, weights_version)``; hashable, with a ``repr`` stable
+across processes) two entries, ``(plan_key, "blocks")`` and ``(plan_key, "final")``. A request's built plans
+are one group ``(tuple_of_plan_keys, weights_version)`` (:func:`make_group_key`), which is what
+``invalidate(weights_version)`` drops (``invalidate(None)`` drops everything). Values are numpy arrays;
+bf16 tensors travel as their uint16 bit patterns (:func:`tensor_to_numpy` / :func:`numpy_to_tensor`), so a
+hit restores the slab rows bit-identically.
+
+:func:`make_pool_client` builds the client from ``engine.config.PoolConfig`` (None when the pool is off or
+the process is not inside Ray); the Serve worker builds it and hands it to the engine, which never imports
+this module.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+if TYPE_CHECKING:  # torch, the plan cache and the engine config stay out of the pool actor's process
+    from cache.plan_cache import PlanRows
+    from engine.config import PoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +104,7 @@ def tensor_to_numpy(tensor: Any) -> np.ndarray:
 def numpy_to_tensor(array: np.ndarray, dtype: Any = None) -> Any:
     """A tensor sharing ``array``'s memory, reinterpreted as ``dtype`` (e.g. torch.bfloat16 for uint16 data).
 
-    Arrays from :meth:`PoolTier.lookup` are read-only views of shared memory: never write to the tensor.
+    Arrays from :meth:`PoolClient.lookup_arrays` are read-only views of shared memory: never write to the tensor.
     """
     import torch
 
@@ -165,9 +175,6 @@ class GroupLRU:
         for group_key in touched:
             self._groups.move_to_end(group_key)
         return found
-
-    def missing(self, keys: Iterable[Key]) -> List[Key]:
-        return [k for k in keys if k not in self._objects]
 
     def admit(
         self,
@@ -323,16 +330,21 @@ def _put_all(arrays: Dict[Key, np.ndarray]) -> Dict[Key, ray.ObjectRef]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Client
+# Client: the plan cache's remote tier
 # ---------------------------------------------------------------------------------------------------------
 
+BLOCKS, FINAL = "blocks", "final"
 
-class PoolTier:
-    """The GPU worker's view of its node's host cache pools.
 
-    ``capacity_bytes`` is per node, split evenly over ``pools_per_node`` actors; each key lives in actor
-    ``pool_index(key, pools_per_node)``. Actors are found or created by name on first use and re-created
-    after they die. Nothing here raises on pool trouble: lookups miss, publishes are dropped.
+class PoolClient:
+    """A worker's view of its node's pools, as the plan cache's ``RemoteTier``. See the module docstring.
+
+    ``capacity_bytes`` is per node, split evenly over ``pools_per_node`` actors; each entry lives in actor
+    ``pool_index(entry_key, pools_per_node)``. Actors are found or created by name on first use and re-created
+    after they die. Nothing here raises on pool trouble: lookups miss, publishes are dropped (and counted).
+
+    Threads: ``lookup`` runs on the caller's thread (the engine's); publishes run on one background thread,
+    at most ``max_pending_groups`` groups queued or in flight.
     """
 
     def __init__(
@@ -343,7 +355,9 @@ class PoolTier:
         node_id: Optional[str] = None,
         namespace: str = POOL_NAMESPACE,
         detached: bool = True,
-        max_pending_publishes: int = 2,
+        lookup_timeout_s: float = 2.0,
+        pin_memory: bool = False,
+        max_pending_groups: int = 2,
         publish_timeout_s: float = 60.0,
     ):
         if pools_per_node < 1:
@@ -353,7 +367,9 @@ class PoolTier:
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self.namespace = namespace
         self.detached = detached
-        self.max_pending_publishes = max_pending_publishes
+        self.lookup_timeout_s = float(lookup_timeout_s)
+        self.pin_memory = bool(pin_memory)
+        self.max_pending_groups = max_pending_groups
         self.publish_timeout_s = publish_timeout_s
         self._actors: Dict[int, Any] = {}
         self._lock = threading.Lock()
@@ -361,9 +377,8 @@ class PoolTier:
         self._pending = 0
         self._pinned: Dict[Key, np.ndarray] = {}
         self.counts = {
-            "lookup_failures": 0,
-            "publish_dropped": 0,
-            "publish_failures": 0,
+            "lookups": 0, "hit_plans": 0, "miss_plans": 0, "bad_entries": 0, "lookup_failures": 0,
+            "published_groups": 0, "dropped_groups": 0, "publish_failures": 0, "invalidate_errors": 0,
             "actors_created": 0,
         }
 
@@ -399,15 +414,43 @@ class PoolTier:
             shards.setdefault(pool_index(key, self.pools_per_node), []).append(key)
         return shards
 
-    # -- lookup ---------------------------------------------------------------------------------------------
+    # -- lookup (RemoteTier) ----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Iterable[Key], timeout_s: float = 1.0, pin_memory: bool = False) -> Dict[Key, np.ndarray]:
-        """Arrays for the stored keys among ``keys``; {} for those the pool lacks, is too slow to return
+    def lookup(self, keys: Sequence[Hashable]) -> Dict[Hashable, PlanRows]:
+        """``{plan_key: PlanRows}`` for the plans the pool holds among ``keys``; never raises. The rows are
+        read-only views of shared memory (pinned with ``pin_memory`` until the next lookup): copy, never write."""
+        from cache.plan_cache import PlanRows  # here, not at the top: the pool actor's process loads this module
+
+        keys = list(keys)
+        if not keys:
+            return {}
+        self.unpin()  # the previous hit was copied into the slab synchronously: its pages are free to go
+        wanted = [(key, part) for key in keys for part in (BLOCKS, FINAL)]
+        try:
+            found = self.lookup_arrays(wanted, self.lookup_timeout_s)
+        except Exception as e:  # noqa: BLE001 - lookup_arrays does not raise; belt and braces: a miss
+            self.counts["lookup_failures"] += 1
+            logger.debug("pool lookup failed: %r", e)
+            found = {}
+        out: Dict[Hashable, PlanRows] = {}
+        for key in keys:
+            blocks, final = found.get((key, BLOCKS)), found.get((key, FINAL))
+            if blocks is None or final is None:
+                continue
+            m = len(key[1])  # a plan key is (weights_version, fp32 bits of its M timesteps): M rows
+            if blocks.ndim != 3 or blocks.shape[1] != m or final.ndim != 2 or final.shape[0] != m:
+                self.counts["bad_entries"] += 1
+                continue
+            out[key] = PlanRows(_plan_tensor(blocks), _plan_tensor(final))
+        self.counts["lookups"] += 1
+        self.counts["hit_plans"] += len(out)
+        self.counts["miss_plans"] += len(keys) - len(out)
+        return out
+
+    def lookup_arrays(self, keys: Iterable[Key], timeout_s: float) -> Dict[Key, np.ndarray]:
+        """Arrays for the stored entries among ``keys``; {} for those the pool lacks, is too slow to return
         (``timeout_s`` for the whole call) or cannot reach. Blocking: call from sync code (not an event loop).
-
-        ``pin_memory`` registers the arrays' shared-memory pages with CUDA (no-op without CUDA) so host-to-GPU
-        copies from them run at pinned speed; call :meth:`unpin` when done with them.
-        """
+        With ``pin_memory`` the arrays' pages are registered with CUDA until :meth:`unpin`."""
         deadline = time.monotonic() + timeout_s
         calls = []
         for index, shard in self._by_pool(keys).items():
@@ -431,73 +474,72 @@ class PoolTier:
             logger.debug("pool lookup: fetching objects failed: %r", e)
             return {}
         found = dict(zip(refs.keys(), values))
-        if pin_memory:
-            found = self._pin(found)
-        return found
-
-    async def lookup_async(self, keys: Iterable[Key], timeout_s: float = 1.0) -> Dict[Key, np.ndarray]:
-        """:meth:`lookup` for async callers (never blocks the event loop)."""
-        keys = list(keys)
-        try:
-            return await asyncio.wait_for(self._lookup_async(keys), timeout=timeout_s)
-        except Exception as e:  # noqa: BLE001
-            self.counts["lookup_failures"] += 1
-            logger.debug("pool lookup_async failed: %r", e)
-            return {}
-
-    async def _lookup_async(self, keys: List[Key]) -> Dict[Key, np.ndarray]:
-        shards = list(self._by_pool(keys).items())
-        handles = [(index, self.actor(index)) for index, _ in shards]
-        results = await asyncio.gather(
-            *(handle.lookup.remote(shard) for (_, handle), (_, shard) in zip(handles, shards)),
-            return_exceptions=True,
-        )
-        refs: Dict[Key, ray.ObjectRef] = {}
-        for (index, handle), result in zip(handles, results):
-            if isinstance(result, BaseException):
-                self._note_failure(index, handle, result)
-            else:
-                refs.update(result)
-        if not refs:
-            return {}
-        values = await asyncio.gather(*refs.values())
-        return dict(zip(refs.keys(), values))
+        return self._pin(found) if self.pin_memory else found
 
     def _note_failure(self, index: int, handle: Any, error: BaseException) -> None:
         self.counts["lookup_failures"] += 1
         if isinstance(error, RayActorError):
             # The pool died: forget the handle so the next use finds or creates a live one.
             self._forget_actor(index, handle)
-        elif not isinstance(error, (GetTimeoutError, asyncio.TimeoutError)):
+        elif not isinstance(error, GetTimeoutError):
             logger.debug("pool %d lookup failed: %r", index, error)
 
-    # -- publish --------------------------------------------------------------------------------------------
+    # -- publish (RemoteTier) ---------------------------------------------------------------------------------
 
-    def publish_async(self, group_key: GroupKey, entries: Mapping[Key, Any]) -> bool:
-        """Hand ``{key: numpy array or CPU tensor}`` to the pool in the background; never blocks.
+    def publish(self, key: Hashable, rows: PlanRows) -> None:
+        self.publish_group({key: rows}, None)
 
-        The caller must not modify the arrays afterwards. Returns False when the publish was dropped because
-        earlier publishes are still being sent.
-        """
-        _check_group_key(group_key)
+    def publish_group(self, plans: Mapping[Hashable, PlanRows], ready: Any = None) -> bool:
+        """Queue a request's built plans (``{plan_key: PlanRows}`` of host tensors, complete once the event
+        ``ready`` happened); never blocks. False when dropped because earlier groups are still being sent."""
+        if not plans:
+            return True
         with self._lock:
-            if self._pending >= self.max_pending_publishes:
-                self.counts["publish_dropped"] += 1
+            if self._pending >= self.max_pending_groups:
+                self.counts["dropped_groups"] += 1
                 return False
             self._pending += 1
-        self._executor.submit(self._publish_now, group_key, dict(entries))
+        try:
+            self._executor.submit(self._send_group, dict(plans), ready)
+        except RuntimeError:  # executor shut down (closed)
+            with self._lock:
+                self._pending -= 1
+            return False
         return True
 
-    def publish_now(self, group_key: GroupKey, entries: Mapping[Key, Any]) -> bool:
-        """Send ``{key: numpy array or CPU tensor}`` to the pool and wait (for callers already on a background
-        thread). True when every pool actor took its share; a dead actor is forgotten and recreated on next use."""
+    def _send_group(self, plans: Dict[Hashable, PlanRows], ready: Any) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()  # the D2H copies queued on the compute stream have landed
+            by_version: Dict[Hashable, Dict[Key, np.ndarray]] = {}
+            for key, rows in plans.items():
+                entries = by_version.setdefault(key[0], {})
+                entries[(key, BLOCKS)] = tensor_to_numpy(rows.blocks)
+                entries[(key, FINAL)] = tensor_to_numpy(rows.final)
+            for version, entries in by_version.items():
+                plan_keys = [k for k, part in entries if part == BLOCKS]
+                if self.publish_arrays(make_group_key(plan_keys, version), entries):
+                    self.counts["published_groups"] += 1
+                else:
+                    self.counts["dropped_groups"] += 1
+        except Exception:  # noqa: BLE001 - background thread: log, never propagate
+            self.counts["publish_failures"] += 1
+            logger.exception("publishing plans to the node pool failed")
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def publish_arrays(self, group_key: GroupKey, entries: Mapping[Key, np.ndarray]) -> bool:
+        """Send ``{entry_key: numpy array}`` to the pool as (part of) ``group_key`` and wait. True when every
+        pool actor took its share; a dead actor is forgotten and recreated on next use. The background thread
+        calls it; tests may call it directly."""
         _check_group_key(group_key)
-        arrays = {k: v if isinstance(v, np.ndarray) else tensor_to_numpy(v) for k, v in entries.items()}
         ok = True
-        for index, shard in self._by_pool(arrays).items():
+        for index, shard in self._by_pool(entries).items():
             handle = self.actor(index)
             try:
-                ray.get(handle.publish.remote(group_key, {k: arrays[k] for k in shard}), timeout=self.publish_timeout_s)
+                ray.get(handle.publish.remote(group_key, {k: entries[k] for k in shard}),
+                        timeout=self.publish_timeout_s)
             except RayActorError:
                 ok = False
                 self.counts["publish_failures"] += 1
@@ -508,35 +550,32 @@ class PoolTier:
                 logger.debug("pool %d publish failed: %r", index, e)
         return ok
 
-    def _publish_now(self, group_key: GroupKey, entries: Dict[Key, Any]) -> None:
-        try:
-            self.publish_now(group_key, entries)
-        except Exception:  # noqa: BLE001 - background thread: log, never propagate
-            self.counts["publish_failures"] += 1
-            logger.exception("pool publish failed")
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Wait until the publishes handed over so far were sent (tests, shutdown)."""
-        self._executor.submit(lambda: None).result(timeout=timeout_s)
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until the groups queued so far reached the pool (tests, weight updates)."""
+        self._executor.submit(lambda: None).result(timeout=timeout_s or self.publish_timeout_s)
 
     # -- admin ----------------------------------------------------------------------------------------------
 
     def invalidate(self, weights_version: Any = None, timeout_s: float = 10.0) -> int:
-        """Drop the groups of ``weights_version`` (all when None) on every pool of this node."""
+        """Drop the groups of ``weights_version`` (all when None) on every pool of this node, after this
+        client's queued publishes landed (so none re-adds an old plan afterwards). Never raises: plans of other
+        weights are unreachable anyway (the version is in every key)."""
         dropped = 0
-        for index in range(self.pools_per_node):
-            handle = self.actor(index)
-            try:
-                dropped += ray.get(handle.invalidate.remote(weights_version), timeout=timeout_s)
-            except RayActorError:
-                self._forget_actor(index, handle)
+        try:
+            self.flush()
+            for index in range(self.pools_per_node):
+                handle = self.actor(index)
+                try:
+                    dropped += ray.get(handle.invalidate.remote(weights_version), timeout=timeout_s)
+                except RayActorError:
+                    self._forget_actor(index, handle)
+        except Exception as e:  # noqa: BLE001
+            self.counts["invalidate_errors"] += 1
+            logger.warning("node pool invalidate(%r) failed: %r (old plans stay unreachable)", weights_version, e)
         return dropped
 
-    def stats(self, timeout_s: float = 5.0) -> List[Dict[str, Any]]:
-        """Per-pool stats of this node (empty dict for a pool that does not answer)."""
+    def pool_stats(self, timeout_s: float = 5.0) -> List[Dict[str, Any]]:
+        """Per-pool stats of this node (an empty dict for a pool that does not answer)."""
         out = []
         for index in range(self.pools_per_node):
             handle = self.actor(index)
@@ -549,7 +588,11 @@ class PoolTier:
                 out.append({})
         return out
 
-    # -- pinned (cudaHostRegister) pages --------------------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        """This client's counters (no pool round trip)."""
+        return {**self.counts, "lookup_timeout_s": self.lookup_timeout_s, "pin_memory": self.pin_memory}
+
+    # -- pinned (cudaHostRegister) pages: the one pin path --------------------------------------------------
 
     def _pin(self, found: Dict[Key, np.ndarray]) -> Dict[Key, np.ndarray]:
         import torch
@@ -557,31 +600,65 @@ class PoolTier:
         if not torch.cuda.is_available():
             return found
         cudart = torch.cuda.cudart()
-        out = {}
         for key, array in found.items():
-            pinned = self._pinned.get(key)
-            if pinned is None:
-                err = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-                if int(err) != 0:
-                    out[key] = array
-                    continue
+            if key in self._pinned:
+                continue
+            if int(cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)) == 0:
                 # Keep the array (and with it the shared-memory mapping) alive while registered.
-                self._pinned[key] = pinned = array
-            out[key] = pinned
-        return out
+                self._pinned[key] = array
+        return found
 
-    def unpin(self, keys: Optional[Iterable[Key]] = None) -> None:
-        """Unregister pages pinned by ``lookup(pin_memory=True)`` (all when ``keys`` is None)."""
+    def unpin(self) -> None:
+        """Unregister every page pinned by the last lookup."""
         if not self._pinned:
             return
         import torch
 
         cudart = torch.cuda.cudart()
-        for key in list(self._pinned) if keys is None else list(keys):
-            array = self._pinned.pop(key, None)
-            if array is not None:
-                cudart.cudaHostUnregister(array.ctypes.data)
+        pinned, self._pinned = self._pinned, {}
+        for array in pinned.values():
+            cudart.cudaHostUnregister(array.ctypes.data)
 
     def close(self) -> None:
         self.unpin()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _plan_tensor(array: np.ndarray) -> Any:
+    # tensor_to_numpy turns only bf16 into uint16; nothing else in a plan is uint16.
+    import torch
+
+    return numpy_to_tensor(array, torch.bfloat16 if array.dtype == np.uint16 else None)
+
+
+def pool_enabled(config: PoolConfig, adaln_mode: str) -> bool:
+    """Whether an engine with this config gets a pool: not in resident mode (no plans), not when disabled,
+    only inside Ray (there is no object store without it)."""
+    if adaln_mode != "online" or config.enabled is False:
+        return False
+    return ray.is_initialized()
+
+
+def make_pool_client(config: PoolConfig, device: Any, adaln_mode: str = "online", *,
+                     namespace: str = POOL_NAMESPACE) -> Optional[PoolClient]:
+    """The node pool client for a worker on ``device`` (a torch device or its name), or None when the pool is
+    off (see :func:`pool_enabled`)."""
+    import torch
+
+    from cache.config import GB
+
+    if not pool_enabled(config, adaln_mode):
+        if config.enabled:
+            logger.warning("pool.enabled=true but this process is not inside Ray (or adaln.mode=resident): no pool")
+        return None
+    pin = config.pin_memory if config.pin_memory is not None else torch.device(device).type == "cuda"
+    client = PoolClient(int(round(config.capacity_gb * GB)), pools_per_node=config.pools_per_node,
+                        namespace=namespace, lookup_timeout_s=config.lookup_timeout_s, pin_memory=pin)
+    try:  # start the node's pool actors now (found by name if another worker made them), not on the first lookup
+        for index in range(config.pools_per_node):
+            client.actor(index)
+    except Exception as e:  # noqa: BLE001 - retried on first use; a missing pool is only a miss
+        logger.warning("could not start the node pool yet: %r", e)
+    logger.info("AdaLN node pool: %s GB over %d pool(s) on node %s, lookup budget %.1f s, pin %s",
+                config.capacity_gb, config.pools_per_node, client.node_id, config.lookup_timeout_s, pin)
+    return client

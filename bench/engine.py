@@ -1,4 +1,4 @@
-"""Engine benchmark: denoising step time and peak memory of `GpuWorker` per preset.
+"""Engine benchmark: denoising step time and peak memory of `Engine` per preset.
 
     python -m bench.engine                                   # CPU: tiny and small
     python -m bench.engine --device cuda --preset h3 --num-blocks 4 --adaln resident online
@@ -38,9 +38,9 @@ def run_one(args: argparse.Namespace) -> list[dict]:
     """One preset and adaln mode in this process: load, then per video size warm up and time `repeats` requests."""
     import torch
 
-    from actors.api import GenerationRequest
-    from actors.config import EngineConfig
-    from actors.gpu_worker import GpuWorker
+    from engine.api import GenerationRequest
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from model.checkpoint import make_checkpoint
     from model.config import preset
 
@@ -54,7 +54,7 @@ def run_one(args: argparse.Namespace) -> list[dict]:
 
     cuda = args.device == "cuda"
     start = time.perf_counter()
-    engine = GpuWorker(EngineConfig(checkpoint=str(ckpt), device=args.device, adaln={"mode": mode}))
+    engine = Engine(EngineConfig(checkpoint=str(ckpt), device=args.device, adaln={"mode": mode}))
     load_s = time.perf_counter() - start
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
 

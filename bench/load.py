@@ -76,11 +76,11 @@ def request_mix(num: int, seed: int = 0) -> list[dict[str, Any]]:
 
 def references(engine_args: dict[str, Any], bodies: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
     """Latents of every body from an engine built here (same checkpoint and engine config, CPU)."""
-    from actors.api import GenerationRequest
-    from actors.config import EngineConfig
-    from actors.gpu_worker import GpuWorker
+    from engine.api import GenerationRequest
+    from engine.config import EngineConfig
+    from engine.engine import Engine
 
-    engine = GpuWorker(EngineConfig.model_validate({**engine_args, "device": "cpu"}))
+    engine = Engine(EngineConfig.model_validate({**engine_args, "device": "cpu"}))
     out = []
     for body in bodies:
         result = engine.generate(GenerationRequest(**body))

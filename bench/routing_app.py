@@ -1,7 +1,7 @@
 """Routing benchmark against the real app: ScheduleAffinityRouter vs Ray's default router.
 
 `bench/routing.py` models the plan slab with a fake worker; this one deploys the real app (`build_app`):
-real GpuWorker replicas (one per GPU), the real AdaLN plan cache and, in one mode, the node-shared
+real Engine replicas (one per GPU), the real AdaLN plan cache and, in one mode, the node-shared
 host-cache pool. Each mode deploys the app from scratch, warms every replica up, sends `--requests`
 requests (Zipf-distributed schedules, seeded) from `--clients` closed-loop clients over the Python handle,
 and reads each response's plan counters. Modes:
@@ -175,8 +175,8 @@ async def in_thread(fn, *args, **kwargs) -> Any:
 def first_choices(app_name: str, steps: int, shifts: List[float]) -> List[int]:
     """The replica (0..R-1, by id) each schedule's rendezvous hash ranks first: affinity keeps a schedule there
     unless it spills, so how the hot schedules split over replicas decides much of the affinity result."""
-    from actors.api import GenerationRequest, schedule_for
     from deployments.router import first_choice
+    from engine.api import GenerationRequest, schedule_for
 
     prefix = f"SERVE_REPLICA::{app_name}#Worker#"
     ids = sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)

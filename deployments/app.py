@@ -15,13 +15,16 @@ import torch
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from actors.config import EngineConfig
 from deployments.ingress import Ingress
 from deployments.router import ScheduleAffinityRouter
 from deployments.schemas import AppConfig, WorkerOptions
 from deployments.worker import EngineFactory, Worker
+from engine.config import EngineConfig
 
 logger = logging.getLogger("ray.serve")
+
+#: How often a stopping replica checks whether its requests are done (Serve's default: 2 s).
+SHUTDOWN_POLL_S = 0.2
 
 
 def cluster_num_gpus() -> float:
@@ -36,6 +39,7 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
         "max_ongoing_requests": options.max_ongoing_requests,
+        **shutdown_options(options.graceful_shutdown_timeout_s),
     }
     if options.router == "schedule_affinity":
         deployment["request_router_config"] = RequestRouterConfig(
@@ -52,6 +56,14 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
     return deployment
 
 
+def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:
+    """Serve's drain settings for a replica: drain at most this long, checking every SHUTDOWN_POLL_S (Serve's
+    default polls every 2 s, so even an idle replica took 2 s to stop, and the app's two deployments stop one
+    after the other)."""
+    return {"graceful_shutdown_timeout_s": graceful_shutdown_timeout_s,
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S}
+
+
 def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
     """Pin relative paths to the builder's working directory, so every replica reads the same place."""
     update = {"checkpoint_root": os.path.abspath(engine.checkpoint_root)}
@@ -61,7 +73,7 @@ def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
 
 
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
-    """Ingress bound to a Worker. `engine_factory` (default: the real GpuWorker) lets tests pass a fake engine."""
+    """Ingress bound to a Worker. `engine_factory` (default: the real `engine.engine.Engine`) lets tests pass a fake engine."""
     engine = resolve_engine_config(config.engine)
     options = worker_deployment_options(config.worker, cluster_num_gpus())
     logger.info("ditserve: worker options %s, engine %s", options, engine.model_dump())
@@ -70,7 +82,8 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
         update={"weight_roots": [os.path.abspath(os.path.expanduser(r)) for r in config.admin.weight_roots]
                 or [engine.checkpoint_root]}
     )
-    return Ingress.bind(worker, config.http.model_dump(), admin.model_dump())
+    ingress = Ingress.options(**shutdown_options(config.http.graceful_shutdown_timeout_s))
+    return ingress.bind(worker, config.http.model_dump(), admin.model_dump())
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -2,12 +2,14 @@
 
 Routes: `POST /v1/generations` (`?stream=true` or `POST /v1/generations:stream`: server-sent events
 `progress` per step, then `result`), `GET /healthz`, `GET /v1/models`, `POST|GET /admin/weights` (bearer
-token; fleet weight update, see deployments/weights.py); OpenAPI at `/docs`.
+token; fleet weight update: deployments/admin.py); OpenAPI at `/docs`. Routing only: statuses and log
+levels of failures live in deployments/errors.py, the weight update's orchestration in deployments/admin.py.
 Python callers: `serve.get_app_handle("ditserve").generate.remote({...})` -> `GenerationResponse`;
 `handle.options(stream=True).generate_stream.remote({...})` yields `ProgressEvent`s, then the response.
 
 Status codes: 400 malformed JSON, 413 body over `http.max_body_bytes`, 422 a request that fails the schema
-or the loaded model's limits (message names the field and the limit), 503 worker unavailable, 504 timeout.
+or the loaded model's limits (message names the field and the limit), 500 server fault, 503 worker
+unavailable, 504 timeout. Handle callers get a ClientError (a ValueError) for what would be a 4xx.
 
 No `from __future__ import annotations` here: FastAPI must see real annotations (`Request`) on methods that
 `@serve.ingress` rewraps.
@@ -15,7 +17,6 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
 
 
 import asyncio
-import hmac
 import json
 import logging
 import uuid
@@ -25,23 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from actors.api import GenerationCancelled, GenerationRequest, schedule_for
-from cache.rebuild import RebuildError
+from deployments.admin import WeightAdmin
+from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
 from deployments.metrics import RoutingMetrics
-from deployments.schemas import (
-    AdminOptions,
-    ErrorResponse,
-    GenerationResponse,
-    HttpOptions,
-    ProgressEvent,
-    WeightUpdateRequest,
-)
-from deployments.weights import confine_weights_path, env_admin_token, get_coordinator
-from model.checkpoint import CheckpointError
+from deployments.schemas import AdminOptions, ErrorResponse, GenerationResponse, HttpOptions, ProgressEvent
+from engine.api import GenerationRequest, schedule_for
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,28 +51,6 @@ _ERRORS = {
 }
 
 
-class RequestError(Exception):
-    """A request we refuse; carries the HTTP status and the body."""
-
-    def __init__(self, status: int, kind: str, message: str, errors: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.errors = status, kind, message, errors
-
-    def response_body(self) -> dict[str, Any]:
-        return {"error": {"type": self.kind, "message": self.message, "errors": self.errors}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=self.response_body())
-
-
-def _validation_error(exc: ValidationError) -> RequestError:
-    errors = [
-        {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]} for err in exc.errors(include_url=False)
-    ]
-    summary = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors)
-    return RequestError(422, "invalid_request", summary, errors)
-
-
 def parse_request(payload: Any) -> GenerationRequest:
     """dict | GenerationRequest -> GenerationRequest, or RequestError(422) naming the bad fields."""
     if isinstance(payload, GenerationRequest):
@@ -92,55 +61,11 @@ def parse_request(payload: Any) -> GenerationRequest:
     try:
         return GenerationRequest.model_validate(payload)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
-
-
-def _engine_value_error(exc: BaseException) -> str | None:
-    """The message of a ValueError raised by the engine (Ray wraps it in RayTaskError(ValueError))."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, ValueError):
-        return str(cause)
-    if isinstance(exc, ValueError) and cause is None:
-        return str(exc)
-    return None
-
-
-def _worker_error(exc: BaseException, request_id: str) -> RequestError:
-    """A failed worker call as the RequestError the caller sees."""
-    if isinstance(getattr(exc, "cause", exc), (RebuildError, CheckpointError)):
-        # A ValueError, but the server's checkpoint broke, not the request: 5xx, details in the log only.
-        logger.error("generation %s failed reading the checkpoint", request_id, exc_info=exc)
-        kind = type(getattr(exc, "cause", exc)).__name__
-        return RequestError(500, "server_error", f"generation failed: {kind} (the server could not read its "
-                            "checkpoint; retry later)")
-    message = _engine_value_error(exc)
-    if message is not None:
-        return RequestError(422, "invalid_request", message)
-    if isinstance(getattr(exc, "cause", exc), GenerationCancelled):
-        return RequestError(499, "cancelled", "the request was cancelled")
-    if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
-        return RequestError(503, "unavailable", f"no worker could take the request: {type(exc).__name__}")
-    logger.error("generation %s failed", request_id, exc_info=exc)
-    return RequestError(500, "server_error", f"generation failed: {type(exc).__name__}")
+        raise validation_error(exc) from None
 
 
 def _sse_event(name: str, item: Any) -> str:
     return f"event: {name}\ndata: {item.model_dump_json()}\n\n"
-
-
-def _reports(replicas: list[dict[str, Any]], version: int) -> list[dict[str, Any]]:
-    """Per replica: id, old/new weights version and model, ok/error (from its last apply)."""
-    reports = []
-    for r in sorted(replicas, key=lambda r: r["replica"]):
-        last = r.get("last_apply") or {}
-        if last.get("new_version", -1) < version:  # still pending (timeout) or superseded
-            last = {"ok": False, "error": "not applied yet" if r["applied_version"] < version else "superseded"}
-        reports.append({
-            "replica": r["replica"], "old_version": last.get("old_version"), "new_version": r["applied_version"],
-            "old_model": last.get("old_model"), "new_model": r.get("model"), "ok": bool(last.get("ok")),
-            "error": last.get("error"), "seconds": last.get("seconds"),
-        })
-    return reports
 
 
 def _new_id() -> str:
@@ -153,11 +78,12 @@ class Ingress:
     def __init__(
         self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None
     ) -> None:
+        install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
         self._worker = worker
         self._http = HttpOptions.model_validate(http or {})
-        self._admin = AdminOptions.model_validate(admin or {})
-        self._admin_token = self._admin.token or env_admin_token()
-        self._coordinator: Any = None
+        self._admin = WeightAdmin(
+            worker, AdminOptions.model_validate(admin or {}), serve.get_replica_context().app_name
+        )
         self._routing_metrics = RoutingMetrics()
         self._model_card: dict[str, Any] | None = None
 
@@ -173,8 +99,8 @@ class Ingress:
         except asyncio.TimeoutError:
             response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
             raise self._timeout_error() from None
-        except Exception as exc:  # noqa: BLE001 - sorted by _worker_error
-            raise _worker_error(exc, request_id) from None
+        except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+            raise worker_error(exc, request_id) from None
         finally:
             self._routing_metrics.update()
         # Encoding latents and the PNG is CPU work: keep it off the event loop.
@@ -204,8 +130,8 @@ class Ingress:
                     return
                 except asyncio.TimeoutError:
                     raise self._timeout_error() from None
-                except Exception as exc:  # noqa: BLE001 - sorted by _worker_error
-                    raise _worker_error(exc, request_id) from None
+                except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+                    raise worker_error(exc, request_id) from None
                 if event["event"] == "progress":
                     yield ProgressEvent(step=event["step"], steps=event["steps"], elapsed_s=event["elapsed_s"])
                 else:
@@ -221,23 +147,20 @@ class Ingress:
         """Handle API with per-step progress: `handle.options(stream=True).generate_stream.remote({...})`
         yields `ProgressEvent`s (step 0 when accepted, then one per step) and finally the
         `GenerationResponse`. Cancelling the response generator stops the engine at its next step.
-        Raises ValueError on bad input."""
+        Raises ClientError (a ValueError) on bad input."""
         try:
             async for item in self._stream(parse_request(request), _new_id()):
                 yield item
         except RequestError as exc:
-            if exc.status in (400, 413, 422):
-                raise ValueError(exc.message) from None
-            raise RuntimeError(exc.message) from None
+            raise exc.for_handle_caller() from None
 
     async def generate(self, request: dict[str, Any] | GenerationRequest) -> GenerationResponse:
-        """Handle API: `serve.get_app_handle(app).generate.remote({...})`. Raises ValueError on bad input."""
+        """Handle API: `serve.get_app_handle(app).generate.remote({...})`. Raises ClientError (a ValueError)
+        on bad input."""
         try:
             return await self._generate(parse_request(request), _new_id())
         except RequestError as exc:
-            if exc.status in (400, 413, 422):
-                raise ValueError(exc.message) from None
-            raise RuntimeError(exc.message) from None
+            raise exc.for_handle_caller() from None
 
     # ---------------------------------------------------------------------------------------------
     # HTTP
@@ -311,81 +234,28 @@ class Ingress:
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     # ---------------------------------------------------------------------------------------------
-    # Admin: fleet weight updates (deployments/weights.py has the design and the safety argument)
+    # Admin: fleet weight updates (deployments/admin.py does the work, deployments/weights.py has the design)
     # ---------------------------------------------------------------------------------------------
-
-    def _check_admin(self, http_request: Request) -> None:
-        """404 when no admin token is configured (routes off), 401 on a missing or wrong bearer token."""
-        if not self._admin_token:
-            raise RequestError(404, "not_found", "admin routes are disabled: set admin.token or $DITSERVE_ADMIN_TOKEN")
-        scheme, _, given = http_request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._admin_token.encode()):
-            raise RequestError(401, "unauthorized", "admin routes need 'Authorization: Bearer <admin token>'")
-
-    def _weights_coordinator(self) -> Any:
-        if self._coordinator is None:
-            self._coordinator = get_coordinator(serve.get_replica_context().app_name)
-        return self._coordinator
 
     @api.post("/admin/weights", summary="Load new weights on every worker replica (bearer token).",
               description="Body {\"path\": checkpoint dir under admin.weight_roots}. Validates once, then every "
               "live worker replica applies it between two requests; answers per replica.")
     async def update_weights(self, http_request: Request) -> JSONResponse:
         try:
-            self._check_admin(http_request)
-            payload = await self._read_json(http_request)
-            try:
-                body = WeightUpdateRequest.model_validate(payload)
-                path = str(confine_weights_path(body.path, self._admin.weight_roots))
-            except ValidationError as exc:
-                raise _validation_error(exc) from None
-            except ValueError as exc:
-                raise RequestError(400, "invalid_path", str(exc)) from None
-            return await self._update_weights(path)
+            self._admin.authorize(http_request.headers.get("authorization", ""))
+            return await self._admin.update(await self._read_json(http_request))
         except RequestError as exc:
             logger.info("admin weight update refused (%d): %s", exc.status, exc.message)
             return exc.response() if exc.status != 401 else JSONResponse(
                 status_code=401, content=exc.response_body(), headers={"www-authenticate": "Bearer"})
 
-    async def _update_weights(self, path: str) -> JSONResponse:
-        # 1. Validate once, read-only, on one replica: nothing anywhere changes if this fails.
-        try:
-            checked = await asyncio.wait_for(self._worker.validate_weights.remote(path), timeout=120)
-        except Exception as exc:  # noqa: BLE001
-            message = _engine_value_error(exc)
-            if message is not None:
-                raise RequestError(422, "invalid_weights", message) from None
-            raise _worker_error(exc, "admin-weights") from None
-        # 2. Set the fleet target; 3. wait until every live replica applied it (or failed).
-        coordinator = self._weights_coordinator()
-        version = await coordinator.set_target.remote(path)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._admin.update_timeout_s
-        while True:
-            replicas = await coordinator.replicas.remote()
-            done = [r for r in replicas if max(r["applied_version"], r["failed_version"]) >= version]
-            if replicas and len(done) == len(replicas):
-                break
-            if loop.time() > deadline:
-                body = {"version": version, "path": path, "status": "timeout", "replicas": _reports(replicas, version)}
-                return JSONResponse(status_code=504, content=body)
-            await asyncio.sleep(0.2)
-        reports = _reports(replicas, version)
-        ok = all(r["ok"] for r in reports)
-        body = {"version": version, "path": path, "fingerprint": checked.get("fingerprint"),
-                "status": "ok" if ok else "failed", "replicas": reports}
-        return JSONResponse(status_code=200 if ok else 500, content=body)
-
     @api.get("/admin/weights", summary="The fleet's weights target and each live worker replica's state (bearer token).")
     async def weights_status(self, http_request: Request) -> JSONResponse:
         try:
-            self._check_admin(http_request)
+            self._admin.authorize(http_request.headers.get("authorization", ""))
         except RequestError as exc:
             return exc.response()
-        coordinator = self._weights_coordinator()
-        version, path = await coordinator.target.remote()
-        replicas = await coordinator.replicas.remote()
-        return JSONResponse(content={"version": version, "path": path, "replicas": replicas})
+        return await self._admin.status()
 
     async def _read_json(self, http_request: Request) -> Any:
         limit = self._http.max_body_bytes

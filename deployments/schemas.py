@@ -1,6 +1,6 @@
 """Pydantic models at the HTTP / handle edge, and the app's config (`args` of serve_config.yaml).
 
-The request type is the engine's own (`actors.api.GenerationRequest`), re-exported here.
+The request type is the engine's own (`engine.api.GenerationRequest`), re-exported here.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from actors.api import CacheDitOverrides, GenerationRequest, GenerationResult
-from actors.config import EngineConfig
+from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult
+from engine.config import EngineConfig
 
 __all__ = [
     "AdminOptions",
@@ -190,6 +190,11 @@ class WorkerOptions(BaseModel):
         1.25, ge=1.0, description="schedule_affinity: a replica takes a key's request while its load stays under "
         "load_factor x the mean; larger keeps affinity longer under skew.",
     )
+    graceful_shutdown_timeout_s: float = Field(
+        5.0, ge=0, description="When a replica stops (Ctrl-C on `serve run`, a redeploy, a downscale), how long it "
+        "may keep running its queued and in-flight generations before they are cancelled and it is killed. "
+        "Short, so `serve run` stops within seconds; raise it to let long generations finish on a downscale.",
+    )
 
 
 class HttpOptions(BaseModel):
@@ -200,6 +205,10 @@ class HttpOptions(BaseModel):
     max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
     health_timeout_s: float = Field(10.0, gt=0, description="Longest /healthz waits for the worker.")
+    graceful_shutdown_timeout_s: float = Field(
+        2.0, ge=0, description="When the ingress stops, how long its open requests may still wait for their "
+        "generations before they are cut (the worker then stops its own within worker.graceful_shutdown_timeout_s).",
+    )
 
 
 class AdminOptions(BaseModel):

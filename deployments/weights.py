@@ -21,10 +21,10 @@ Why no request ever mixes old and new weights (the safety argument):
    only the weights present when it started, and they cannot change until it returned (or stopped at a
    step boundary on cancel). Requests queued before the apply run on the old weights, those after on the
    new ones; nothing runs mid-apply.
-2. Derived state follows in the same job: `GpuWorker.update_weights` validates everything before writing
+2. Derived state follows in the same job: `Engine.update_weights` validates everything before writing
    (a rejected update leaves the replica untouched), then refreshes the AdaLN provider, which drops every
    tier (GPU slab, host tier) and bumps the weights version that is part of every plan key, and calls the
-   node pool's `invalidate()` (`GpuWorker.pool_tier`). A plan built from the old weights therefore can
+   node pool's `invalidate()` (`Engine.pool_tier`). A plan built from the old weights therefore can
    neither be found nor be left resident; slots still referenced by a finished request are detached.
 3. The directory is validated once by one replica before the target is set, so a bad directory changes
    nothing anywhere. Each replica still re-validates before writing (the disk may change in between); if

@@ -1,12 +1,16 @@
 """The worker deployment: a thin Serve shim over a plain engine (one replica per GPU, or on CPU).
 
-All model work happens in `actors.gpu_worker.GpuWorker` (or whatever `engine_factory` builds, e.g. a
-fake in tests). Generations run on one dedicated thread, so they are serialized per replica and the
+All model work happens in `engine.engine.Engine` (or whatever `engine_factory` builds, e.g. a fake in
+tests; both implement `engine.api.EngineProtocol`). Generations run on one dedicated thread, so they are serialized per replica and the
 replica's event loop stays free for health checks, `describe` and cancellations.
 
 Routing: callers pass `schedule_key=` (the request's sampling schedule); with `ScheduleAffinityRouter`
 (set by `build_app`) requests of one schedule go to the replica whose AdaLN plans are warm, and this
 replica reports its ongoing count and recent schedules through `record_routing_stats()`.
+
+Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
+`serve run` stops within seconds of Ctrl-C), then calls `__del__`, which stops the weights follower, asks
+every generation still running to stop at its next step and drops the queued ones, then force-kills it.
 """
 
 from __future__ import annotations
@@ -21,25 +25,27 @@ from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 
-from actors.api import Engine, GenerationCancelled, GenerationRequest, GenerationResult
-from actors.config import EngineConfig
+from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
 from deployments.weights import WeightFollower
+from engine.api import EngineProtocol, GenerationRequest, GenerationResult
+from engine.config import EngineConfig
+from engine.errors import ClientError, GenerationCancelled
 
 logger = logging.getLogger("ray.serve")
 
-EngineFactory = Callable[[EngineConfig], Engine]
+EngineFactory = Callable[[EngineConfig], EngineProtocol]
 
 
-def default_engine_factory(config: EngineConfig) -> Engine:
+def default_engine_factory(config: EngineConfig) -> EngineProtocol:
     # Imported here so the Serve layer can be imported (and tested with a fake) without loading the model.
-    from actors.gpu_worker import GpuWorker, resolve_device
-    from actors.pool_tier import make_pool_remote
+    from actors.host_cache_pool import make_pool_client
+    from engine.engine import Engine, resolve_device
 
     # The node-shared AdaLN plan pool (auto: on inside Ray with adaln.mode=online); None when off.
-    remote = make_pool_remote(config.pool, resolve_device(config.device), config.adaln.mode)
-    return GpuWorker(config, remote=remote)
+    remote = make_pool_client(config.pool, resolve_device(config.device), config.adaln.mode)
+    return Engine(config, remote=remote)
 
 
 @serve.deployment(name="Worker", ray_actor_options={"num_cpus": 1})
@@ -47,6 +53,7 @@ class Worker(ScheduleAffinityReporter):
     """Serve replica holding one engine. `build_app` sets `num_gpus` (1 on a GPU cluster, else 0)."""
 
     def __init__(self, engine_config: dict[str, Any], engine_factory: EngineFactory | None = None) -> None:
+        install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
         config = EngineConfig.model_validate(engine_config)
         self._engine = (engine_factory or default_engine_factory)(config)
         # One thread: the engine owns one device and runs one generation at a time; later requests queue here.
@@ -55,11 +62,12 @@ class Worker(ScheduleAffinityReporter):
         self._metrics = WorkerMetrics()
         self._outcomes = {"ok": 0, "cancelled": 0, "invalid": 0, "error": 0}
         self._last_request: dict[str, Any] = {}
+        self._in_flight: set[threading.Event] = set()  # cancel flags of submitted, unfinished generations
         context = serve.get_replica_context()
         self._replica_id = context.replica_id.unique_id
         self._weights = WeightFollower(
             context.app_name, self._replica_id, self._executor,
-            getattr(self._engine, "update_weights", None), self._debug_state, self._on_weights_applied,
+            self._engine.update_weights, self._debug_state, self._on_weights_applied,
         )
         self._weights.start()  # applies the fleet's weights target (if any) before the first request
 
@@ -90,22 +98,24 @@ class Worker(ScheduleAffinityReporter):
             except GenerationCancelled:
                 outcome = "cancelled"
                 raise
-            except ValueError:
+            except ClientError:
                 outcome = "invalid"
                 raise
             finally:
+                self._in_flight.discard(cancelled)
                 last["outcome"] = outcome
                 self._outcomes[outcome] += 1
                 self._metrics.request_finished(outcome, time.perf_counter() - start, stats)
 
         self._metrics.request_started()
+        self._in_flight.add(cancelled)
         future = loop.run_in_executor(self._executor, run)
         # A caller that went away never reads the outcome: mark the exception retrieved (no asyncio warning).
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return future
 
     async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
-        """Run one generation off the event loop. Raises ValueError for requests the model cannot take.
+        """Run one generation off the event loop. Raises ClientError for requests the model cannot take.
         `schedule_key` is read by the router (and recorded here as recently served)."""
         cancelled = threading.Event()
         with self.track_schedule(schedule_key):
@@ -122,12 +132,10 @@ class Worker(ScheduleAffinityReporter):
     async def generate_stream(self, request: GenerationRequest, schedule_key: str | None = None) -> AsyncIterator[dict]:
         """Streaming generation (`handle.options(stream=True)`): yields `{"event": "progress", "step",
         "steps", "elapsed_s"}` (step 0 once the request is accepted, then after every denoising step) and
-        finally `{"event": "result", "result": GenerationResult}`. Model-limit errors (ValueError) are
+        finally `{"event": "result", "result": GenerationResult}`. Model-limit errors (ClientError) are
         raised before anything is yielded. A caller that cancels or stops iterating stops the engine at
         its next step; the plan references are released there."""
-        validate = getattr(self._engine, "validate", None)
-        if validate is not None:
-            validate(request)
+        self._engine.validate(request)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
@@ -169,22 +177,17 @@ class Worker(ScheduleAffinityReporter):
 
     async def validate_weights(self, path: str) -> dict[str, Any]:
         """Check the checkpoint at `path` against the served model without writing anything (runs beside a
-        generation: read-only). ValueError names the problem. Used once per fleet update by the admin route."""
-        validate = getattr(self._engine, "validate_weight_update", None)
-        if validate is None:
-            raise ValueError("this engine does not support weight updates")
-        reader = await asyncio.to_thread(validate, path)
-        return {"path": str(path), "fingerprint": getattr(reader, "fingerprint", None)}
+        generation: read-only). WeightsRejected names the problem. Used once per fleet update by the admin
+        route."""
+        fingerprint = await asyncio.to_thread(self._engine.validate_weight_update, path)
+        return {"path": str(path), "fingerprint": fingerprint}
 
     def _on_weights_applied(self, version: int) -> None:
         self.forget_schedules()  # recently served schedules no longer have warm plans
         self._metrics.weights_version.set(version)
 
     def _debug_state(self) -> dict[str, Any]:
-        engine_stats = getattr(self._engine, "debug_stats", None)
-        state = dict(engine_stats()) if engine_stats is not None else {}
-        state.setdefault("model", self._engine.describe().get("id"))
-        return state
+        return dict(self._engine.debug_stats())
 
     async def debug_stats(self) -> dict[str, Any]:
         """Replica bookkeeping for tests and operators: held plan references (0 when idle), stale plans,
@@ -197,9 +200,18 @@ class Worker(ScheduleAffinityReporter):
             **self._debug_state(),
         }
 
+    def _shutdown(self) -> None:
+        """Stop promptly (Serve calls `__del__` once draining ended or timed out): no more weight updates,
+        every generation still queued or running stops at its next step boundary (its caller gets
+        GenerationCancelled), and the engine thread takes no new work. Never waits for the engine."""
+        self._weights.stop()
+        for cancelled in list(self._in_flight):
+            cancelled.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._weights.stop()
+            self._shutdown()
 
     async def health(self) -> dict[str, Any]:
         return self._engine.health()

@@ -11,6 +11,7 @@ import torch
 from model.checkpoint import make_checkpoint
 from model.config import DiTConfig, preset
 from model.dit import DiT
+from tests.adaln_support import Models, models_for
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +46,10 @@ def tiny_inputs(tiny_config):
     audio = torch.randn(6, c.audio_channels, generator=g)
     text = torch.randn(5, c.text_dim, generator=g)
     return video, audio, text
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Models:
+    """The tiny preset (4 blocks) as a real checkpoint with its online and resident models (AdaLN plan
+    cache tests; helpers in tests/adaln_support.py). Shared: tests must not modify it."""
+    return models_for("tiny", tmp_path_factory)

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from actors.api import GenerationCancelled, GenerationRequest, GenerationResult, check_limits
-from actors.config import EngineConfig
+from engine.api import GenerationRequest, GenerationResult, check_limits
+from engine.config import EngineConfig
+from engine.errors import GenerationCancelled, WeightsRejected
 from model.config import preset
 
 
@@ -23,8 +24,11 @@ class FakeEngine:
         self.num_requests = 0
         self.num_cancelled = 0
 
-    def generate(self, request: GenerationRequest, progress=None, cancelled=None) -> GenerationResult:
+    def validate(self, request: GenerationRequest) -> None:
         check_limits(request, self.dit_config, self.config.max_steps)
+
+    def generate(self, request: GenerationRequest, progress=None, cancelled=None) -> GenerationResult:
+        self.validate(request)
         start = time.perf_counter()
         seed = 12345 if request.seed is None else request.seed
         generator = torch.Generator().manual_seed(seed)
@@ -46,6 +50,15 @@ class FakeEngine:
             timings={"encode_s": 0.0, "plan_s": 0.0, "denoise_s": total, "total_s": total},
             stats={"steps": request.steps, "tokens": request.frames * request.height * request.width // 4},
         )
+
+    def validate_weight_update(self, path: str) -> str:
+        raise WeightsRejected("this engine does not support weight updates")
+
+    def update_weights(self, path: str) -> dict[str, Any]:
+        raise WeightsRejected("this engine does not support weight updates")
+
+    def debug_stats(self) -> dict[str, Any]:
+        return {"model": f"fake-{self.dit_config.name}"}
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "requests": self.num_requests, "cancelled": self.num_cancelled}

@@ -9,9 +9,7 @@ import torch
 from cache.rebuild import _Files, resolve_adaln_units
 from model.checkpoint import CheckpointReader
 from model.sampler import FlowMatchSchedule, StepTimesteps
-from tests.test_adaln_support import (  # noqa: F401 (tiny is a fixture)
-    assert_equal_to_resident, host_gb, models_for, online_cache, resident, tiny,
-)
+from tests.adaln_support import assert_equal_to_resident, host_gb, models_for, online_cache, resident
 
 
 @pytest.fixture(scope="module")

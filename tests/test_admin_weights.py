@@ -15,11 +15,11 @@ import pytest
 import requests
 import torch
 
-from actors.api import GenerationRequest
-from actors.config import EngineConfig
-from actors.gpu_worker import GpuWorker
 from deployments.schemas import decode_latents
 from deployments.weights import confine_weights_path
+from engine.api import GenerationRequest
+from engine.config import EngineConfig
+from engine.engine import Engine
 from model.checkpoint import make_checkpoint
 from model.config import preset
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
@@ -139,7 +139,7 @@ def test_update_applies_on_every_replica_and_serves_exactly_the_new_weights(clus
         assert replica["applied_version"] == 1 and replica["fingerprint"] == body["fingerprint"]
         assert replica["stale_plans"] == 0 and replica["resident_plans"] == 0 and replica["held_plan_refs"] == 0
 
-    fresh = GpuWorker(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
+    fresh = Engine(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
     for i, (body_, before) in enumerate(zip(BODIES, old)):
         after = generate(url, body_)
         assert after["model"] == fresh.model_name != before["model"]
@@ -164,12 +164,12 @@ def test_a_replica_started_after_the_update_loads_the_new_weights_before_serving
     replicas = live_replicas(url, count=3)
     assert [r["applied_version"] for r in replicas] == [1, 1, 1]
     assert len({r["fingerprint"] for r in replicas}) == 1
-    fresh = GpuWorker(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
+    fresh = Engine(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu"}))
     assert {r["model"] for r in replicas} == {fresh.model_name}
 
 
 class RecordingPool:
-    """Stands in for `actors.host_cache_pool.PoolTier`: records invalidations."""
+    """Stands in for `actors.host_cache_pool.PoolClient`: records invalidations."""
 
     def __init__(self) -> None:
         self.invalidated: list = []
@@ -180,7 +180,7 @@ class RecordingPool:
 
 
 def test_engine_update_invalidates_the_pool_hook_and_a_rejected_one_writes_nothing(tmp_path):
-    engine = GpuWorker(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
+    engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
     engine.pool_tier = pool = RecordingPool()
     request = GenerationRequest(prompt="x", steps=2, frames=2, height=8, width=8, audio_len=4, seed=1)
     before = engine.generate(request)

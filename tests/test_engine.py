@@ -1,4 +1,4 @@
-"""The plain torch engine (actors.gpu_worker.GpuWorker) on a tiny auto-made checkpoint, on CPU."""
+"""The plain torch engine (engine.engine.Engine) on a tiny auto-made checkpoint, on CPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
-from actors.api import GenerationCancelled, GenerationRequest, check_limits
-from actors.config import EngineConfig
-from actors.gpu_worker import GpuWorker, auto_checkpoint_dir, ensure_checkpoint
+from engine.api import GenerationRequest, check_limits
+from engine.config import EngineConfig
+from engine.engine import Engine, auto_checkpoint_dir, ensure_checkpoint
+from engine.errors import GenerationCancelled
 from model.checkpoint import CheckpointReader, make_checkpoint
 from model.config import preset
 
@@ -28,7 +29,7 @@ def checkpoint_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint_root):
-    return GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"}))
+    return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"}))
 
 
 # --- results -------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def test_cancel_stops_between_steps_and_the_engine_still_works(engine):
 
 
 def test_online_adaln_plans_give_the_same_bits_as_resident(engine, checkpoint_root):
-    online = GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cpu",
+    online = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu",
                                     adaln={"mode": "online", "host_cache_gb": 0.01}))
     a, b = engine.generate(small_request()), online.generate(small_request())
     assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
@@ -178,13 +179,13 @@ def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_valid_one(tmp_pat
 
 def test_explicit_missing_checkpoint_fails_naming_the_path(tmp_path):
     with pytest.raises(ValueError, match="config.json is missing"):
-        GpuWorker(EngineConfig(checkpoint=str(tmp_path / "nope"), device="cpu"))
+        Engine(EngineConfig(checkpoint=str(tmp_path / "nope"), device="cpu"))
 
 
 def test_initial_noise_is_the_same_bits_on_cuda(engine, checkpoint_root):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    cuda = GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cuda"))
+    cuda = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cuda"))
     request = small_request()
     cpu_video, cpu_audio = engine._initial_noise(request, 5)
     cuda_video, cuda_audio = cuda._initial_noise(request, 5)
@@ -200,7 +201,7 @@ CACHE_DIT = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "m
 
 @pytest.fixture(scope="module")
 def cache_dit_engine(checkpoint_root):
-    return GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"},
+    return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"},
                                   cache_dit=CACHE_DIT))
 
 
@@ -229,7 +230,7 @@ def test_cache_dit_request_errors_name_the_field(engine, cache_dit_engine):
 
 @pytest.mark.parametrize("adaln_mode", ["resident", "online"])
 def test_offload_with_cache_dit_gives_the_same_bits_as_without_offload(cache_dit_engine, checkpoint_root, adaln_mode):
-    offloaded = GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
+    offloaded = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
                                        cache_dit=CACHE_DIT, offload={"enabled": True}))
     ref, out = cache_dit_engine.generate(small_request(steps=8)), offloaded.generate(small_request(steps=8))
     assert torch.equal(ref.video, out.video) and torch.equal(ref.audio, out.audio)
@@ -248,7 +249,7 @@ def seed1_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("adaln_mode, offload", [("resident", False), ("online", False), ("resident", True)])
 def test_update_weights_serves_the_new_checkpoint_exactly(checkpoint_root, seed1_checkpoint, adaln_mode, offload):
     def make(**kw):
-        return GpuWorker(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
+        return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
                                       offload={"enabled": offload}, **kw))
 
     engine = make()

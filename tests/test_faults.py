@@ -14,17 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.api import GenerationRequest
-from actors.config import EngineConfig
-from actors.gpu_worker import GpuWorker
 from cache.host_tier import HostTier
 from cache.plan_cache import AdmissionError, SlabFullError
 from cache.rebuild import RebuildError
 from cache.streams import Streams
+from engine.api import GenerationRequest
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import AdmissionRejected, ServerFault
 from model.checkpoint import CheckpointError, make_checkpoint, shard_name, shard_of
-from tests.test_adaln_support import (  # noqa: F401 (tiny is a fixture)
-    assert_equal_to_resident, host_gb, online_cache, resident, schedule, tiny,
-)
+from tests.adaln_support import assert_equal_to_resident, host_gb, online_cache, resident, schedule
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,13 +33,13 @@ def request(**overrides) -> GenerationRequest:
     return GenerationRequest(**{**fields, **overrides})
 
 
-def online_engine(checkpoint: Path, **adaln) -> GpuWorker:
+def online_engine(checkpoint: Path, **adaln) -> Engine:
     settings = {"mode": "online", "host_cache_gb": 0.0, "readers": 2, **adaln}
-    return GpuWorker(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln=settings))
+    return Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln=settings))
 
 
-def resident_engine(checkpoint: Path) -> GpuWorker:
-    return GpuWorker(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln={"mode": "resident"}))
+def resident_engine(checkpoint: Path) -> Engine:
+    return Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln={"mode": "resident"}))
 
 
 def same_bits(a, b) -> bool:
@@ -52,7 +51,7 @@ def block_shard(checkpoint: Path, block: int, num_blocks: int) -> Path:
     return checkpoint / shard_name(shard_of(f"blocks.{block}.norm1.weight"), num_blocks + 1)
 
 
-def assert_no_plan_held_or_half_built(engine: GpuWorker) -> None:
+def assert_no_plan_held_or_half_built(engine: Engine) -> None:
     index = engine.adaln.slab.index
     index.check()
     assert all(index.refcount(slot) == 0 for slot in range(index.capacity))
@@ -82,7 +81,7 @@ def test_broken_shard_at_start_is_a_checkpoint_error_naming_the_file(tiny_checkp
     breakage(shard)
     for mode in ("online", "resident"):
         with pytest.raises(CheckpointError, match=shard.name):
-            GpuWorker(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adaln={"mode": mode}))
+            Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adaln={"mode": mode}))
 
 
 @pytest.mark.parametrize("breakage", [missing, truncated])
@@ -93,8 +92,10 @@ def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_che
     shard = block_shard(tiny_checkpoint, 1, tiny_config.num_blocks)
     saved = shard.read_bytes()
     breakage(shard)
-    with pytest.raises(RebuildError, match=shard.name):
+    with pytest.raises(ServerFault, match=shard.name) as info:
         engine.generate(request())
+    # The engine's boundary: a server fault naming the lower layer's type, which stays chained.
+    assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
     assert_no_plan_held_or_half_built(engine)
     assert engine.health()["failed"] == 1
 
@@ -213,14 +214,15 @@ def test_concurrent_distinct_schedules_on_a_small_slab_are_exact_or_refused(tiny
     def run(r: GenerationRequest):
         try:
             return engine.generate(r)
-        except (AdmissionError, SlabFullError) as exc:
+        except (AdmissionRejected, SlabFullError) as exc:
             return exc
 
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(run, requests * 2))
     for r, outcome in zip(requests * 2, outcomes):
         if r.steps > 4:
-            assert isinstance(outcome, AdmissionError) and "adaln.gpu_plans=4" in str(outcome)
+            assert isinstance(outcome, AdmissionRejected) and "adaln.gpu_plans=4" in str(outcome)
+            assert isinstance(outcome.__cause__, AdmissionError)
         else:
             assert not isinstance(outcome, Exception), outcome
             assert same_bits(outcome, expected[r]), f"steps={r.steps} shift={r.shift}: wrong bits"

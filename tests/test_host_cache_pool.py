@@ -1,7 +1,14 @@
-"""HostCachePool / PoolTier: the node-wide host tier for AdaLN plans, on a local Ray cluster."""
+"""HostCachePool / PoolClient: the node-wide host tier for AdaLN plans, on a local Ray cluster.
 
+The actor-level tests publish and look up raw entries (`publish_arrays` / `lookup_arrays`); the plan-level
+ones go through the client's `RemoteTier` side (`publish_group` / `lookup`) as the plan cache does."""
+
+import os
+import signal
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -10,13 +17,14 @@ import torch
 
 from actors.host_cache_pool import (
     GroupLRU,
-    PoolTier,
+    PoolClient,
     make_group_key,
     numpy_to_tensor,
     pool_actor_name,
     pool_index,
     tensor_to_numpy,
 )
+from cache.plan_cache import PlanRows
 
 MiB = 1 << 20
 
@@ -28,10 +36,14 @@ def ray_cluster():
     ray.shutdown()
 
 
+def new_client(capacity_bytes: int = 8 * MiB, **options) -> PoolClient:
+    # A fresh namespace per client: its own pool actors, nothing shared between tests.
+    return PoolClient(capacity_bytes, namespace=f"test-{uuid.uuid4().hex[:8]}", detached=False, **options)
+
+
 @pytest.fixture
 def tier(ray_cluster):
-    # A fresh namespace per test: its own pool actors, nothing shared between tests.
-    t = PoolTier(8 * MiB, namespace=f"test-{uuid.uuid4().hex[:8]}", detached=False)
+    t = new_client()
     yield t
     t.close()
 
@@ -40,9 +52,8 @@ def page(seed: int, nbytes: int = MiB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def publish_and_wait(tier: PoolTier, group_key, entries) -> None:
-    assert tier.publish_async(group_key, entries)
-    tier.flush()
+def publish_and_wait(tier: PoolClient, group_key, entries) -> None:
+    assert tier.publish_arrays(group_key, entries)
 
 
 # -- bookkeeping (no Ray) ----------------------------------------------------------------------------------
@@ -108,12 +119,12 @@ def test_publish_then_lookup_from_another_process_is_bit_identical(tier):
     f32 = np.random.default_rng(1).standard_normal((2, 300)).astype(np.float32)
     f32[0, 0] = np.float32("nan")
     gk = make_group_key([(11,), (12,)], "v1")
-    publish_and_wait(tier, gk, {(11,): bf16, (12,): f32})
+    publish_and_wait(tier, gk, {(11,): tensor_to_numpy(bf16), (12,): f32})
 
     @ray.remote(num_cpus=0)
     def read_elsewhere(namespace):
-        other = PoolTier(8 * MiB, namespace=namespace, detached=False)
-        found = other.lookup([(11,), (12,), (13,)], timeout_s=10)
+        other = PoolClient(8 * MiB, namespace=namespace, detached=False)
+        found = other.lookup_arrays([(11,), (12,), (13,)], timeout_s=10)
         out = {k: (v.dtype.str, v.shape, v.tobytes(), v.flags.writeable) for k, v in found.items()}
         other.close()
         return out
@@ -128,24 +139,24 @@ def test_publish_then_lookup_from_another_process_is_bit_identical(tier):
 
 
 def test_lru_eviction_under_byte_capacity(ray_cluster):
-    tier = PoolTier(3 * MiB, namespace=f"test-{uuid.uuid4().hex[:8]}", detached=False)
+    tier = new_client(3 * MiB)
     groups = {name: make_group_key([(name,)], "v1") for name in "abcd"}
     for name in "abc":
         publish_and_wait(tier, groups[name], {(name,): page(ord(name))})
-    assert set(tier.lookup([("a",)], timeout_s=10)) == {("a",)}  # a is now the most recent group
+    assert set(tier.lookup_arrays([("a",)], timeout_s=10)) == {("a",)}  # a is now the most recent group
     publish_and_wait(tier, groups["d"], {("d",): page(ord("d"))})
 
-    found = tier.lookup([(n,) for n in "abcd"], timeout_s=10)
+    found = tier.lookup_arrays([(n,) for n in "abcd"], timeout_s=10)
     assert set(found) == {("a",), ("c",), ("d",)}  # b was the least recently used group
     assert np.array_equal(found[("d",)], page(ord("d")))
-    (stats,) = tier.stats()
+    (stats,) = tier.pool_stats()
     assert stats["used_bytes"] == 3 * MiB <= stats["capacity_bytes"]
     assert stats["evicted_groups"] == 1 and stats["num_groups"] == 3
 
     # A group larger than the whole capacity is refused and evicts nothing.
     publish_and_wait(tier, make_group_key([("huge",)], "v1"), {("huge",): page(9, 4 * MiB)})
-    assert set(tier.lookup([(n,) for n in "acd"], timeout_s=10)) == {("a",), ("c",), ("d",)}
-    assert tier.stats()[0]["rejected_groups"] == 1
+    assert set(tier.lookup_arrays([(n,) for n in "acd"], timeout_s=10)) == {("a",), ("c",), ("d",)}
+    assert tier.pool_stats()[0]["rejected_groups"] == 1
     tier.close()
 
 
@@ -153,19 +164,19 @@ def test_invalidate_by_weights_version(tier):
     publish_and_wait(tier, make_group_key([("p", "v1")], "v1"), {("p", "v1"): page(1)})
     publish_and_wait(tier, make_group_key([("p", "v2")], "v2"), {("p", "v2"): page(2)})
     assert tier.invalidate("v1") == 1
-    assert set(tier.lookup([("p", "v1"), ("p", "v2")], timeout_s=10)) == {("p", "v2")}
+    assert set(tier.lookup_arrays([("p", "v1"), ("p", "v2")], timeout_s=10)) == {("p", "v2")}
     assert tier.invalidate() == 1
-    assert tier.lookup([("p", "v2")], timeout_s=10) == {}
+    assert tier.lookup_arrays([("p", "v2")], timeout_s=10) == {}
 
 
 def test_keys_spread_over_several_pools_per_node(ray_cluster):
-    tier = PoolTier(8 * MiB, pools_per_node=2, namespace=f"test-{uuid.uuid4().hex[:8]}", detached=False)
+    tier = new_client(8 * MiB, pools_per_node=2)
     keys = [(i,) for i in range(8)]
     publish_and_wait(tier, make_group_key(keys, "v1"), {k: page(k[0], 4096) for k in keys})
-    found = tier.lookup(keys, timeout_s=10)
+    found = tier.lookup_arrays(keys, timeout_s=10)
     assert set(found) == set(keys) and all(np.array_equal(found[k], page(k[0], 4096)) for k in keys)
-    assert sorted(s["num_objects"] for s in tier.stats()) != [0, 8]  # both pools hold some keys
-    assert sum(s["num_objects"] for s in tier.stats()) == 8
+    assert sorted(s["num_objects"] for s in tier.pool_stats()) != [0, 8]  # both pools hold some keys
+    assert sum(s["num_objects"] for s in tier.pool_stats()) == 8
     tier.close()
 
 
@@ -175,32 +186,97 @@ def test_killed_pool_is_a_miss_then_recreated_on_next_use(tier):
     ray.kill(old, no_restart=True)
 
     t0 = time.monotonic()
-    assert tier.lookup([("k",)], timeout_s=5) == {}  # speed only: no error
+    assert tier.lookup_arrays([("k",)], timeout_s=5) == {}  # speed only: no error
     assert time.monotonic() - t0 < 5
     assert tier.counts["lookup_failures"] >= 1
 
     deadline = time.monotonic() + 30
     while True:  # the dead actor's name is released asynchronously; the next use creates a new pool
-        publish_and_wait(tier, make_group_key([("k",)], "v1"), {("k",): page(5)})
-        if tier.lookup([("k",)], timeout_s=10):
+        tier.publish_arrays(make_group_key([("k",)], "v1"), {("k",): page(5)})  # False while it is still dead
+        if tier.lookup_arrays([("k",)], timeout_s=10):
             break
         assert time.monotonic() < deadline, "pool was not re-created"
     new = ray.get_actor(pool_actor_name(tier.node_id, 0), namespace=tier.namespace)
     assert new._actor_id != old._actor_id
 
 
-def test_lookup_times_out_to_a_miss(tier):
-    # A fresh pool answers its first call only after its process started; a tiny budget is a plain miss.
-    assert tier.lookup([("never",)], timeout_s=0.001) == {}
+def test_a_stalled_pool_is_a_miss_within_the_lookup_budget(tier):
+    publish_and_wait(tier, make_group_key([("k",)], "v1"), {("k",): page(5)})
+    assert set(tier.lookup_arrays([("k",)], timeout_s=30)) == {("k",)}  # published: a patient lookup hits
+    pool = ray.get_actor(pool_actor_name(tier.node_id, 0), namespace=tier.namespace)
+    pid = ray.get(pool.__ray_call__.remote(lambda _pool: os.getpid()), timeout=30)
+    failures = tier.counts["lookup_failures"]
+
+    os.kill(pid, signal.SIGSTOP)  # the pool's process stalls (swapped out, stuck): it answers nothing
+    try:
+        with ThreadPoolExecutor(1) as one:
+            # A client that ignored its budget would wait until SIGCONT: result() would time out.
+            found = one.submit(tier.lookup_arrays, [("k",)], timeout_s=0.5).result(timeout=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert found == {} and tier.counts["lookup_failures"] == failures + 1
+    assert set(tier.lookup_arrays([("k",)], timeout_s=30)) == {("k",)}  # slow, not gone: the same entry hits again
 
 
-def test_publish_async_does_not_wait_for_the_pool(tier):
-    big = page(3, 64 * MiB)
-    tier.lookup([("warmup",)], timeout_s=30)  # actor started
-    t0 = time.perf_counter()
-    accepted = [tier.publish_async(make_group_key([("big", i)], "v1"), {("big", i): big}) for i in range(4)]
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 0.05, f"publish_async took {elapsed:.3f}s"
-    # Two may be in flight at once; the rest are dropped rather than queued behind them.
-    assert accepted[:2] == [True, True] and tier.counts["publish_dropped"] == accepted.count(False) >= 1
+# -- the plan cache's side: RemoteTier -----------------------------------------------------------------------
+
+
+def plan_rows(seed: int, m: int = 2) -> PlanRows:
+    """One plan's rows as the cache hands them over: bf16 blocks [num_blocks, M, width], final [M, width]."""
+    g = torch.Generator().manual_seed(seed)
+    return PlanRows(torch.randn(3, m, 96, generator=g).to(torch.bfloat16),
+                    torch.randn(m, 32, generator=g).to(torch.bfloat16))
+
+
+def key(version: str, *bits: int) -> tuple:
+    return (version, tuple(bits))  # the shape of cache.plan_key.plan_key: M = len(bits) rows
+
+
+class Gate:
+    """Stands in for the compute stream's D2H event: the publisher thread waits on it (`ready.synchronize()`)."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.opened.wait(60), "the test never opened the gate"
+
+
+def test_published_plans_come_back_bit_identical_to_another_client(ray_cluster):
+    publisher = new_client()
+    reader = PoolClient(8 * MiB, namespace=publisher.namespace, detached=False, lookup_timeout_s=30)
+    plans = {key("v1", 11, 12): plan_rows(1), key("v1", 13): plan_rows(2, m=1)}
+    assert publisher.publish_group(plans, ready=None)
+    publisher.flush()
+    found = reader.lookup([*plans, key("v1", 99)])  # (v1, 99) was never published: a partial answer
+    assert set(found) == set(plans)
+    for k, rows in plans.items():
+        assert torch.equal(found[k].blocks.view(torch.uint16), rows.blocks.view(torch.uint16))
+        assert torch.equal(found[k].final.view(torch.uint16), rows.final.view(torch.uint16))
+    assert (reader.counts["hit_plans"], reader.counts["miss_plans"]) == (2, 1)
+    assert reader.lookup([key("v2", 11, 12)]) == {}  # other weights: never found
+    assert publisher.counts["published_groups"] == 1
+    (stats,) = publisher.pool_stats()
+    assert stats["num_groups"] == 1 and stats["num_objects"] == 4  # blocks and final per plan
+    publisher.close()
+    reader.close()
+
+
+def test_an_entry_with_the_wrong_shape_is_a_miss_not_a_bad_plan(tier):
+    k = key("v1", 7, 8)  # M = 2 rows, but the stored rows have 3
+    bad = plan_rows(3, m=3)
+    assert tier.publish_arrays(make_group_key([k], "v1"), {(k, "blocks"): tensor_to_numpy(bad.blocks),
+                                                            (k, "final"): tensor_to_numpy(bad.final)})
+    assert tier.lookup([k]) == {} and tier.counts["bad_entries"] == 1
+
+
+def test_a_busy_publisher_drops_groups_instead_of_queueing_them(tier):
+    gate = Gate()  # holds the first group's send until opened, as a slow D2H copy would
+    accepted = [tier.publish_group({key("v1", i): plan_rows(i, m=1)}, ready=gate) for i in range(4)]
+    # One group in flight and one queued (max_pending_groups=2); the rest are dropped, not queued behind them.
+    assert accepted == [True, True, False, False] and tier.counts["dropped_groups"] == 2
+    gate.opened.set()
     tier.flush()
+    assert tier.counts["published_groups"] == 2
+    assert set(tier.lookup([key("v1", i) for i in range(4)])) == {key("v1", 0), key("v1", 1)}
+    assert tier.publish_group({key("v1", 5): plan_rows(5, m=1)}, ready=None)  # free again once they were sent

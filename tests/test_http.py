@@ -13,10 +13,10 @@ import pytest
 import requests
 import torch
 
-from actors.api import GenerationRequest
-from actors.config import EngineConfig
-from actors.gpu_worker import GpuWorker
 from deployments.schemas import GenerationResponse, decode_latents
+from engine.api import GenerationRequest
+from engine.config import EngineConfig
+from engine.engine import Engine
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -108,7 +108,7 @@ def test_http_and_handle_give_the_same_latents_as_the_engine_itself(base_url, ap
     assert latents["video"].shape == (4, 2, 8, 8) and latents["audio"].shape == (4, 8)
 
     # The same checkpoint in this process (the replica made it on first start) gives the same bits.
-    engine = GpuWorker(EngineConfig.model_validate({**app_args["engine"], "device": "cpu"}))
+    engine = Engine(EngineConfig.model_validate({**app_args["engine"], "device": "cpu"}))
     local = engine.generate(GenerationRequest(**VALID))
     assert torch.equal(latents["video"], local.video) and torch.equal(latents["audio"], local.audio)
     assert by_http.model == local.model and by_http.stats["adaln"]["requests"] == 1

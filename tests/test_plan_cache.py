@@ -13,8 +13,8 @@ from cache.rebuild import RebuildError
 from cache.streams import Streams
 from model.checkpoint import load_model, make_checkpoint
 from model.config import preset
-from tests.test_adaln_support import (  # noqa: F401 (tiny is a fixture)
-    FaultyReader, assert_equal_to_resident, host_gb, online_cache, plan, resident, schedule, tiny,
+from tests.adaln_support import (
+    FaultyReader, assert_equal_to_resident, host_gb, online_cache, plan, resident, schedule,
 )
 
 A = schedule(0.9, 2)   # two plans of width 2

@@ -1,7 +1,8 @@
-"""The node pool as the plan cache's remote tier (actors.pool_tier), engine level, on a local Ray cluster.
+"""The node pool as the plan cache's remote tier (`actors.host_cache_pool.PoolClient`), engine level, on a
+local Ray cluster.
 
-Workers here are plain GpuWorkers on CPU, each with its own PoolRemoteTier client (as separate replicas
-would have) over one pool namespace per test.
+Workers here are plain Engines on CPU, each with its own PoolClient (as separate replicas would have) over
+one pool namespace per test.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import pytest
 import ray
 import torch
 
-from actors.api import GenerationRequest
-from actors.config import EngineConfig, PoolConfig
-from actors.gpu_worker import GpuWorker
-from actors.host_cache_pool import PoolTier, pool_actor_name
-from actors.pool_tier import PoolRemoteTier, make_pool_remote, pool_enabled
+from actors.host_cache_pool import PoolClient, make_pool_client, pool_actor_name, pool_enabled
+from engine.api import GenerationRequest
+from engine.config import EngineConfig, PoolConfig
+from engine.engine import Engine
 from model.checkpoint import make_checkpoint
 from model.config import preset
 
@@ -47,14 +47,14 @@ def namespace(ray_cluster):
     return f"test-pool-{uuid.uuid4().hex[:8]}"
 
 
-def client(namespace: str, timeout_s: float = 30.0) -> PoolRemoteTier:
+def client(namespace: str, timeout_s: float = 30.0) -> PoolClient:
     """One worker's pool client (generous lookup budget: the test machine is loaded)."""
-    return PoolRemoteTier(PoolTier(64 * MiB, namespace=namespace, detached=False), lookup_timeout_s=timeout_s)
+    return PoolClient(64 * MiB, namespace=namespace, detached=False, lookup_timeout_s=timeout_s)
 
 
-def worker(checkpoint, remote=None) -> GpuWorker:
+def worker(checkpoint, remote=None) -> Engine:
     config = EngineConfig(checkpoint=str(checkpoint), device="cpu", adaln={"mode": "online", "host_cache_gb": 0.01})
-    return GpuWorker(config, remote=remote)
+    return Engine(config, remote=remote)
 
 
 def same_bits(a, b) -> bool:
@@ -72,8 +72,8 @@ def test_config_defaults_and_auto_enable(ray_cluster):
     assert EngineConfig().pool == config
     assert pool_enabled(config, "online") and not pool_enabled(config, "resident")
     assert not pool_enabled(PoolConfig(enabled=False), "online")
-    assert make_pool_remote(config, "cpu", "resident") is None
-    remote = make_pool_remote(PoolConfig(capacity_gb=0.01), "cpu", namespace=f"test-{uuid.uuid4().hex[:8]}")
+    assert make_pool_client(config, "cpu", "resident") is None
+    remote = make_pool_client(PoolConfig(capacity_gb=0.01), "cpu", namespace=f"test-{uuid.uuid4().hex[:8]}")
     try:
         assert remote is not None and remote.pin_memory is False and remote.lookup_timeout_s == 2.0
     finally:
@@ -108,7 +108,7 @@ def test_a_killed_pool_costs_speed_only(checkpoints, namespace):
     a_remote = client(namespace)
     first = worker(checkpoints[0], a_remote).generate(GenerationRequest(**REQUEST))
     a_remote.flush()
-    ray.kill(ray.get_actor(pool_actor_name(a_remote.pool.node_id, 0), namespace=namespace), no_restart=True)
+    ray.kill(ray.get_actor(pool_actor_name(a_remote.node_id, 0), namespace=namespace), no_restart=True)
 
     b_remote = client(namespace, timeout_s=5.0)
     start = time.monotonic()
@@ -122,13 +122,16 @@ def test_a_killed_pool_costs_speed_only(checkpoints, namespace):
 
 
 def test_an_unreachable_pool_is_a_miss_within_the_budget(checkpoints, namespace):
-    class Broken(PoolTier):
-        def lookup(self, keys, timeout_s=1.0, pin_memory=False):
+    class Unreachable(PoolClient):
+        def actor(self, index):  # the pool can be neither found nor created
             raise RuntimeError("pool gone")
 
-    remote = PoolRemoteTier(Broken(MiB, namespace=namespace, detached=False), lookup_timeout_s=0.5)
+    remote = Unreachable(MiB, namespace=namespace, detached=False, lookup_timeout_s=0.5)
     result = worker(checkpoints[0], remote).generate(GenerationRequest(**REQUEST))
     assert result.stats["adaln"]["built_plans"] == NUM_PLANS and result.stats["adaln"]["pool_hit_plans"] == 0
+    remote.flush()
+    # One lookup (all three plans at once) and one publish (the request's group), both counted, neither raised.
+    assert (remote.counts["lookup_failures"], remote.counts["publish_failures"]) == (1, 1)
     remote.close()
 
 

@@ -23,10 +23,10 @@ import pytest
 import requests
 import torch
 
-from actors.api import GenerationRequest
-from actors.config import EngineConfig
-from actors.gpu_worker import GpuWorker
 from deployments.schemas import GenerationResponse, decode_latents
+from engine.api import GenerationRequest
+from engine.config import EngineConfig
+from engine.engine import Engine
 from model.checkpoint import make_checkpoint, shard_name, shard_of
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args, wait_healthy
 from tests.test_http import BAD_REQUESTS, MAX_BODY_BYTES, VALID, post, raw
@@ -61,7 +61,7 @@ def base_url(app_args):
 @pytest.fixture(scope="module")
 def local_engine(base_url, app_args):
     """The same engine config in this process (the replica made the checkpoint on first start)."""
-    return GpuWorker(EngineConfig.model_validate({**app_args["engine"], "device": "cpu"}))
+    return Engine(EngineConfig.model_validate({**app_args["engine"], "device": "cpu"}))
 
 
 def handle():
@@ -76,7 +76,7 @@ def still_serving(base_url) -> None:
     assert r.status_code == 200, r.text
 
 
-def assert_same_bits(response: GenerationResponse, engine: GpuWorker, body: dict) -> None:
+def assert_same_bits(response: GenerationResponse, engine: Engine, body: dict) -> None:
     latents = decode_latents(response.latents)
     local = engine.generate(GenerationRequest(**body))
     assert torch.equal(latents["video"], local.video) and torch.equal(latents["audio"], local.audio)
@@ -296,7 +296,7 @@ def test_bad_admin_requests_are_refused_and_change_nothing(base_url, app_args, o
 def test_admin_weight_update_under_traffic_gives_all_old_or_all_new(base_url, app_args, local_engine):
     root = Path(app_args["engine"]["checkpoint_root"])
     new_dir = make_checkpoint(root / "tiny-seed1", local_engine.dit_config, seed=1)
-    new_engine = GpuWorker(EngineConfig.model_validate({**app_args["engine"], "device": "cpu",
+    new_engine = Engine(EngineConfig.model_validate({**app_args["engine"], "device": "cpu",
                                                         "checkpoint": str(new_dir)}))
     bodies = [{**VIDEO, "seed": 40 + i, "steps": 1 + i % 3} for i in range(8)]
     with ThreadPoolExecutor(len(bodies) + 1) as pool:

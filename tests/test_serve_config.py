@@ -13,9 +13,9 @@ from PIL import Image
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from actors.api import GenerationResult
 from deployments.app import resolve_engine_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
+from engine.api import GenerationResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +53,17 @@ def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
     fixed = worker_deployment_options(WorkerOptions(num_replicas=2, num_gpus=0.5), num_gpus_in_cluster=1)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"]["num_gpus"] == 0.5
+
+
+def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
+    # Serve's defaults (20 s per deployment, polled every 2 s) kept Ctrl-C on `serve run` waiting ~26 s under load.
+    options = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
+    assert (options["graceful_shutdown_timeout_s"], options["graceful_shutdown_wait_loop_s"]) == (5.0, 0.2)
+    custom = worker_deployment_options(WorkerOptions(graceful_shutdown_timeout_s=60), num_gpus_in_cluster=0)
+    assert custom["graceful_shutdown_timeout_s"] == 60
+    assert AppConfig().http.graceful_shutdown_timeout_s == 2.0
+    with pytest.raises(ValidationError, match="graceful_shutdown_timeout_s"):
+        AppConfig.model_validate({"worker": {"graceful_shutdown_timeout_s": -1}})
 
 
 def test_worker_is_routed_by_schedule_affinity_unless_asked_otherwise():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -137,3 +138,57 @@ def test_client_disconnect_cancels_the_generation(base_url):
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{base_url}/v1/generations", json={"prompt": "slow", "steps": 8}, timeout=0.4)
     wait_for_cancellations(base_url, before + 1)
+
+
+def test_stopping_the_app_cuts_a_generation_longer_than_the_grace_period(base_url):
+    """`serve run`'s Ctrl-C deletes the app: with 1 s grace periods a 6.5 s generation is cut, not waited
+    for (Serve's default would drain for 20 s per deployment and let it finish)."""
+    from ray import serve
+
+    from deployments.app import build_application
+
+    config = AppConfig.model_validate({"http": {"request_timeout_s": 60, "graceful_shutdown_timeout_s": 1.0},
+                                       "worker": {"graceful_shutdown_timeout_s": 1.0}})
+    serve.run(build_application(config, FakeEngine), name="stopping", route_prefix="/stopping")
+    stream = serve.get_app_handle("stopping").options(stream=True).generate_stream.remote(
+        {"prompt": "slow", "steps": 65})  # 0.1 s per step
+    events = iter(stream)
+    assert next(events).step == 0 and next(events).step == 1  # running in the engine
+    serve.delete("stopping")
+    outcome = "stream ended without a result"
+    try:
+        for event in events:
+            if isinstance(event, GenerationResponse):
+                outcome = "finished"  # the stop waited for the whole generation
+    except Exception as exc:  # noqa: BLE001 - whatever Ray raises for a request cut by a killed replica
+        outcome = f"cut: {type(exc).__name__}"
+    assert outcome.startswith("cut: "), outcome
+
+
+def replica_log_lines(deployment: str, needle: str) -> list[str]:
+    """Lines of this cluster's `deployment` replica logs (Serve writes them under the session dir) with `needle`."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return [line for path in sorted(logs.glob(f"replica_{APP_NAME}_{deployment}_*.log"))
+            for line in path.read_text(errors="replace").splitlines() if needle in line]
+
+
+def test_a_client_error_through_the_handle_is_one_info_line_not_an_error_traceback(base_url):
+    from ray import serve
+
+    marker = f"marker-{time.monotonic_ns()}"
+    with pytest.raises(ValueError, match="steps: Input should be a valid integer"):
+        serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "steps": "8"}).result(timeout_s=60)
+    with pytest.raises(ValueError, match="frames: 9 exceeds"):  # refused by the engine, on the worker replica
+        serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "frames": 9}).result(timeout_s=60)
+    deadline = time.monotonic() + 30
+    while len(replica_log_lines("Ingress", "request refused (client error)")) < 2:  # logs are flushed async
+        assert time.monotonic() < deadline, "the ingress never logged the refusals"
+        time.sleep(0.2)
+    refused = replica_log_lines("Ingress", "request refused (client error)")
+    assert any("steps: Input should be a valid integer" in line for line in refused)
+    assert all(line.startswith("INFO") for line in refused)
+    for deployment in ("Ingress", "Worker"):
+        assert replica_log_lines(deployment, "Request failed") == []  # Serve's ERROR line, demoted
+        assert replica_log_lines(deployment, "Traceback") == []

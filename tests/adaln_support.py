@@ -1,4 +1,4 @@
-"""Helpers shared by the AdaLN plan cache tests (this module holds no tests).
+"""Helpers shared by the AdaLN plan cache tests (no tests here; the `tiny` fixture is in conftest.py).
 
 Checkpoints are real ones from `model.checkpoint.make_checkpoint` (what `python -m model.checkpoint make`
 writes). Tiny numbers used throughout: `preset("tiny")` has 4 blocks, adaln_width 1152, final 128, so one
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import pytest
 import torch
 
 from cache.config import GB, AdalnConfig
@@ -58,11 +57,6 @@ def models_for(name: str, tmp_path_factory) -> Models:
     if name not in _MADE:
         _MADE[name] = make_models(tmp_path_factory.mktemp(name), name)
     return _MADE[name]
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Models:
-    return models_for("tiny", tmp_path_factory)
 
 
 def online_cache(models: Models, *, reader=None, streams: Streams | None = None, **overrides) -> PlanCache:

@@ -10,6 +10,12 @@ before the loop, `prepared.modulation(i)` per step, `prepared.release()` after. 
 Optional per-request features hook in around the same loop: Cache-DiT (`cache.cache_dit.CacheDit`: refresh
 per request, `predict_middle()` per step) and layerwise offload (`offload.layerwise.LayerwiseOffloader`:
 `set_cache_blocks` per request, `begin_step(will_compute_middle)` per step).
+
+Errors: the public methods raise `engine.errors` types (the lower layers' errors are translated here, with
+their messages, chained as `__cause__`), so the Serve layer sorts them without importing `cache/` or
+`model/`. The constructor is the exception: a checkpoint that cannot be loaded at start raises the
+loader's own error (`model.checkpoint.CheckpointError`, a ValueError naming the file); no request is
+involved and the replica does not start.
 """
 
 from __future__ import annotations
@@ -26,19 +32,19 @@ from typing import Any
 
 import torch
 
-from actors.api import (
-    CancelledFn,
-    GenerationCancelled,
-    GenerationRequest,
-    GenerationResult,
-    ProgressFn,
-    check_limits,
-    schedule_for,
-)
-from actors.config import EngineConfig
 from cache.cache_dit import CacheDit, CacheDitConfig
-from cache.plan_cache import make_adaln_provider
-from model.checkpoint import CheckpointReader, load_model, make_checkpoint
+from cache.plan_cache import AdmissionError, make_adaln_provider
+from cache.rebuild import RebuildError
+from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn, check_limits, schedule_for
+from engine.config import EngineConfig
+from engine.errors import (
+    AdmissionRejected,
+    ClientError,
+    GenerationCancelled,
+    ServerFault,
+    WeightsRejected,
+)
+from model.checkpoint import CheckpointError, CheckpointReader, load_model, make_checkpoint
 from model.config import preset
 from model.sampler import euler_step, guided
 from model.text import TextEncoder
@@ -89,12 +95,12 @@ def ensure_checkpoint(config: EngineConfig) -> Path:
     return target
 
 
-class GpuWorker:
+class Engine:
     """Plain torch engine on one device. Thread-safe: generations are serialized by a lock."""
 
     def __init__(self, config: EngineConfig, remote: Any = None):
-        """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, e.g.
-        `actors.pool_tier.PoolRemoteTier`, built by the Serve worker); used in adaln.mode=online only."""
+        """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, e.g. the pool client in
+        `actors/`, built by the Serve worker); used in adaln.mode=online only."""
         self.config = config
         self.device = resolve_device(config.device)
         self.checkpoint_dir = ensure_checkpoint(config)
@@ -121,7 +127,7 @@ class GpuWorker:
         self.adaln = make_adaln_provider(config.adaln, self.model, self.reader, self.device,
                                          **({"remote": online_remote} if online_remote is not None else {}))
         self.model_name = f"{self.dit_config.name}@{self.reader.fingerprint}"
-        #: The node-shared plan pool (`remote`, e.g. `actors.pool_tier.PoolRemoteTier`; None without one):
+        #: The node-shared plan pool (`remote`; None without one):
         #: `update_weights` calls its `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier: Any = online_remote
         self._lock = threading.Lock()
@@ -134,7 +140,8 @@ class GpuWorker:
     # --- API ---------------------------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        """ValueError naming the field and the limit if the loaded model cannot take `request`."""
+        """ClientError (a ValueError) naming the field and the limit if the loaded model cannot take
+        `request`."""
         check_limits(request, self.dit_config, self.config.max_steps)
         self._cache_dit_config(request)
 
@@ -146,13 +153,13 @@ class GpuWorker:
             try:
                 effective = self.config.cache_dit.merged(request.cache_dit)
             except ValueError as exc:
-                raise ValueError(f"cache_dit: {exc}") from None
+                raise ClientError(f"cache_dit: {exc}") from None
         if not effective.enabled:
             return effective
         if self.cache_dit is None:
-            raise ValueError("cache_dit.enabled: Cache-DiT is off on this server (engine.cache_dit.enabled: false)")
+            raise ClientError("cache_dit.enabled: Cache-DiT is off on this server (engine.cache_dit.enabled: false)")
         if request.guidance_scale > 1.0:
-            raise ValueError(
+            raise ClientError(
                 "guidance_scale: classifier-free guidance (> 1) cannot be combined with Cache-DiT; "
                 "send guidance_scale 1 or cache_dit: {enabled: false}"
             )
@@ -160,22 +167,28 @@ class GpuWorker:
             effective.check_num_blocks(self.dit_config.num_blocks)
             effective.resolve_mask(request.steps)
         except ValueError as exc:
-            raise ValueError(f"cache_dit: {exc}") from None
+            raise ClientError(f"cache_dit: {exc}") from None
         return effective
 
     @torch.no_grad()
     def generate(
         self, request: GenerationRequest, progress: ProgressFn | None = None, cancelled: CancelledFn | None = None
     ) -> GenerationResult:
+        """Run one generation. Raises ClientError (the request, before any work), AdmissionRejected (the plan
+        cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
+        or GenerationCancelled (`cancelled()` turned true between two steps)."""
         self.validate(request)
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
             self._busy = True
             try:
                 result = self._generate(request, seed, progress, cancelled)
-            except BaseException:
+            except BaseException as exc:
                 self._num_failed += 1
-                raise
+                translated = _translated(exc)
+                if translated is exc:
+                    raise
+                raise translated from exc
             finally:
                 self._busy = False
             self._num_requests += 1
@@ -186,40 +199,55 @@ class GpuWorker:
         """Load every weight from the checkpoint at `path` (same DiTConfig) in place, between requests.
 
         Everything is checked before anything is written (config, keys, shapes, dtypes, and the AdaLN
-        provider's own check), so a rejected update (ValueError) leaves the served model untouched.
-        Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
+        provider's own check), so a rejected update (WeightsRejected, a ValueError) leaves the served model
+        untouched. A read that fails after writing started (the disk changed since the check) is a
+        ServerFault. Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
         """
         path = Path(path)
         with self._lock:
-            reader = self.validate_weight_update(path)
-            # Streamed block tensors go through the offloader (its host buffers are their source of truth);
-            # every other parameter (device-resident ones included) is overwritten in place.
-            params = dict(self.model.named_parameters())
-            for index in range(self.dit_config.num_blocks if self.offloader is not None else 0):
-                prefix = f"blocks.{index}."
-                streamed = list(self.offloader.block_state(index))
-                self.offloader.load_block_state_(index, {n: reader.tensor(prefix + n) for n in streamed})
-                for n in streamed:
-                    del params[prefix + n]
-            for name, param in params.items():
-                param.copy_(reader.tensor(name, param.device))
-            old_version = self.adaln.weights_version
-            self.adaln.refresh_weight_derived_caches(path)
-            if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
-                self.pool_tier.invalidate(old_version)
-            self.reader, self.checkpoint_dir = reader, path
-            self.model_name = f"{self.dit_config.name}@{reader.fingerprint}"
+            reader = self._checked_weights(path)
+            try:
+                self._load_weights_(reader, path)
+            except ValueError as exc:  # e.g. CheckpointError: checked above, so the disk changed meanwhile
+                raise ServerFault(f"weight update from {path} failed while writing: {exc}",
+                                  type(exc).__name__) from exc
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
 
-    def validate_weight_update(self, path: str | os.PathLike) -> CheckpointReader:
+    def _load_weights_(self, reader: CheckpointReader, path: Path) -> None:
+        """Write every weight from `reader` (already checked), then drop plans derived from the old ones."""
+        # Streamed block tensors go through the offloader (its host buffers are their source of truth);
+        # every other parameter (device-resident ones included) is overwritten in place.
+        params = dict(self.model.named_parameters())
+        for index in range(self.dit_config.num_blocks if self.offloader is not None else 0):
+            prefix = f"blocks.{index}."
+            streamed = list(self.offloader.block_state(index))
+            self.offloader.load_block_state_(index, {n: reader.tensor(prefix + n) for n in streamed})
+            for n in streamed:
+                del params[prefix + n]
+        for name, param in params.items():
+            param.copy_(reader.tensor(name, param.device))
+        old_version = self.adaln.weights_version
+        self.adaln.refresh_weight_derived_caches(path)
+        if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
+            self.pool_tier.invalidate(old_version)
+        self.reader, self.checkpoint_dir = reader, path
+        self.model_name = f"{self.dit_config.name}@{reader.fingerprint}"
+
+    def validate_weight_update(self, path: str | os.PathLike) -> str:
         """Check the checkpoint at `path` against the served model without writing anything: config, keys,
         every tensor's shape and dtype (shard headers), and the AdaLN provider's own check. Returns its
-        reader; raises ValueError (CheckpointError / WeightUpdateError) naming the problem. Read-only, so
-        it may run on another thread while a generation runs."""
-        reader = CheckpointReader(path)
-        reader.validate(expect=self.dit_config, with_adaln=self.config.adaln.mode == "resident")
-        self.adaln.validate_weight_update_source(path)
+        fingerprint; raises WeightsRejected (a ValueError) naming the problem. Read-only, so it may run on
+        another thread while a generation runs."""
+        return self._checked_weights(path).fingerprint
+
+    def _checked_weights(self, path: str | os.PathLike) -> CheckpointReader:
+        try:
+            reader = CheckpointReader(path)
+            reader.validate(expect=self.dit_config, with_adaln=self.config.adaln.mode == "resident")
+            self.adaln.validate_weight_update_source(path)
+        except ValueError as exc:  # CheckpointError, WeightUpdateError: the named checkpoint does not fit
+            raise WeightsRejected(str(exc)) from exc
         return reader
 
     def debug_stats(self) -> dict[str, Any]:
@@ -359,3 +387,15 @@ class GpuWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+def _translated(exc: BaseException) -> BaseException:
+    """A lower layer's error raised while generating, as the `engine.errors` type a caller sorts by.
+
+    Messages are kept; anything not listed (GenerationCancelled, bugs) is returned unchanged.
+    """
+    if isinstance(exc, AdmissionError):  # e.g. more plans than adaln.gpu_plans: the request's size, not a fault
+        return AdmissionRejected(str(exc))
+    if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
+        return ServerFault(str(exc), type(exc).__name__)
+    return exc

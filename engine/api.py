@@ -1,7 +1,7 @@
 """The engine's API types: request, result, and the protocol a fake engine implements (no Ray).
 
 `GenerationRequest` lives here rather than in `deployments/` so the engine does not import the Serve
-layer (dependencies point one way: deployments -> actors); `deployments.schemas` re-exports it.
+layer (dependencies point one way: deployments -> engine); `deployments.schemas` re-exports it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any, Callable, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.config import MAX_STEPS
 from cache.cache_dit import CacheDitOverrides
+from engine.config import MAX_STEPS
+from engine.errors import ClientError
 from model.config import DiTConfig
 from model.sampler import FlowMatchSchedule
 
@@ -25,18 +26,12 @@ ProgressFn = Callable[[int, int], None]
 CancelledFn = Callable[[], bool]
 
 
-class GenerationCancelled(RuntimeError):
-    """The caller went away; the engine stopped between two steps."""
-
-
-
-
 class GenerationRequest(BaseModel):
     """One text -> video+audio latent generation. Sizes are in latent units.
 
     Checks here are model-independent; limits that depend on the loaded model (max frames/height/width/
     audio, prompt bytes, patch multiples) are checked by the engine, which raises a ValueError naming the
-    field and the limit.
+    field and the limit (`engine.errors.ClientError`).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -67,26 +62,27 @@ class GenerationRequest(BaseModel):
 
 
 def check_limits(request: GenerationRequest, config: DiTConfig, max_steps: int = MAX_STEPS) -> None:
-    """Raise ValueError naming the field and the limit when `request` does not fit the model `config`."""
+    """Raise ClientError (a ValueError) naming the field and the limit when `request` does not fit the model
+    `config`."""
     prompt_bytes = len(request.prompt.encode("utf-8"))
     if prompt_bytes > config.max_text_tokens:
-        raise ValueError(
+        raise ClientError(
             f"prompt: {prompt_bytes} UTF-8 bytes exceeds the model's max_text_tokens={config.max_text_tokens} "
             "(one token per byte); shorten the prompt"
         )
     if request.steps > max_steps:
-        raise ValueError(f"steps: {request.steps} exceeds this server's max_steps={max_steps}")
+        raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={max_steps}")
     for name, value, limit, patch in (
         ("frames", request.frames, config.max_frames, config.patch[0]),
         ("height", request.height, config.max_height, config.patch[1]),
         ("width", request.width, config.max_width, config.patch[2]),
     ):
         if value > limit:
-            raise ValueError(f"{name}: {value} exceeds the model's max_{name}={limit} (latent units)")
+            raise ClientError(f"{name}: {value} exceeds the model's max_{name}={limit} (latent units)")
         if value % patch:
-            raise ValueError(f"{name}: {value} is not a multiple of the model's patch size {patch} along {name}")
+            raise ClientError(f"{name}: {value} is not a multiple of the model's patch size {patch} along {name}")
     if request.audio_len > config.max_audio_len:
-        raise ValueError(
+        raise ClientError(
             f"audio_len: {request.audio_len} exceeds the model's max_audio_len={config.max_audio_len} (latent frames)"
         )
 
@@ -109,12 +105,25 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)  # steps, tokens, plan stats when present
 
 
-class Engine(Protocol):
-    """What the Serve worker needs from an engine. `actors.gpu_worker.GpuWorker` is the real one."""
+class EngineProtocol(Protocol):
+    """What the Serve worker needs from an engine. `engine.engine.Engine` is the real one; a fake for
+    Serve-layer tests implements the same. Errors are `engine.errors` types."""
+
+    def validate(self, request: GenerationRequest) -> None:
+        """ClientError if the loaded model cannot take `request` (cheap; no generation work)."""
 
     def generate(
         self, request: GenerationRequest, progress: ProgressFn | None = None, cancelled: CancelledFn | None = None
     ) -> GenerationResult: ...
+
+    def validate_weight_update(self, path: str) -> str:
+        """The checkpoint's fingerprint, or WeightsRejected; writes nothing."""
+
+    def update_weights(self, path: str) -> dict[str, Any]:
+        """Load the checkpoint at `path` in place, between generations; returns `describe()`."""
+
+    def debug_stats(self) -> dict[str, Any]:
+        """Plan bookkeeping for tests and operators; must include `model` (the served model's id)."""
 
     def health(self) -> dict[str, Any]: ...
 

@@ -1,0 +1,148 @@
+"""The folder tree is the dependency picture: who may import whom, checked on every .py file's imports.
+
+    deployments/  Serve: ingress, worker shim, router          engine, actors (not cache/model/offload); Ray
+    actors/       Ray actors (the node's plan pool)            engine, cache, model, offload; Ray
+    engine/       plain torch: one device, one model           cache, offload, model; no Ray
+    cache/, offload/  plan cache, layerwise offload            model (and each other); no Ray
+    model/        the model                                    nothing of ours; no Ray
+
+Nothing imports `deployments/` except `deployments/` itself, `tests/` and `bench/` (they drive the app);
+`tests/` and `bench/` may import Ray. Any other top-level folder (a new one included) gets the strict
+default: no Ray, no `deployments/`. Imports are read with `ast` (lazy imports inside functions count too;
+relative imports are resolved), so nothing is executed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: What each library package must not import (first component of the module name).
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "model": frozenset({"cache", "offload", "engine", "actors", "deployments", "bench", "tests"}),
+    "cache": frozenset({"engine", "actors", "deployments", "bench", "tests"}),
+    "offload": frozenset({"engine", "actors", "deployments", "bench", "tests"}),
+    "engine": frozenset({"actors", "deployments", "bench", "tests"}),
+    "actors": frozenset({"deployments", "bench", "tests"}),
+    # The Serve layer talks to the engine (its types and errors) and to actors, never to the layers below.
+    "deployments": frozenset({"cache", "model", "offload", "bench", "tests"}),
+}
+#: Top-level folders whose files may import Ray.
+RAY_ALLOWED = frozenset({"actors", "deployments", "tests", "bench"})
+#: Top-level folders whose files may import `deployments`.
+DEPLOYMENTS_ALLOWED = frozenset({"deployments", "tests", "bench"})
+#: Not our source: virtual environments, build metadata, caches.
+SKIPPED_PARTS = ("__pycache__", "build", "dist")
+
+
+def source_files(root: Path) -> list[Path]:
+    """Every .py file of ours under `root` (hidden folders, *.egg-info and caches left out)."""
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") or p.endswith(".egg-info") or p in SKIPPED_PARTS for p in parts[:-1]):
+            continue
+        files.append(path)
+    return files
+
+
+def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `path`, relative imports resolved against its package."""
+    package = list(path.relative_to(root).parts[:-1])
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                modules.append((node.lineno, node.module or ""))
+                continue
+            base = package[: len(package) - (node.level - 1)] if node.level - 1 <= len(package) else []
+            if node.module:
+                modules.append((node.lineno, ".".join([*base, node.module])))
+            else:  # `from . import x`: each name may be a submodule
+                modules += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
+    return modules
+
+
+def layering_violations(root: Path) -> list[str]:
+    """One line per import that breaks the rules in this module's docstring ("path:line: why")."""
+    violations = []
+    for path in source_files(root):
+        rel = path.relative_to(root)
+        top = rel.parts[0] if len(rel.parts) > 1 else ""  # "" for a file at the repository root
+        forbidden = FORBIDDEN.get(top, frozenset())
+        for line, module in imported_modules(path, root):
+            first = module.split(".")[0]
+            if first == "ray" and top not in RAY_ALLOWED:
+                violations.append(f"{rel}:{line}: imports {module} (Ray belongs in actors/ and deployments/)")
+            elif first == "deployments" and top not in DEPLOYMENTS_ALLOWED:
+                violations.append(f"{rel}:{line}: imports {module} (nothing imports the Serve layer)")
+            elif first in forbidden:
+                violations.append(f"{rel}:{line}: imports {module} ({top}/ must not import {first}/)")
+    return violations
+
+
+def test_the_tree_follows_the_layering_rules():
+    assert layering_violations(REPO) == []
+
+
+def test_the_checker_reads_the_real_tree():
+    # Guards against a checker that passes because it looks at nothing.
+    tops = {path.relative_to(REPO).parts[0] for path in source_files(REPO)}
+    assert {"model", "cache", "offload", "engine", "actors", "deployments", "tests"} <= tops
+    assert not any(".venv" in path.parts for path in source_files(REPO))
+    modules = {m for m in (module for p in source_files(REPO) for _, module in imported_modules(p, REPO))}
+    assert {"ray", "engine.engine", "cache.plan_cache"} <= modules
+
+
+# --- the checker itself, on synthetic trees ------------------------------------------------------
+
+
+def write(root: Path, relpath: str, source: str) -> None:
+    path = root / relpath
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+
+
+@pytest.mark.parametrize("relpath, source, expected", [
+    ("cache/streams.py", "import ray\n", "cache/streams.py:1: imports ray (Ray belongs"),
+    ("cache/streams.py", "from ray.util import get_node_ip_address\n", "cache/streams.py:1: imports ray.util"),
+    ("cache/streams.py", "def f():\n    import ray\n", "cache/streams.py:2: imports ray"),  # lazy imports count
+    ("offload/pinned.py", "import ray.serve\n", "offload/pinned.py:1: imports ray.serve"),
+    ("engine/engine.py", "import ray\n", "engine/engine.py:1: imports ray"),
+    ("model/dit.py", "from cache.plan_key import plan_key\n", "model/dit.py:1: imports cache.plan_key (model/ must"),
+    ("model/sub/x.py", "from ...cache import plan_key\n", "model/sub/x.py:1: imports cache (model/ must not"),
+    ("model/dit.py", "import engine.errors\n", "model/dit.py:1: imports engine.errors (model/ must not import engine/)"),
+    ("cache/rebuild.py", "from engine.errors import ServerFault\n", "(cache/ must not import engine/)"),
+    ("offload/layerwise.py", "from actors import host_cache_pool\n", "(offload/ must not import actors/)"),
+    ("engine/engine.py", "from actors.host_cache_pool import make_pool_client\n", "(engine/ must not import actors/)"),
+    ("engine/engine.py", "from deployments.schemas import AppConfig\n", "(nothing imports the Serve layer)"),
+    ("actors/host_cache_pool.py", "from deployments import worker\n", "(nothing imports the Serve layer)"),
+    ("deployments/ingress.py", "from cache.rebuild import RebuildError\n", "(deployments/ must not import cache/)"),
+    ("deployments/ingress.py", "def f():\n    from model.checkpoint import CheckpointError\n", "(deployments/ must not import model/)"),
+    ("video/mux.py", "import ray\n", "video/mux.py:1: imports ray"),  # a new folder gets the strict default
+])
+def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected):
+    write(tmp_path, relpath, source)
+    violations = layering_violations(tmp_path)
+    assert len(violations) == 1 and expected in violations[0], violations
+
+
+@pytest.mark.parametrize("relpath, source", [
+    ("actors/host_cache_pool.py", "import ray\nfrom engine.config import PoolConfig\nfrom cache.plan_cache import PlanRows\n"),
+    ("deployments/worker.py", "import ray\nfrom actors.host_cache_pool import make_pool_client\nfrom engine.engine import Engine\n"),
+    ("engine/engine.py", "from cache.plan_cache import make_adaln_provider\nfrom model.checkpoint import load_model\n"),
+    ("cache/plan_cache.py", "from model.sampler import FlowMatchSchedule\nfrom offload.device import make_device\n"),
+    ("tests/test_x.py", "import ray\nfrom deployments.app import build_app\n"),
+    ("bench/app.py", "import ray\nfrom deployments.app import build_app\n"),
+    ("model/sub/x.py", "from .. import config\nfrom ..sampler import euler_step\n"),  # relative, inside model/
+    (".venv/lib/cache/x.py", "import ray\n"),  # not ours
+])
+def test_checker_accepts_an_allowed_import(tmp_path, relpath, source):
+    write(tmp_path, relpath, source)
+    assert layering_violations(tmp_path) == []
