@@ -293,11 +293,15 @@ class CacheDit:
 
     def refresh(self, num_inference_steps: int, overrides: CacheDitOverrides | None = None) -> CacheDitConfig:
         """Fresh cache-dit context for a request of `num_inference_steps` steps; returns the effective config."""
+        return self.refresh_resolved(num_inference_steps, self.config.merged(overrides))
+
+    def refresh_resolved(self, num_inference_steps: int, cfg: CacheDitConfig) -> CacheDitConfig:
+        """`refresh` with the request's effective config already merged and checked (the engine resolves it
+        once per request and passes it on)."""
         import cache_dit
 
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-        cfg = self.config.merged(overrides)
         cfg.check_num_blocks(self.num_blocks)
         cache_config, calibrator = self._cache_dit_configs(cfg, num_inference_steps)
         ctx = self._context()

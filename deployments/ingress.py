@@ -32,7 +32,7 @@ from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
 from deployments.metrics import RoutingMetrics
 from deployments.schemas import AdminOptions, ErrorResponse, GenerationResponse, HttpOptions, ProgressEvent
-from engine.api import GenerationRequest, schedule_for
+from engine.api import GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -93,7 +93,7 @@ class Ingress:
 
     async def _generate(self, request: GenerationRequest, request_id: str) -> GenerationResponse:
         # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
-        response = self._worker.generate.remote(request, schedule_key=schedule_for(request).schedule_key)
+        response = self._worker.generate.remote(request, schedule_key=request.schedule_key)
         try:
             result = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
         except asyncio.TimeoutError:
@@ -118,7 +118,7 @@ class Ingress:
         (the caller cancelled, closed the stream, or timed out) cancels the worker's stream, which stops the
         engine at its next step."""
         stream = self._worker.options(stream=True).generate_stream.remote(
-            request, schedule_key=schedule_for(request).schedule_key
+            request, schedule_key=request.schedule_key
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._http.request_timeout_s

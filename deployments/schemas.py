@@ -47,9 +47,11 @@ PREVIEW_PX = 128
 class Timings(BaseModel):
     """Seconds spent per phase inside the engine."""
 
-    plan_s: float = Field(0.0, description="Schedule, Cache-DiT refresh and AdaLN plans (a rebuild on a cache miss).")
-    encode_s: float = Field(0.0, description="Prompt encoding (and the empty prompt for CFG), seeded initial noise.")
-    denoise_s: float = Field(0.0, description="The denoising loop.")
+    plan_s: float = Field(0.0, description="AdaLN plans for the schedule (a rebuild from the checkpoint on a cache miss).")
+    encode_s: float = Field(0.0, description="Prompt encoding (Qwen3-VL, or the prompt-embedding cache) and seeded noise.")
+    denoise_s: float = Field(0.0, description="The denoising loop (steps - 1 transformer forwards).")
+    decode_s: float = Field(0.0, description="Video and audio VAE decode (0 without return_video).")
+    mux_s: float = Field(0.0, description="H.264 + AAC encode and MP4 mux (0 without return_video).")
     total_s: float = Field(0.0, description="Whole engine call.")
 
 
@@ -57,17 +59,21 @@ class GenerationResponse(BaseModel):
     """A finished generation."""
 
     id: str = Field(..., description="Generation id (`gen-...`), also in the ingress logs.")
-    model: str = Field(..., description="Model name and checkpoint fingerprint that produced the latents.")
+    model: str = Field(..., description="Model name and checkpoint fingerprint that produced it (`minimax-h3@...`).")
     seed: int = Field(..., description="Seed of the initial noise (the drawn one when the request gave none).")
     video_shape: list[int] = Field(..., description="Video latent shape [C, F, H, W].")
-    audio_shape: list[int] = Field(..., description="Audio latent shape [T, Ca].")
+    audio_shape: list[int] = Field(..., description="Audio latent rows [2A, Ca] (left channel's A rows, then the right's).")
+    video_mp4: str | None = Field(
+        None, description="Base64 of the MP4 (H.264 at 24 fps + AAC stereo 32 kHz). None when return_video is false.",
+    )
     latents: str | None = Field(
         None,
-        description="Base64 of safetensors bytes with fp32 tensors `video` [C,F,H,W] and `audio` [T,Ca] "
-        "(`safetensors.torch.load(base64.b64decode(latents))`). None when return_latents is false.",
+        description="Base64 of safetensors bytes with fp32 tensors `video` [C,F,H,W] and `audio` [2A,Ca] "
+        "(`safetensors.torch.load(base64.b64decode(latents))`). None unless return_latents is true.",
     )
     preview_png: str = Field(
-        ..., description="Base64 PNG of the first video frame's latent channels 0-2, min-max normalized, upscaled."
+        ..., description="Base64 PNG: the first decoded frame, or (without return_video) the first latent frame's "
+        "channels 0-2, min-max normalized and upscaled.",
     )
     timings: Timings = Field(..., description="Engine phase timings.")
     stats: dict[str, Any] = Field(default_factory=dict, description="Engine counters: steps, tokens, plan stats.")
@@ -79,21 +85,26 @@ class GenerationResponse(BaseModel):
         latents = None
         if return_latents:
             latents = base64.b64encode(save_safetensors({"video": video, "audio": audio})).decode("ascii")
+        if result.thumbnail_png is not None:
+            preview = base64.b64encode(result.thumbnail_png).decode("ascii")
+        else:
+            preview = preview_png(video)
         return cls(
             id=request_id,
             model=result.model,
             seed=result.seed,
             video_shape=list(video.shape),
             audio_shape=list(audio.shape),
+            video_mp4=base64.b64encode(result.mp4).decode("ascii") if result.mp4 is not None else None,
             latents=latents,
-            preview_png=preview_png(video),
+            preview_png=preview,
             timings=Timings(**{k: v for k, v in result.timings.items() if k in Timings.model_fields}),
             stats=result.stats,
         )
 
 
 def decode_latents(latents_b64: str) -> dict[str, torch.Tensor]:
-    """The inverse of `GenerationResponse.latents`: {"video": [C,F,H,W], "audio": [T,Ca]}."""
+    """The inverse of `GenerationResponse.latents`: {"video": [C,F,H,W], "audio": [2A,Ca]}."""
     return load_safetensors(base64.b64decode(latents_b64))
 
 

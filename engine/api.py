@@ -2,6 +2,10 @@
 
 `GenerationRequest` lives here rather than in `deployments/` so the engine does not import the Serve
 layer (dependencies point one way: deployments -> engine); `deployments.schemas` re-exports it.
+
+Geometry is the model's own: pixels and seconds in (the engine snaps frames to 17n+5 and derives the latent
+grid and the audio length, `model.geometry`); `steps` counts sampling grid points, so a request runs
+`steps - 1` transformer forwards (`model.schedule`).
 """
 
 from __future__ import annotations
@@ -14,95 +18,73 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cache.cache_dit import CacheDitOverrides
 from engine.config import MAX_STEPS
-from engine.errors import ClientError
-from model.config import DiTConfig
-from model.sampler import FlowMatchSchedule
+from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
 
 MAX_SEED = 2**63 - 1
 
-#: progress(step_index, num_steps) after each denoising step.
+#: progress(forwards_done, num_forwards) after each transformer forward.
 ProgressFn = Callable[[int, int], None]
 #: cancelled() -> True stops the request between steps with GenerationCancelled.
 CancelledFn = Callable[[], bool]
 
 
 class GenerationRequest(BaseModel):
-    """One text -> video+audio latent generation. Sizes are in latent units.
+    """One text -> video+audio generation (task t2va) of MiniMax-H3.
 
-    Checks here are model-independent; limits that depend on the loaded model (max frames/height/width/
-    audio, prompt bytes, patch multiples) are checked by the engine, which raises a ValueError naming the
-    field and the limit (`engine.errors.ClientError`).
+    Checks here are model-independent; limits that depend on the loaded model and server (size rules,
+    duration, prompt tokens, steps) are checked by the engine, which raises `engine.errors.ClientError`
+    (a ValueError) naming the field and the limit.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    prompt: str = Field(..., max_length=4096, description="Text prompt (UTF-8; the model limits its byte length).")
-    steps: int = Field(8, ge=1, le=MAX_STEPS, description="Denoising steps (Euler, flow matching).")
-    frames: int = Field(2, ge=1, le=4096, description="Latent video frames (multiple of the temporal patch).")
-    height: int = Field(16, ge=1, le=4096, description="Latent video height (multiple of the spatial patch).")
-    width: int = Field(16, ge=1, le=4096, description="Latent video width (multiple of the spatial patch).")
-    audio_len: int = Field(
-        8, ge=0, le=65536, description="Audio latent frames (one token per frame); 0: video only."
-    )
-    shift: float = Field(5.0, gt=0, le=1e4, allow_inf_nan=False, description="Flow-matching shift of the video schedule.")
-    audio_shift: float = Field(
-        5.0, gt=0, le=1e4, allow_inf_nan=False, description="Flow-matching shift of the audio schedule."
-    )
+    prompt: str = Field(..., min_length=1, max_length=20000,
+                        description="Text prompt, tokenized verbatim (no chat template); the server limits its tokens.")
+    steps: int = Field(50, ge=2, le=MAX_STEPS,
+                       description="Sampling grid points including the final 0: `steps - 1` transformer forwards.")
+    seconds: float = Field(5.0, gt=0, le=60, allow_inf_nan=False,
+                           description="Clip length at 24 fps; frames are snapped up to 17n+5 (5 s -> 124 frames).")
+    width: int = Field(1344, ge=32, le=8192, description="Width in pixels (a multiple of 32).")
+    height: int = Field(768, ge=32, le=8192, description="Height in pixels (a multiple of 32).")
+    flow_shift: float = Field(VIDEO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
+                              description="Sigma shift of the video schedule (the model's: 12).")
+    audio_flow_shift: float = Field(AUDIO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
+                                    description="Sigma shift of the audio schedule (the model's: 3).")
     seed: int | None = Field(
         None, ge=0, le=MAX_SEED, description="Seed of the initial noise; same seed, same bits. None: drawn at random."
     )
     guidance_scale: float = Field(
-        1.0, ge=1.0, le=100.0, allow_inf_nan=False,
-        description="Classifier-free guidance; > 1 adds an unconditional pass with an empty prompt per step.",
+        1.0, allow_inf_nan=False,
+        description="MiniMax-H3 is CFG-distilled: guidance is fixed at 1; any other value is refused.",
     )
-    return_latents: bool = Field(True, description="Include the latents (base64 safetensors) in the response.")
+    return_video: bool = Field(True, description="Decode the latents and return an MP4 (H.264 + AAC stereo).")
+    return_latents: bool = Field(False, description="Include the latents (base64 safetensors) in the response.")
     cache_dit: CacheDitOverrides | None = Field(
         None, description="Per-request changes to the server's Cache-DiT settings (null: the server's)."
     )
 
-
-def check_limits(request: GenerationRequest, config: DiTConfig, max_steps: int = MAX_STEPS) -> None:
-    """Raise ClientError (a ValueError) naming the field and the limit when `request` does not fit the model
-    `config`."""
-    prompt_bytes = len(request.prompt.encode("utf-8"))
-    if prompt_bytes > config.max_text_tokens:
-        raise ClientError(
-            f"prompt: {prompt_bytes} UTF-8 bytes exceeds the model's max_text_tokens={config.max_text_tokens} "
-            "(one token per byte); shorten the prompt"
-        )
-    if request.steps > max_steps:
-        raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={max_steps}")
-    for name, value, limit, patch in (
-        ("frames", request.frames, config.max_frames, config.patch[0]),
-        ("height", request.height, config.max_height, config.patch[1]),
-        ("width", request.width, config.max_width, config.patch[2]),
-    ):
-        if value > limit:
-            raise ClientError(f"{name}: {value} exceeds the model's max_{name}={limit} (latent units)")
-        if value % patch:
-            raise ClientError(f"{name}: {value} is not a multiple of the model's patch size {patch} along {name}")
-    if request.audio_len > config.max_audio_len:
-        raise ClientError(
-            f"audio_len: {request.audio_len} exceeds the model's max_audio_len={config.max_audio_len} (latent frames)"
-        )
+    @property
+    def schedule_key(self) -> str:
+        """The AdaLN plan group this request needs (routes it to a warm replica); no tensors are built."""
+        return request_schedule_key(self)
 
 
-def schedule_for(request: GenerationRequest) -> FlowMatchSchedule:
-    """The request's sampling schedule (its AdaLN plans; `.schedule_key` routes requests to warm replicas)."""
-    mode = "video_audio" if request.audio_len > 0 else "video"
-    return FlowMatchSchedule(request.steps, request.shift, request.audio_shift, mode=mode)
+def request_schedule_key(request: GenerationRequest) -> str:
+    return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, Task.T2VA)
 
 
 @dataclass
 class GenerationResult:
-    """What the engine returns: latents on the CPU in fp32, phase timings and counters."""
+    """What the engine returns: latents on the CPU in fp32, the MP4 when asked, phase timings and counters."""
 
-    video: torch.Tensor  # [C, F, H, W] fp32, cpu
-    audio: torch.Tensor  # [T, Ca] fp32, cpu
+    video: torch.Tensor  # [C, F, H, W] fp32 video latents, cpu
+    audio: torch.Tensor  # [2A, Ca] fp32 audio latent rows (left channel's A rows, then the right's), cpu
     seed: int
     model: str
-    timings: dict[str, float] = field(default_factory=dict)  # encode_s, plan_s, denoise_s, total_s
-    stats: dict[str, Any] = field(default_factory=dict)  # steps, tokens, plan stats when present
+    mp4: bytes | None = None  # H.264 + AAC, when the request asked for video
+    thumbnail_png: bytes | None = None  # first decoded frame
+    timings: dict[str, float] = field(default_factory=dict)  # plan_s, encode_s, denoise_s, decode_s, mux_s, total_s
+    stats: dict[str, Any] = field(default_factory=dict)  # steps, tokens, plan / prompt-cache / Cache-DiT stats
 
 
 class EngineProtocol(Protocol):

@@ -11,17 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
-from model.config import PRESET_NAMES
 from offload.layerwise import OffloadConfig
 
-#: Hard cap on denoising steps: the AdaLN plan slab admits up to 65 plans per request (H3 takes <= 65 steps).
+#: Hard cap on sampling steps: the AdaLN plan slab admits up to 65 plans per request (H3 takes <= 65 steps).
 MAX_STEPS = 65
 
-
-# --------------------------------------------------------------------------------------------------
-# Node-shared plan pool
-# --------------------------------------------------------------------------------------------------
-
+DeviceName = Literal["auto", "cpu", "cuda"]
 
 class PoolConfig(BaseModel):
     """The node-shared host-cache pool (`actors.host_cache_pool`): a tier between a worker's own pinned
@@ -51,9 +46,43 @@ class PoolConfig(BaseModel):
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Engine config
-# --------------------------------------------------------------------------------------------------
+class TextEncoderConfig(BaseModel):
+    """The Qwen3-VL prompt encoder (`model.text_encoder`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: DeviceName | Literal["engine"] = Field(
+        "engine", description="engine: the engine's device; cpu keeps the ~51.5 GB encoder off a small GPU."
+    )
+    hidden_state_index: int = Field(
+        50, ge=1, description="Conditioning = hidden_states[index] (the output of decoder layer index-1, before "
+        "the final norm); only the layers that feed it are loaded. MiniMax-H3: 50."
+    )
+    max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt accepted, in tokens (a 422 beyond).")
+    prompt_cache_mb: float = Field(
+        256.0, ge=0, description="Prompt-embedding cache (LRU by prompt, bounded in MB; 0 turns it off)."
+    )
+
+
+class DecodeConfig(BaseModel):
+    """Video + audio VAE decode and MP4 mux (`model.decode`, `model.mp4`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: DeviceName | Literal["engine"] = Field("engine", description="engine: the engine's device.")
+
+
+class GeometryConfig(BaseModel):
+    """Request sizes the server accepts (`model.geometry.GeometryLimits`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    short_edge: int | None = Field(
+        768, ge=32, description="Required short edge in pixels (MiniMax-H3 is trained at 768); null: any."
+    )
+    max_pixels: int = Field(768 * 1344, ge=32 * 32, description="Largest width x height in pixels.")
+    min_seconds: float = Field(5.0, gt=0, description="Shortest clip (the diffusers pipeline's bound: 5 s).")
+    max_seconds: float = Field(15.0, gt=0, description="Longest clip, checked on the snapped frame count.")
 
 
 class EngineConfig(BaseModel):
@@ -63,20 +92,31 @@ class EngineConfig(BaseModel):
 
     checkpoint: str = Field(
         "",
-        description="Checkpoint directory (model.checkpoint format). Empty: make a seeded `preset` checkpoint "
-        "under `checkpoint_root/<preset>` on first start and reuse it afterwards.",
+        description="A MiniMax-H3 checkpoint: a diffusers-layout root (model_index.json), a native root holding "
+        "FL2VA/ (or the FL2VA/ directory itself). Empty: make a seeded tiny random one (both layouts are "
+        "supported: `checkpoint_layout`) under `checkpoint_root` on first start and reuse it afterwards.",
     )
     checkpoint_root: str = Field(
         "checkpoints",
         description="Where auto-made checkpoints go; relative paths are resolved against the working directory "
         "of the process that builds the app.",
     )
-    preset: str = Field("tiny", description=f"Preset of the auto-made checkpoint: one of {', '.join(PRESET_NAMES)}.")
-    checkpoint_seed: int = Field(0, ge=0, description="Seed of the auto-made checkpoint's random weights.")
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: cuda when this process sees a GPU, else cpu."
+    preset: Literal["tiny"] = Field(
+        "tiny", description="The auto-made checkpoint: `tiny` (a random H3 of the real architecture, 4 blocks, "
+        "hidden 64, with a tiny Qwen3-VL and VAEs). The real model is a downloaded `checkpoint`."
     )
-    max_steps: int = Field(MAX_STEPS, ge=1, le=MAX_STEPS, description="Most denoising steps one request may ask for.")
+    checkpoint_layout: Literal["diffusers", "native"] = Field(
+        "diffusers", description="Layout of the auto-made checkpoint."
+    )
+    checkpoint_seed: int = Field(0, ge=0, description="Seed of the auto-made checkpoint's random weights.")
+    device: DeviceName = Field("auto", description="auto: cuda when this process sees a GPU, else cpu.")
+    max_steps: int = Field(MAX_STEPS, ge=2, le=MAX_STEPS, description="Most sampling steps one request may ask for.")
+    geometry: GeometryConfig | None = Field(
+        None, description="Accepted sizes. null: the model's (short edge 768, <= 768x1344, 5-15 s) for a "
+        "full-width checkpoint; any multiple of 32 px for a smaller (test) one."
+    )
+    text_encoder: TextEncoderConfig = Field(default_factory=TextEncoderConfig, description="Prompt encoder.")
+    decode: DecodeConfig = Field(default_factory=DecodeConfig, description="VAE decode and MP4 mux.")
     adaln: AdalnConfig = Field(default_factory=AdalnConfig, description="AdaLN modulation source and plan cache.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Layerwise block offload.")
     cache_dit: CacheDitConfig = Field(
@@ -87,9 +127,12 @@ class EngineConfig(BaseModel):
         description="Node-shared AdaLN plan pool (Ray object store) between the host tier and the rebuild.",
     )
 
-    @field_validator("preset")
+    @field_validator("preset", mode="before")
     @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in PRESET_NAMES:
-            raise ValueError(f"unknown preset {value!r}; choose one of {', '.join(PRESET_NAMES)}")
+    def _known_preset(cls, value: object) -> object:
+        if value in ("small", "h3"):
+            raise ValueError(
+                f"preset {value!r} was the home-made look-alike, which is gone: ditserve serves the real MiniMax-H3. "
+                "Point `checkpoint` at a downloaded MiniMax-H3 checkpoint, or use preset: tiny for a random tiny one"
+            )
         return value

@@ -1,30 +1,39 @@
-"""The engine: one device, one model, one generation at a time (plain torch, no Ray).
+"""The engine: MiniMax-H3 on one device, prompt to MP4, one generation at a time (plain torch, no Ray).
 
 A request goes through named stages:
-    validate -> plan (schedule + AdaLN plans) -> encode (prompt, "" for CFG, seeded noise) -> denoise (Euler)
 
-AdaLN modulation comes from one provider object (`cache.plan_cache.make_adaln_provider`): `prepare(plans)`
-before the loop, `prepared.modulation(i)` per step, `prepared.release()` after. Resident and online
-(plan cache) modes differ only in which provider that one call builds.
+    validate -> plan (schedule + AdaLN plans) -> encode (prompt, seeded noise) -> denoise -> decode -> mux
 
-Optional per-request features hook in around the same loop: Cache-DiT (`cache.cache_dit.CacheDit`: refresh
-per request, `predict_middle()` per step) and layerwise offload (`offload.layerwise.LayerwiseOffloader`:
-`set_cache_blocks` per request, `begin_step(will_compute_middle)` per step).
+The model is diffusers' own (`MiniMaxH3Transformer3DModel`, Qwen3-VL, the two VAEs), loaded from either
+published layout by `model/`. Around the denoising loop hook ditserve's features:
+
+- AdaLN (`engine.adaln.mode`): `resident` runs diffusers' forward as is; `online` loads the transformer
+  without its `adaln_proj` / `norm_out.linear` weights (24.2 GiB of H3) and feeds every forward the step's
+  rows from the plan cache (`cache.plan_cache.PlanCache`: GPU slab -> host tier -> node pool -> rebuild
+  from the checkpoint's bytes) through `model.adaln.ExternalModulation`; both give the same bits.
+- Layerwise offload (`offload.layerwise.LayerwiseOffloader` on `transformer_blocks`) and Cache-DiT
+  (`cache.cache_dit.CacheDit`): refreshed per request, `predict_middle()` tells the offloader per forward
+  whether the middle blocks will run, so a skipped block is never streamed.
+
+Placement: on one H200 (141 GB) the default keeps everything resident: transformer ~36 GB with online AdaLN,
+text encoder ~51.5 GB (the 50 layers that feed hidden_states[50]), video VAE 10.4 GB, audio VAE 0.6 GB.
+On a smaller card: `offload.enabled` streams the blocks, `text_encoder.device: cpu` / `decode.device: cpu`
+keep the encoder and decoders off the GPU.
 
 Errors: the public methods raise `engine.errors` types (the lower layers' errors are translated here, with
 their messages, chained as `__cause__`), so the Serve layer sorts them without importing `cache/` or
 `model/`. The constructor is the exception: a checkpoint that cannot be loaded at start raises the
-loader's own error (`model.checkpoint.CheckpointError`, a ValueError naming the file); no request is
-involved and the replica does not start.
+loader's own error (`model.layout.CheckpointError`, a ValueError naming the file); no request is involved
+and the replica does not start.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,121 +41,162 @@ from typing import Any
 
 import torch
 
-from cache.cache_dit import CacheDit, CacheDitConfig
-from cache.plan_cache import AdmissionError, make_adaln_provider
+from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
+from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
-from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn, check_limits, schedule_for
-from engine.config import EngineConfig
-from engine.errors import (
-    AdmissionRejected,
-    ClientError,
-    GenerationCancelled,
-    ServerFault,
-    WeightsRejected,
-)
-from model.checkpoint import CheckpointError, CheckpointReader, load_model, make_checkpoint
-from model.config import preset
-from model.sampler import euler_step, guided
-from model.text import TextEncoder
+from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn
+from engine.config import EngineConfig, GeometryConfig
+from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from model.adaln import ExternalModulation
+from model.decode import AudioDecoder, VideoDecoder
+from model.denoise import Denoiser
+from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+from model.layout import CheckpointError, H3Checkpoint
+from model.loading import load_transformer
+from model.mp4 import thumbnail_png, write_mp4
+from model.schedule import H3Schedule, Task
+from model.text_encoder import PromptEmbeddingCache, PromptEncoder
+from model.tiny import make_tiny_checkpoint
+from model.weights import TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
 
 logger = logging.getLogger(__name__)
 
+#: The published transformer width: a checkpoint of this width gets the model's own size rules by default.
+H3_HIDDEN_SIZE = 5376
 
-def resolve_device(name: str) -> torch.device:
+
+def resolve_device(name: str, engine_device: torch.device | None = None) -> torch.device:
+    if name == "engine":
+        assert engine_device is not None
+        return engine_device
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device=cuda but this process sees no CUDA device; use device: auto or cpu")
+        raise RuntimeError("device=cuda but this process sees no CUDA device; use device: auto or cpu")
     return torch.device(name)
 
 
 def auto_checkpoint_dir(config: EngineConfig) -> Path:
-    name = config.preset if config.checkpoint_seed == 0 else f"{config.preset}-seed{config.checkpoint_seed}"
+    name = f"{config.preset}-{config.checkpoint_layout}"
+    if config.checkpoint_seed:
+        name += f"-seed{config.checkpoint_seed}"
     return Path(config.checkpoint_root) / name
 
 
 def ensure_checkpoint(config: EngineConfig) -> Path:
-    """The checkpoint to load: `config.checkpoint`, or an auto-made seeded preset checkpoint.
+    """The checkpoint to load: `config.checkpoint`, or an auto-made seeded tiny checkpoint.
 
-    Auto-made ones are written to a temporary directory next to the target and renamed into place, so a
-    reader never sees a half-written checkpoint and two replicas starting together both end up with the
-    one that won the rename (same seed and preset -> identical bytes anyway).
+    Auto-made ones are written to a temporary directory next to the target and renamed into place
+    (`model.tiny.make_tiny_checkpoint`), so a reader never sees a half-written checkpoint and two replicas
+    starting together both end up with the one that won the rename (same seed -> identical bytes anyway).
     """
     if config.checkpoint:
         return Path(config.checkpoint)
     target = auto_checkpoint_dir(config)
-    if (target / "config.json").exists():
+    if (target / "model_index.json").exists() or (target / "FL2VA").is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    logger.info("making a tiny %s-layout MiniMax-H3 checkpoint (seed %d) at %s", config.checkpoint_layout,
+                config.checkpoint_seed, target)
     try:
-        logger.info("making a %s checkpoint (seed %d) at %s", config.preset, config.checkpoint_seed, target)
-        make_checkpoint(tmp, preset(config.preset), seed=config.checkpoint_seed)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a lost race: a real error
-                raise
-            logger.info("another process made %s first; using it", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_checkpoint(target, config.checkpoint_layout, seed=config.checkpoint_seed)
+    except (FileExistsError, OSError):
+        if not ((target / "model_index.json").exists() or (target / "FL2VA").is_dir()):
+            raise  # not a lost race: a real error
+        logger.info("another process made %s first; using it", target)
     return target
 
 
-class Engine:
-    """Plain torch engine on one device. Thread-safe: generations are serialized by a lock."""
+def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> GeometryLimits:
+    if config is None:
+        config = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
+    return GeometryLimits(short_edge=config.short_edge, max_pixels=config.max_pixels,
+                          min_seconds=config.min_seconds, max_seconds=config.max_seconds)
 
-    def __init__(self, config: EngineConfig, remote: Any = None):
-        """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, e.g. the pool client in
+
+class Engine:
+    """MiniMax-H3 on one device. Thread-safe: generations (and weight updates) are serialized by a lock."""
+
+    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None):
+        """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, the pool client in
         `actors/`, built by the Serve worker); used in adaln.mode=online only."""
         self.config = config
         self.device = resolve_device(config.device)
-        self.checkpoint_dir = ensure_checkpoint(config)
-        self.reader = CheckpointReader(self.checkpoint_dir)
-        self.dit_config = self.reader.config
-        resident = config.adaln.mode == "resident"
+        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+        self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
+        self.model_config = self.weights.config
+        online = config.adaln.mode == "online"
         offload = config.offload.enabled
         # With offload the blocks are loaded on the host and streamed; the offloader moves the rest.
-        self.model = load_model(self.checkpoint_dir, "cpu" if offload else self.device, with_adaln=resident)
+        self.transformer = load_transformer(self.weights, "cpu" if offload else self.device,
+                                            skip=is_adaln_param if online else None)
+        # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
+        self.modulation = ExternalModulation.install(self.transformer) if online else None
         self.offloader: LayerwiseOffloader | None = None
         if offload:
-            offload_config = config.offload
-            if resident and "adaln_proj" not in offload_config.resident_tensors:
-                # resident modulation reads every block's adaln_proj outside the blocks' forward: keep it on the device
-                offload_config = offload_config.model_copy(
-                    update={"resident_tensors": (*offload_config.resident_tensors, "adaln_proj")}
-                )
-            self.offloader = LayerwiseOffloader(self.model.blocks, offload_config, self.device, root=self.model).apply()
+            self.offloader = LayerwiseOffloader(
+                self.transformer.transformer_blocks, config.offload, self.device, root=self.transformer
+            ).apply()
         self.cache_dit: CacheDit | None = None
         if config.cache_dit.enabled:
-            self.cache_dit = CacheDit(self.model, config.cache_dit)
-        self.text_encoder: TextEncoder = self.model.text_embedder
-        online_remote = remote if config.adaln.mode == "online" else None
-        self.adaln = make_adaln_provider(config.adaln, self.model, self.reader, self.device,
-                                         **({"remote": online_remote} if online_remote is not None else {}))
-        self.model_name = f"{self.dit_config.name}@{self.reader.fingerprint}"
-        #: The node-shared plan pool (`remote`; None without one):
-        #: `update_weights` calls its `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
-        self.pool_tier: Any = online_remote
+            self.cache_dit = CacheDit(self.transformer, config.cache_dit, stack=find_block_stack(self.transformer))
+        self.plan_cache: PlanCache | None = None
+        if online:
+            provider = make_adaln_provider(config.adaln, self.transformer, self.weights, self.device, remote=remote)
+            assert isinstance(provider, PlanCache)
+            self.plan_cache = provider
+        #: The node-shared plan pool (None without one): `update_weights` calls its
+        #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
+        self.pool_tier = remote if online else None
+        text_device = resolve_device(config.text_encoder.device, self.device)
+        self.prompt_encoder = PromptEncoder(self.checkpoint.text_encoder_dir, self.checkpoint.tokenizer_dir,
+                                            text_device, hidden_state_index=config.text_encoder.hidden_state_index)
+        self.prompt_cache = PromptEmbeddingCache(int(config.text_encoder.prompt_cache_mb * 2**20))
+        decode_device = resolve_device(config.decode.device, self.device)
+        self.video_decoder = VideoDecoder(self.checkpoint.video_vae_dir, decode_device)
+        self.audio_decoder = AudioDecoder(self.checkpoint.audio_vae_dir, decode_device)
+        self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
+        self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         self._lock = threading.Lock()
         self._busy = False
         self._num_requests = 0
         self._num_failed = 0
-        logger.info("engine ready: %s on %s (adaln %s, offload %s)", self.model_name, self.device,
-                    config.adaln.mode, offload)
+        logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s)", self.model_name,
+                    self.checkpoint.layout.value, self.device, config.adaln.mode, offload, config.cache_dit.enabled)
 
     # --- API ---------------------------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
-        """ClientError (a ValueError) naming the field and the limit if the loaded model cannot take
-        `request`."""
-        check_limits(request, self.dit_config, self.config.max_steps)
-        self._cache_dit_config(request)
+        """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`."""
+        self._checked(request)
 
-    def _cache_dit_config(self, request: GenerationRequest) -> CacheDitConfig:
-        """The request's effective Cache-DiT config (server config + overrides), checked."""
+    def _checked(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
+        if request.guidance_scale != 1.0:
+            raise ClientError(
+                f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
+                "fixed at 1; leave guidance_scale out or send 1"
+            )
+        if request.steps > self.config.max_steps:
+            raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
+        try:
+            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits,
+                                                  H3_LATENTS)
+            schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, Task.T2VA)
+        except ValueError as exc:
+            raise ClientError(str(exc)) from None
+        try:
+            tokens = self.prompt_encoder.count_tokens(request.prompt)
+        except ValueError as exc:
+            raise ClientError(f"prompt: {exc}") from None
+        if tokens > self.config.text_encoder.max_prompt_tokens:
+            raise ClientError(
+                f"prompt: {tokens} tokens exceeds this server's max_prompt_tokens="
+                f"{self.config.text_encoder.max_prompt_tokens}; shorten the prompt"
+            )
+        return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
+
+    def _cache_dit_config(self, request: GenerationRequest, num_forwards: int) -> CacheDitConfig:
+        """The request's effective Cache-DiT config (server config + overrides), checked once per request."""
         if request.cache_dit is None:
             effective = self.config.cache_dit
         else:
@@ -158,14 +208,9 @@ class Engine:
             return effective
         if self.cache_dit is None:
             raise ClientError("cache_dit.enabled: Cache-DiT is off on this server (engine.cache_dit.enabled: false)")
-        if request.guidance_scale > 1.0:
-            raise ClientError(
-                "guidance_scale: classifier-free guidance (> 1) cannot be combined with Cache-DiT; "
-                "send guidance_scale 1 or cache_dit: {enabled: false}"
-            )
         try:
-            effective.check_num_blocks(self.dit_config.num_blocks)
-            effective.resolve_mask(request.steps)
+            effective.check_num_blocks(self.model_config.num_blocks)
+            effective.resolve_mask(num_forwards)
         except ValueError as exc:
             raise ClientError(f"cache_dit: {exc}") from None
         return effective
@@ -177,12 +222,12 @@ class Engine:
         """Run one generation. Raises ClientError (the request, before any work), AdmissionRejected (the plan
         cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
         or GenerationCancelled (`cancelled()` turned true between two steps)."""
-        self.validate(request)
+        geometry, schedule, cache_dit = self._checked(request)
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
             self._busy = True
             try:
-                result = self._generate(request, seed, progress, cancelled)
+                result = self._generate(request, geometry, schedule, cache_dit, seed, progress, cancelled)
             except BaseException as exc:
                 self._num_failed += 1
                 translated = _translated(exc)
@@ -191,72 +236,79 @@ class Engine:
                 raise translated from exc
             finally:
                 self._busy = False
+                if self.modulation is not None:
+                    self.modulation.clear()
             self._num_requests += 1
             return result
 
     @torch.no_grad()
     def update_weights(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Load every weight from the checkpoint at `path` (same DiTConfig) in place, between requests.
+        """Load the transformer's weights from the checkpoint at `path` (same architecture, either layout) in
+        place, between requests. The text encoder and VAEs stay (fine-tunes and LoRA merges change the DiT).
 
-        Everything is checked before anything is written (config, keys, shapes, dtypes, and the AdaLN
-        provider's own check), so a rejected update (WeightsRejected, a ValueError) leaves the served model
+        Everything is checked before anything is written (config, names, shapes, dtypes, and the plan
+        cache's own check), so a rejected update (WeightsRejected, a ValueError) leaves the served model
         untouched. A read that fails after writing started (the disk changed since the check) is a
         ServerFault. Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
         """
         path = Path(path)
         with self._lock:
-            reader = self._checked_weights(path)
+            weights = self._checked_weights(path)
             try:
-                self._load_weights_(reader, path)
+                self._load_weights_(weights, path)
             except ValueError as exc:  # e.g. CheckpointError: checked above, so the disk changed meanwhile
                 raise ServerFault(f"weight update from {path} failed while writing: {exc}",
                                   type(exc).__name__) from exc
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
 
-    def _load_weights_(self, reader: CheckpointReader, path: Path) -> None:
-        """Write every weight from `reader` (already checked), then drop plans derived from the old ones."""
+    def _load_weights_(self, weights: TransformerWeights, path: Path) -> None:
+        """Write every transformer weight from `weights` (already checked), then drop plans derived from the
+        old ones."""
         # Streamed block tensors go through the offloader (its host buffers are their source of truth);
-        # every other parameter (device-resident ones included) is overwritten in place.
-        params = dict(self.model.named_parameters())
-        for index in range(self.dit_config.num_blocks if self.offloader is not None else 0):
-            prefix = f"blocks.{index}."
+        # every other parameter (device-resident ones included) is overwritten in place. Online AdaLN has
+        # no projection parameters left in the model: their plans are rebuilt from the new files.
+        params = dict(self.transformer.named_parameters())
+        for index in range(self.model_config.num_blocks if self.offloader is not None else 0):
+            prefix = f"transformer_blocks.{index}."
             streamed = list(self.offloader.block_state(index))
-            self.offloader.load_block_state_(index, {n: reader.tensor(prefix + n) for n in streamed})
+            self.offloader.load_block_state_(index, {n: weights.tensor(prefix + n) for n in streamed})
             for n in streamed:
-                del params[prefix + n]
+                params.pop(prefix + n, None)
         for name, param in params.items():
-            param.copy_(reader.tensor(name, param.device))
-        old_version = self.adaln.weights_version
-        self.adaln.refresh_weight_derived_caches(path)
-        if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
-            self.pool_tier.invalidate(old_version)
-        self.reader, self.checkpoint_dir = reader, path
-        self.model_name = f"{self.dit_config.name}@{reader.fingerprint}"
+            param.copy_(weights.tensor(name, param.device))
+        if self.plan_cache is not None:
+            old_version = self.plan_cache.weights_version
+            self.plan_cache.refresh_weight_derived_caches(path)
+            if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
+                self.pool_tier.invalidate(old_version)
+        self.weights = weights
+        self.model_name = f"minimax-h3@{weights.fingerprint}"
 
     def validate_weight_update(self, path: str | os.PathLike) -> str:
-        """Check the checkpoint at `path` against the served model without writing anything: config, keys,
-        every tensor's shape and dtype (shard headers), and the AdaLN provider's own check. Returns its
+        """Check the checkpoint at `path` against the served model without writing anything: config, names,
+        every tensor's shape and dtype (shard headers), and the plan cache's own check. Returns its
         fingerprint; raises WeightsRejected (a ValueError) naming the problem. Read-only, so it may run on
         another thread while a generation runs."""
         return self._checked_weights(path).fingerprint
 
-    def _checked_weights(self, path: str | os.PathLike) -> CheckpointReader:
+    def _checked_weights(self, path: str | os.PathLike) -> TransformerWeights:
         try:
-            reader = CheckpointReader(path)
-            reader.validate(expect=self.dit_config, with_adaln=self.config.adaln.mode == "resident")
-            self.adaln.validate_weight_update_source(path)
-        except ValueError as exc:  # CheckpointError, WeightUpdateError: the named checkpoint does not fit
+            checkpoint = H3Checkpoint.open(path)
+            weights = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
+            weights.validate(expect=self.model_config, with_adaln=self.plan_cache is None)
+            if self.plan_cache is not None:
+                self.plan_cache.validate_weight_update_source(path)
+        except (ValueError, OSError) as exc:  # CheckpointError, WeightUpdateError: the checkpoint does not fit
             raise WeightsRejected(str(exc)) from exc
-        return reader
+        return weights
 
     def debug_stats(self) -> dict[str, Any]:
         """Plan bookkeeping for tests and operators: references held in the GPU slab (0 when idle), plans
         resident, and plans keyed by another weights version than the current one (0 after an update)."""
-        slab = getattr(self.adaln, "slab", None)
         held = used = stale = 0
-        if slab is not None:
-            index, version = slab.index, self.adaln.weights_version
+        if self.plan_cache is not None:
+            index, version = self.plan_cache.slab.index, self.plan_cache.weights_version
             for slot in range(index.capacity):
                 held += index.refcount(slot)
                 key = index.key(slot)
@@ -264,7 +316,7 @@ class Engine:
                     used += 1
                     stale += key[0] != version
         return {"busy": self._busy, "held_plan_refs": held, "resident_plans": used, "stale_plans": stale,
-                "model": self.model_name, "fingerprint": self.reader.fingerprint}
+                "model": self.model_name, "fingerprint": self.weights.fingerprint}
 
     def health(self) -> dict[str, Any]:
         """Cheap, never waits for a generation."""
@@ -272,66 +324,85 @@ class Engine:
                 "requests": self._num_requests, "failed": self._num_failed}
 
     def describe(self) -> dict[str, Any]:
-        cfg = self.dit_config
+        limits = self.limits
         return {
             "id": self.model_name,
             "object": "model",
-            "preset": cfg.name,
             "device": str(self.device),
-            "checkpoint": str(self.checkpoint_dir),
-            "fingerprint": self.reader.fingerprint,
+            "checkpoint": str(self.checkpoint.root),
+            "layout": self.checkpoint.layout.value,
+            "fingerprint": self.weights.fingerprint,
             "limits": {
-                "max_steps": self.config.max_steps, "max_frames": cfg.max_frames, "max_height": cfg.max_height,
-                "max_width": cfg.max_width, "max_audio_len": cfg.max_audio_len,
-                "max_text_tokens": cfg.max_text_tokens, "patch": list(cfg.patch),
+                "max_steps": self.config.max_steps, "short_edge": limits.short_edge,
+                "max_pixels": limits.max_pixels, "min_seconds": limits.min_seconds,
+                "max_seconds": limits.max_seconds, "pixel_multiple": H3_LATENTS.pixel_multiple,
+                "fps": H3_LATENTS.fps, "max_prompt_tokens": self.config.text_encoder.max_prompt_tokens,
             },
-            "model_config": cfg.model_dump(mode="json"),
+            "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
         }
 
     # --- Stages ------------------------------------------------------------------------------------
 
     def _generate(
-        self, request: GenerationRequest, seed: int, progress: ProgressFn | None, cancelled: CancelledFn | None
+        self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
+        cache_dit: CacheDitConfig, seed: int, progress: ProgressFn | None, cancelled: CancelledFn | None,
     ) -> GenerationResult:
         def check_cancelled() -> None:
             if cancelled is not None and cancelled():
                 raise GenerationCancelled("generation cancelled by the caller")
 
         check_cancelled()
+        num_forwards = schedule.num_forwards
         t0 = time.perf_counter()
         # plan first: the plan cache rejects requests it can never serve before any other work
-        schedule = schedule_for(request)
-        guided_steps = request.guidance_scale > 1.0
-        model_calls = request.steps * (2 if guided_steps else 1)
-        self._begin_request(request, model_calls)
-        prepared = self.adaln.prepare(schedule.plans)
+        prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         try:
+            self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()
-            text = self.text_encoder.encode(request.prompt).to(self.device)  # [Lt, text_dim]
-            uncond = self.text_encoder.encode("").to(self.device) if guided_steps else None
-            video, audio = self._initial_noise(request, seed)
+            text = self.prompt_cache.get_or_encode(self.prompt_encoder, request.prompt).to(self.device)  # [L, D]
+            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device)
+            latents = denoiser.initial_latents(seed)
             t2 = self._sync_time()
-            for i in range(request.steps):
+            for i in range(num_forwards):
                 check_cancelled()
-                video, audio = self._step(schedule, i, prepared.modulation(i), video, audio, text, uncond,
-                                          request.guidance_scale)
+                inputs = denoiser.transformer_inputs(i, latents, text)
+                if prepared is not None:
+                    self.modulation.set(prepared.modulation(i))
+                self._begin_model_call()
+                velocity_video, velocity_audio = inputs.run(self.transformer)
+                latents = denoiser.step(i, latents, velocity_video, velocity_audio)
                 if progress is not None:
-                    progress(i + 1, request.steps)
+                    progress(i + 1, num_forwards)
+            video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
             t3 = time.perf_counter()
-            plan_stats = prepared.stats.model_dump()
+            plan_stats = prepared.stats.model_dump() if prepared is not None else {}
         finally:
-            prepared.release()
+            if prepared is not None:
+                prepared.release()
+        mp4 = thumbnail = None
+        t4 = t5 = t3
+        if request.return_video:
+            check_cancelled()
+            frames = self.video_decoder.decode(video)  # uint8 [frames, height, width, 3]
+            waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
+            t4 = time.perf_counter()
+            buffer = io.BytesIO()
+            write_mp4(buffer, frames, H3_LATENTS.fps, waveform, self.audio_decoder.sample_rate)
+            mp4, thumbnail = buffer.getvalue(), thumbnail_png(frames[0])
+            t5 = time.perf_counter()
 
         stats: dict[str, Any] = {
             "steps": request.steps,
-            "tokens": text.shape[0] + request.audio_len + video.numel() // self.dit_config.patch_dim,
+            "forwards": num_forwards,
+            "frames": geometry.num_frames,
+            "tokens": geometry.num_tokens(text.shape[0]),
             "text_tokens": text.shape[0],
-            "model_calls": model_calls,
             "adaln_mode": self.config.adaln.mode,
-            "schedule_key": schedule.schedule_key,
+            "schedule_key": request.schedule_key,
             "adaln": plan_stats,
+            "prompt_cache": dataclasses.asdict(self.prompt_cache.stats()),
         }
         if self.cache_dit is not None:
             cache_stats = self.cache_dit.stats()
@@ -339,20 +410,21 @@ class Engine:
         if self.offloader is not None:
             stats["offload"] = {k: v for k, v in self.offloader.stats.as_dict().items() if k != "h2d_bytes_per_step"}
         return GenerationResult(
-            video=video, audio=audio, seed=seed, model=self.model_name,
-            timings={"plan_s": t1 - t0, "encode_s": t2 - t1, "denoise_s": t3 - t2, "total_s": t3 - t0},
+            video=video, audio=audio, seed=seed, model=self.model_name, mp4=mp4, thumbnail_png=thumbnail,
+            timings={"plan_s": t1 - t0, "encode_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
+                     "mux_s": t5 - t4, "total_s": t5 - t0},
             stats=stats,
         )
 
-    def _begin_request(self, request: GenerationRequest, model_calls: int) -> None:
+    def _begin_request(self, cache_dit: CacheDitConfig, num_forwards: int) -> None:
         """Per-request state of the optional features: a fresh Cache-DiT context, the offloader's edges."""
         if self.cache_dit is None:
             return
-        # A request with caching off still runs through cache-dit's wrapper, once per model call.
-        effective = self.cache_dit.refresh(model_calls, request.cache_dit)
+        # A request with caching off still runs through cache-dit's wrapper, once per forward.
+        self.cache_dit.refresh_resolved(num_forwards, cache_dit)
         if self.offloader is not None:
-            if effective.enabled:
-                self.offloader.set_cache_blocks(effective.Fn_compute_blocks, effective.Bn_compute_blocks)
+            if cache_dit.enabled:
+                self.offloader.set_cache_blocks(cache_dit.Fn_compute_blocks, cache_dit.Bn_compute_blocks)
             else:
                 self.offloader.clear_cache_blocks()
 
@@ -360,28 +432,6 @@ class Engine:
         if self.offloader is not None:
             will = self.cache_dit.predict_middle() if self.cache_dit is not None else True
             self.offloader.begin_step(will)
-
-    def _initial_noise(self, request: GenerationRequest, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 noise drawn on the CPU from `seed` (same bits on any device), then moved."""
-        cfg = self.dit_config
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        video = torch.randn(cfg.video_channels, request.frames, request.height, request.width,
-                            generator=generator, dtype=torch.float32)  # [C, F, H, W]
-        audio = torch.randn(request.audio_len, cfg.audio_channels, generator=generator, dtype=torch.float32)  # [T, Ca]
-        return video.to(self.device), audio.to(self.device)
-
-    def _step(self, schedule, i, modulation, video, audio, text, uncond, guidance_scale):
-        step = schedule.step(i)
-        self._begin_model_call()
-        v_video, v_audio = self.model(video, audio, text, step, modulation)
-        if uncond is not None:
-            self._begin_model_call()
-            u_video, u_audio = self.model(video, audio, uncond, step, modulation)
-            v_video, v_audio = guided(v_video, u_video, guidance_scale), guided(v_audio, u_audio, guidance_scale)
-        sv, sa = schedule.sigmas_video, schedule.sigmas_audio
-        video = euler_step(video, v_video, sv[i], sv[i + 1])
-        audio = euler_step(audio, v_audio, sa[i], sa[i + 1])
-        return video, audio
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":

@@ -1,7 +1,9 @@
-"""A fake engine with the real engine's API and limits (tiny preset), for Serve-layer tests.
+"""A fake engine with the real engine's API and request checks, for Serve-layer tests.
 
-Latents are seeded noise: same seed, same bits, no model. A prompt starting with "slow" sleeps 0.1 s per
-step (to test timeouts and cancellation). Importable by Ray workers (module-level class).
+Latents are seeded noise of the request's real latent shapes (`model.geometry`, any 32-px multiple, 5-15 s):
+same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode). A prompt
+starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Importable by Ray workers
+(module-level class).
 """
 
 from __future__ import annotations
@@ -11,44 +13,56 @@ from typing import Any
 
 import torch
 
-from engine.api import GenerationRequest, GenerationResult, check_limits
+from engine.api import GenerationRequest, GenerationResult
 from engine.config import EngineConfig
-from engine.errors import GenerationCancelled, WeightsRejected
-from model.config import preset
+from engine.errors import ClientError, GenerationCancelled, WeightsRejected
+from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+
+FAKE_MP4 = b"fake-mp4:"
+FAKE_MODEL = "fake-h3"
 
 
 class FakeEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.dit_config = preset(config.preset)
+        self.limits = GeometryLimits(short_edge=None)
         self.num_requests = 0
         self.num_cancelled = 0
 
-    def validate(self, request: GenerationRequest) -> None:
-        check_limits(request, self.dit_config, self.config.max_steps)
+    def validate(self, request: GenerationRequest) -> VideoGeometry:
+        if request.guidance_scale != 1.0:
+            raise ClientError(f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled")
+        if request.steps > self.config.max_steps:
+            raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
+        try:
+            return VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits, H3_LATENTS)
+        except ValueError as exc:
+            raise ClientError(str(exc)) from None
 
     def generate(self, request: GenerationRequest, progress=None, cancelled=None) -> GenerationResult:
-        self.validate(request)
+        geometry = self.validate(request)
         start = time.perf_counter()
         seed = 12345 if request.seed is None else request.seed
         generator = torch.Generator().manual_seed(seed)
-        cfg = self.dit_config
-        video = torch.randn(cfg.video_channels, request.frames, request.height, request.width, generator=generator)
-        audio = torch.randn(request.audio_len, cfg.audio_channels, generator=generator)
-        for i in range(request.steps):
+        video = torch.randn(geometry.video_latent_shape, generator=generator)
+        audio = torch.randn(geometry.num_audio_rows, H3_LATENTS.audio_latent_channels, generator=generator)
+        num_forwards = request.steps - 1
+        for i in range(num_forwards):
             if cancelled is not None and cancelled():
                 self.num_cancelled += 1
                 raise GenerationCancelled("cancelled")
             if request.prompt.startswith("slow"):
                 time.sleep(0.1)
             if progress is not None:
-                progress(i + 1, request.steps)
+                progress(i + 1, num_forwards)
         self.num_requests += 1
         total = time.perf_counter() - start
         return GenerationResult(
-            video=video, audio=audio, seed=seed, model=f"fake-{cfg.name}",
+            video=video, audio=audio, seed=seed, model=FAKE_MODEL,
+            mp4=FAKE_MP4 + str(seed).encode() if request.return_video else None,
             timings={"encode_s": 0.0, "plan_s": 0.0, "denoise_s": total, "total_s": total},
-            stats={"steps": request.steps, "tokens": request.frames * request.height * request.width // 4},
+            stats={"steps": request.steps, "forwards": num_forwards, "tokens": geometry.num_tokens(8),
+                   "schedule_key": request.schedule_key},
         )
 
     def validate_weight_update(self, path: str) -> str:
@@ -58,11 +72,11 @@ class FakeEngine:
         raise WeightsRejected("this engine does not support weight updates")
 
     def debug_stats(self) -> dict[str, Any]:
-        return {"model": f"fake-{self.dit_config.name}"}
+        return {"model": FAKE_MODEL}
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "requests": self.num_requests, "cancelled": self.num_cancelled}
 
     def describe(self) -> dict[str, Any]:
-        return {"id": f"fake-{self.dit_config.name}", "object": "model", "device": "cpu",
-                "limits": {"max_frames": self.dit_config.max_frames}}
+        return {"id": FAKE_MODEL, "object": "model", "device": "cpu",
+                "limits": {"max_steps": self.config.max_steps, "short_edge": None}}
