@@ -1,0 +1,203 @@
+"""One replica's torch.distributed process group, every collective bounded by a timeout.
+
+A multi-GPU replica is N processes (one per device) that run the same denoising loop; `init_group` joins this
+process to its replica's group and returns the `SpGroup` the sequence-parallel attention, the Cache-DiT decision
+and the AdaLN exchange talk through. The backend follows the device: NCCL for CUDA tensors, gloo for CPU tensors
+(so CI runs the same code on CPU).
+
+How "a dead rank is an error, never a hang" is achieved, and what each piece covers:
+
+1. `init_process_group(timeout=...)`: the rendezvous fails after `timeout` when a rank never shows up, and the
+   timeout becomes the process group's. Any subgroup made later with `dist.new_group` must get `timeout=` too:
+   it does not inherit this one (it gets torch's default, 10 min for NCCL and 30 min for gloo).
+2. gloo applies that timeout to every operation itself: a peer that is gone makes the op fail at once
+   ("Connection reset by peer"), a peer that is alive but never joins makes it fail after `timeout`.
+3. NCCL runs collectives asynchronously on the GPU stream; the host thread returns at once. A stuck NCCL
+   collective is seen by the process group's watchdog thread after `timeout`, which then aborts the communicator
+   and (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) ends the process: the actor dies and Ray reports it. To get a
+   Python exception in the calling thread instead, a collective issued with `host_wait=True` blocks the host on
+   `Work.wait(timeout)`, which raises after `timeout`. The sequence-parallel forward does that once per forward
+   (the output gather): collectives are stream-ordered, so a hang in any earlier one of that forward surfaces
+   there. The hot-path collectives (attention all-to-alls) never block the host.
+   Seen on 2 H200s: with the peer killed, the survivor's forward raised CollectiveError after the 15 s timeout,
+   and the watchdog then logged that it takes the process down. A GPU worker that must live on to report the
+   error sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process: torch's documented
+   mode, not tried here) before `init_group`; otherwise its death is the report (Ray raises ActorDiedError in
+   the coordinator).
+4. After a failed collective the group is unusable (an NCCL communicator is left in an undefined state, the
+   ranks disagree on what ran): `SpGroup` remembers the failure and refuses every later collective with it, so
+   a caught error cannot turn into a hang at the next collective. The replica must be torn down and rebuilt.
+5. Not covered here: a rank stuck outside any collective (in host code or a kernel that never ends) makes its
+   peers fail at their next collective, but it stays stuck itself. The coordinator that owns the rank actors
+   must bound its own wait (`ray.get(..., timeout=)`) and kill such an actor.
+
+Every rank must issue the same collectives in the same order. Data-dependent branches that contain collectives
+(Cache-DiT's compute-or-skip decision) must therefore decide identically on every rank: `parallel.cache_decision`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+#: Default bound on the rendezvous and on every collective. A forward's largest collective on the real model
+#: (the q, k, v all-to-all at 62k tokens, under 2 GB per rank) takes milliseconds over NVLink.
+DEFAULT_TIMEOUT_S = 60.0
+
+BACKEND_FOR_DEVICE_TYPE = {"cpu": "gloo", "cuda": "nccl"}
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has the old one.
+_all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+
+
+class GroupConfigError(ValueError):
+    """A rank, world size, device or timeout that cannot form a group; names the value and the rule."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a peer died or stopped answering). The group is unusable afterwards."""
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The process group backend for tensors on `device`: gloo for cpu, nccl for cuda."""
+    device = torch.device(device)
+    try:
+        return BACKEND_FOR_DEVICE_TYPE[device.type]
+    except KeyError:
+        raise GroupConfigError(
+            f"device={str(device)!r}: sequence parallel runs on {sorted(BACKEND_FOR_DEVICE_TYPE)} devices"
+        ) from None
+
+
+@dataclass(eq=False)
+class SpGroup:
+    """This process's place in its replica's group, and the collectives the parallel code uses.
+
+    Tensors passed to collectives must be on `device`. Collectives of this class are synchronous from the
+    caller's view: on gloo the host waits; on NCCL the current stream waits (and the host too with
+    `host_wait=True`, bounded by `timeout`).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    timeout: datetime.timedelta
+    process_group: dist.ProcessGroup
+    _failure: str | None = field(default=None, repr=False)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group is unusable (the first failed collective), or None while it is healthy."""
+        return self._failure
+
+    # --- collectives ----------------------------------------------------------------------------------
+
+    def all_to_all(self, output: Tensor, input: Tensor, *, host_wait: bool = False) -> None:
+        """Equal split along dim 0: chunk j of `input` goes to rank j; chunk i of `output` comes from rank i."""
+        if input.shape != output.shape or input.shape[0] % self.world_size:
+            raise ValueError(f"all_to_all: input {list(input.shape)} and output {list(output.shape)} must have "
+                             f"one shape whose dim 0 divides by the world size {self.world_size}")
+        self._check_tensors("all_to_all", input, output)
+        self._run("all_to_all", lambda: dist.all_to_all_single(
+            output, input, group=self.process_group, async_op=True), host_wait)
+
+    def all_gather(self, output: Tensor, input: Tensor, *, host_wait: bool = False) -> None:
+        """`output` ([world_size * n, ...]) receives every rank's `input` ([n, ...]) in rank order."""
+        if output.shape[0] != self.world_size * input.shape[0] or output.shape[1:] != input.shape[1:]:
+            raise ValueError(f"all_gather: output {list(output.shape)} must be input {list(input.shape)} "
+                             f"stacked {self.world_size} times along dim 0")
+        self._check_tensors("all_gather", input, output)
+        self._run("all_gather", lambda: _all_gather_single(
+            output, input, group=self.process_group, async_op=True), host_wait)
+
+    def broadcast(self, tensor: Tensor, src: int, *, host_wait: bool = False) -> None:
+        """Every rank's `tensor` becomes rank `src`'s (a rank of this group)."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src={src} is not a rank of this group (world size {self.world_size})")
+        self._check_tensors("broadcast", tensor, tensor)
+        self._run("broadcast", lambda: dist.broadcast(
+            tensor, group=self.process_group, group_src=src, async_op=True), host_wait)
+
+    def barrier(self) -> None:
+        """Return once every rank got here (host-blocking, bounded by `timeout`)."""
+        token = torch.zeros(self.world_size, device=self.device)
+        self.all_to_all(torch.empty_like(token), token, host_wait=True)
+
+    def destroy(self) -> None:
+        """Leave the group (the process can then exit cleanly). Never call a collective after this."""
+        self._failure = self._failure or "the group was destroyed"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- plumbing ---------------------------------------------------------------------------------------
+
+    def _check_tensors(self, op: str, input: Tensor, output: Tensor) -> None:
+        for name, tensor in (("input", input), ("output", output)):
+            if tensor.device != self.device:
+                raise ValueError(f"{op}: {name} is on {tensor.device}, this group's device is {self.device}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"{op}: {name} must be contiguous")
+        if input.dtype != output.dtype:
+            raise ValueError(f"{op}: input is {input.dtype}, output is {output.dtype}")
+
+    def _run(self, op: str, launch: Callable[[], dist.Work], host_wait: bool) -> None:
+        if self._failure is not None:
+            raise CollectiveError(f"{op} on rank {self.rank}/{self.world_size}: the group failed earlier "
+                                  f"({self._failure}); rebuild the replica")
+        try:
+            work = launch()
+            # wait(timeout) blocks the host until the op is done or raises after `timeout`; wait() with no
+            # timeout only orders the current stream after it on NCCL (gloo always waits on the host).
+            if host_wait:
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo/NCCL timeouts
+            self._failure = f"{op} failed: {exc}"
+            raise CollectiveError(
+                f"{op} on rank {self.rank}/{self.world_size} ({self.backend}, timeout "
+                f"{self.timeout.total_seconds():g} s) failed: a peer died or stopped answering: {exc}"
+            ) from exc
+
+
+def init_group(rank: int, world_size: int, init_method: str, device: torch.device | str, *,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> SpGroup:
+    """Join this process to its replica's group (the process's default torch.distributed group).
+
+    `init_method`: a `file://` path (fresh per group) or `tcp://host:port` every rank passes identically.
+    `device`: this rank's device (`cuda:i` must name its index; it becomes the current CUDA device).
+    Raises GroupConfigError for bad arguments, CollectiveError when the rendezvous fails or times out.
+    """
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise GroupConfigError(f"{name}={value!r} must be an integer >= {low}")
+    if rank >= world_size:
+        raise GroupConfigError(f"rank={rank} must be < world_size={world_size}")
+    if not timeout_s > 0:
+        raise GroupConfigError(f"timeout_s={timeout_s!r} must be > 0")
+    device = torch.device(device)
+    backend = backend_for(device)
+    if device.type == "cuda":
+        if device.index is None:
+            raise GroupConfigError(f"device={str(device)!r} must name its index (cuda:i)")
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        raise GroupConfigError("this process already belongs to a process group: one replica group per process")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
+            # NCCL: bind the communicator to this device now (eager init) instead of at the first collective.
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError) as exc:  # DistStoreError (rendezvous timeout) is a RuntimeError
+        raise CollectiveError(f"rank {rank}/{world_size} could not join the group at {init_method} within "
+                              f"{timeout_s:g} s: {exc}") from exc
+    return SpGroup(rank=rank, world_size=world_size, device=device, backend=backend, timeout=timeout,
+                   process_group=dist.group.WORLD)

@@ -1,0 +1,67 @@
+"""Run a function on N local ranks, one spawned process each, with a deadline (tests, benchmarks, CPU dev runs).
+
+    exits = launch_local(target, world_size=2, workdir=tmp_path, args=(...,), deadline_s=120)
+
+Every process calls `target(rank, world_size, init_method, *args)`; `init_method` is a fresh `file://` rendezvous
+in `workdir`, for `parallel.group.init_group`. Results travel through files the target writes (under `workdir`),
+so nothing but the exit codes crosses process boundaries here.
+
+Unlike `torch.multiprocessing.spawn`, a rank that dies does not take the others down: the survivors run on (that
+is what a killed-rank test needs to watch), and a rank still running at the deadline is killed and reported as
+hung (`RankExit.hung`), so a collective that never returns fails the caller instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+#: How long a rank killed at the deadline gets to exit before the next one is looked at.
+_KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    exitcode: int | None  # None: still running at the deadline (then killed)
+
+    @property
+    def hung(self) -> bool:
+        return self.exitcode is None
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+
+def launch_local(target: Callable[..., None], world_size: int, workdir: str | os.PathLike, *,
+                 args: tuple = (), deadline_s: float = 120.0) -> list[RankExit]:
+    """Start `world_size` processes (spawn) running `target(rank, world_size, init_method, *args)`, wait for all
+    of them until `deadline_s`, kill the ones still running, and return every rank's exit."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rendezvous = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
+    init_method = f"file://{rendezvous}"
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=target, args=(rank, world_size, init_method, *args), daemon=True)
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + deadline_s
+    exits = []
+    for rank, process in enumerate(processes):
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(_KILL_GRACE_S)
+            exits.append(RankExit(rank, None))
+        else:
+            exits.append(RankExit(rank, process.exitcode))
+    return exits

@@ -1,0 +1,341 @@
+"""Ulysses sequence parallelism for diffusers' `MiniMaxH3Transformer3DModel`, on any `SpGroup` (gloo or NCCL).
+
+    sp = SequenceParallel.install(transformer, group)        # every rank: the same model, one group
+    video_v, audio_v = inputs.run(transformer)                # every rank: the same full inputs and outputs
+    sp.remove()
+
+The denoising loop (`model.denoise`) does not change: every rank runs it on the same latents, and the
+transformer call returns the full velocities on every rank, so the ranks' latents stay bit-identical.
+
+How one forward runs at degree N (S rows in the packed `[text | audio | video]` sequence):
+
+1. Shard at the input (forward pre-hook on the transformer). The sequence is padded at its end to
+   S_pad = N * ceil(S / N) rows; rank r owns rows [r * S_loc, (r + 1) * S_loc). The per-row inputs
+   (`position_ids`, `token_tags`, `timestep_indices`) are cut to those rows, pad rows get zeros (position 0,
+   tag video, timestep index 0: valid table rows whose results are thrown away). The video and audio latent
+   rows that land on this rank are selected with their indices, made local. The model's own forward then
+   builds only this rank's shard of the packed buffer; pad rows are never written (zero rows).
+2. Text. The token refiner attends over the whole prompt, so it runs whole on every rank (a few hundred rows
+   through 2 blocks) and a forward hook on it keeps this rank's text rows.
+3. Blocks. Norms, AdaLN modulation (`adaln_indices` are built from the local tags and timestep indices),
+   rotary embedding (built from the local positions) and MLP are row-local and run on the shard unchanged.
+   Attention (`UlyssesAttnProcessor` on every `transformer_blocks[i].attn`): one all-to-all turns this rank's
+   rows x all heads of q, k, v into all S_pad rows x H/N heads; keys and values are cut to the S real rows,
+   so pad rows contribute nothing to any real row (no mask: every attention backend, flash included, stays
+   usable; pad queries compute garbage that is never read); a second all-to-all returns this rank's rows x
+   all heads. Pads also never reach a real row anywhere else, every other op being row-local.
+4. Gather (forward hook on the transformer): the output heads produced this rank's video and audio rows;
+   they are all-gathered and put back in `video_indices` / `audio_indices` order. This gather waits on the
+   host with the group's timeout: the forward's one point where a dead peer becomes a `CollectiveError`.
+
+Everything between the input and output hooks sees shard-shaped tensors only, so the seams that wrap the
+blocks keep working unchanged: `model.adaln.ExternalModulation` (its rows are indexed by the local
+`adaln_indices`), cache-dit's DBCache (its residuals are local; `parallel.cache_decision` makes its decision
+identical on every rank; its `num_local_real_rows` comes from here) and the layerwise offloader.
+
+Valid degrees divide the head count (56 for H3: 1, 2, 4, 7, 8, 14, 28, 56); `check_degree` refuses others.
+
+diffusers' machinery used: the model's forward, unchanged; the attention processor seam
+(`AttentionModuleMixin.set_processor`); `dispatch_attention_fn`, so `set_attention_backend` still picks the
+kernel; the model's rotary helper. The model's `_cp_plan` says which per-row tensors must follow the rows and
+where to gather; we follow it but do not run it (`enable_parallelism`), because (a) it picks the device as
+`rank % torch.accelerator.device_count()`, a ZeroDivisionError without an accelerator (no gloo/CPU path),
+(b) its equal sharder asserts that S divides by N, and its uneven mode (`ulysses_anything`) all-gathers the
+shard sizes before every exchange and runs variable-size all-to-alls, where padding keeps every exchange one
+equal-split all-to-all, and (c) it splits the hidden states at `transformer_blocks.0`, but cache-dit's block
+wrapper runs in front of that block and would diff its unsplit input against block 0's split output. Ours:
+input sharding with pads, the local text rows, the key cut, the all-to-alls (one for q, k, v together) and
+the ordered gather. Not done yet (GPU work): overlapping the all-to-alls with the projections.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Attention, MiniMaxH3TransformerOutput,
+                                                                  _apply_rotary_emb)
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from parallel.group import SpGroup
+
+#: Released MiniMax-H3: 56 heads of 128 (h3.md section 2).
+H3_NUM_HEADS = 56
+
+
+class SequenceParallelError(ValueError):
+    """A sequence-parallel degree the model cannot run; names the degree and the valid ones."""
+
+
+def valid_degrees(num_heads: int) -> list[int]:
+    """Degrees that split `num_heads` evenly (each rank attends with num_heads / degree whole heads)."""
+    return [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+
+
+def check_degree(degree: int, num_heads: int = H3_NUM_HEADS, num_devices: int | None = None) -> None:
+    """SequenceParallelError unless `degree` divides `num_heads` (and fits in `num_devices`, when given)."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise SequenceParallelError(f"sequence parallel degree {degree!r} must be an integer >= 1")
+    if num_heads % degree:
+        raise SequenceParallelError(f"sequence parallel degree {degree} does not divide the model's {num_heads} "
+                                    f"attention heads; valid degrees: {valid_degrees(num_heads)}")
+    if num_devices is not None and degree > num_devices:
+        raise SequenceParallelError(f"sequence parallel degree {degree} needs {degree} devices on one node; "
+                                    f"this node has {num_devices}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How one forward's rows are split
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RowShard:
+    """The rows of one modality (given by their indices into the packed sequence) and the ranks owning them."""
+
+    positions: Tensor  # int64 [n_r]: this rank's rows, as positions into the modality's indices / latent rows
+    local_indices: Tensor  # int64 [n_r]: where those rows sit in this rank's shard
+    order: Tensor  # int64 [n]: every rank's `positions`, concatenated in rank order
+    counts: tuple[int, ...]  # rows per rank
+
+    @classmethod
+    def of(cls, indices: Tensor, rank: int, degree: int, rows_per_rank: int) -> RowShard:
+        owner = torch.div(indices, rows_per_rank, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)  # stable: each rank's rows keep their order
+        counts = tuple(torch.bincount(owner, minlength=degree).tolist())
+        start = sum(counts[:rank])
+        positions = order[start: start + counts[rank]]
+        return cls(positions, indices.index_select(0, positions) - rank * rows_per_rank, order, counts)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceShard:
+    """One forward's split of the packed sequence over the group, seen from one rank."""
+
+    num_rows: int  # S: real rows of the packed sequence
+    degree: int
+    rank: int
+    video: RowShard
+    audio: RowShard
+    text: RowShard
+
+    @property
+    def rows_per_rank(self) -> int:
+        return math.ceil(self.num_rows / self.degree)
+
+    @property
+    def padded_rows(self) -> int:
+        return self.rows_per_rank * self.degree
+
+    @property
+    def start(self) -> int:
+        """First row of the packed sequence this rank owns."""
+        return self.rank * self.rows_per_rank
+
+    @property
+    def num_local_real_rows(self) -> int:
+        """Real rows in this rank's shard; they come first, the pads (if any) after them."""
+        return max(0, min(self.rows_per_rank, self.num_rows - self.start))
+
+    @classmethod
+    def build(cls, num_rows: int, degree: int, rank: int, video_indices: Tensor, audio_indices: Tensor,
+              text_indices: Tensor) -> SequenceShard:
+        rows_per_rank = math.ceil(num_rows / degree)
+        rows = {}
+        for name, indices in (("video", video_indices), ("audio", audio_indices), ("text", text_indices)):
+            in_range = indices.numel() == 0 or (int(indices.min()) >= 0 and int(indices.max()) < num_rows)
+            if indices.ndim != 1 or not in_range:
+                raise ValueError(f"{name}_indices must be 1-D positions in [0, {num_rows}) of the packed sequence")
+            rows[name] = RowShard.of(indices, rank, degree, rows_per_rank)
+        return cls(num_rows, degree, rank, rows["video"], rows["audio"], rows["text"])
+
+    def local_rows(self, per_row: Tensor) -> Tensor:
+        """This rank's rows of a [S, ...] per-row tensor, zero rows for its pads: [S_loc, ...]."""
+        real = per_row[self.start: self.start + self.num_local_real_rows]
+        num_pads = self.rows_per_rank - real.shape[0]
+        if num_pads == 0:
+            return real
+        return torch.cat([real, per_row.new_zeros((num_pads, *per_row.shape[1:]))])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The installed feature
+# ---------------------------------------------------------------------------------------------------------
+
+#: Per-row inputs of the transformer's forward, cut to the rank's rows (pads zero).
+_PER_ROW_INPUTS = ("position_ids", "token_tags", "timestep_indices")
+
+
+class SequenceParallel:
+    """Sequence parallelism installed on one transformer (`install`); `remove` restores it.
+
+    Invariants: `shard` is set exactly between a forward's input hook and its output hook; the attention
+    processors read it, so a processor called outside a forward raises instead of using a stale split.
+    """
+
+    def __init__(self, transformer: MiniMaxH3Transformer3DModel, group: SpGroup):
+        self.transformer = transformer
+        self.group = group
+        self.degree = group.world_size
+        self._shard: SequenceShard | None = None
+        self._original_processors: list[object] = []
+        self._handles: list[RemovableHandle] = []
+        # The class's forward, not the instance's: cache-dit replaces the latter by a (*args, **kwargs) wrapper.
+        signature = inspect.signature(type(transformer).forward)
+        self._forward_signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @classmethod
+    def install(cls, transformer: MiniMaxH3Transformer3DModel, group: SpGroup) -> SequenceParallel:
+        """Shard `transformer`'s forwards over `group` (degree = group.world_size). Every rank installs it."""
+        if not isinstance(transformer, MiniMaxH3Transformer3DModel):
+            raise TypeError(f"sequence parallel serves MiniMaxH3Transformer3DModel, got {type(transformer).__name__}")
+        check_degree(group.world_size, transformer.config.num_attention_heads)
+        attentions = [block.attn for block in transformer.transformer_blocks]
+        if any(isinstance(attn.processor, UlyssesAttnProcessor) for attn in attentions):
+            raise RuntimeError("sequence parallel is already installed on this transformer")
+        sp = cls(transformer, group)
+        sp._original_processors = [attn.processor for attn in attentions]
+        for attn in attentions:
+            processor = UlyssesAttnProcessor(sp)
+            # Keep the backend diffusers' `set_attention_backend` chose for this model.
+            processor._attention_backend = attn.processor._attention_backend
+            attn.set_processor(processor)
+        sp._handles = [
+            transformer.register_forward_pre_hook(sp._shard_inputs, with_kwargs=True, prepend=True),
+            transformer.token_refiner.register_forward_hook(sp._keep_local_text),
+            transformer.register_forward_hook(sp._gather_outputs, prepend=True),
+        ]
+        return sp
+
+    def remove(self) -> None:
+        """Restore the processors and drop the hooks (the transformer runs unsharded again)."""
+        for handle in self._handles:
+            handle.remove()
+        for block, processor in zip(self.transformer.transformer_blocks, self._original_processors):
+            block.attn.set_processor(processor)
+        self._handles, self._original_processors, self._shard = [], [], None
+
+    @property
+    def shard(self) -> SequenceShard:
+        """The running forward's split; RuntimeError outside a forward."""
+        if self._shard is None:
+            raise RuntimeError("no sequence-parallel forward is running: call the transformer (its hooks shard "
+                               "the inputs) instead of its blocks")
+        return self._shard
+
+    @property
+    def num_local_real_rows(self) -> int:
+        """Real rows of this rank's shard in the running forward (pads excluded); for `parallel.cache_decision`."""
+        return self.shard.num_local_real_rows
+
+    # --- the hooks ------------------------------------------------------------------------------------
+
+    def _shard_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        inputs = self._forward_signature.bind(*args, **kwargs).arguments
+        shard = SequenceShard.build(inputs["position_ids"].shape[0], self.degree, self.group.rank,
+                                    inputs["video_indices"], inputs["audio_indices"], inputs["text_indices"])
+        for name in _PER_ROW_INPUTS:
+            inputs[name] = shard.local_rows(inputs[name])
+        inputs["hidden_states"] = inputs["hidden_states"].index_select(1, shard.video.positions)
+        inputs["video_indices"] = shard.video.local_indices
+        inputs["audio_hidden_states"] = inputs["audio_hidden_states"].index_select(1, shard.audio.positions)
+        inputs["audio_indices"] = shard.audio.local_indices
+        inputs["text_indices"] = shard.text.local_indices  # the refiner's output is cut to match (below)
+        self._shard = shard
+        return (), dict(inputs)
+
+    def _keep_local_text(self, module: nn.Module, args: tuple, text_embeds: Tensor) -> Tensor:
+        return text_embeds.index_select(1, self.shard.text.positions)  # [B, L, H] -> [B, L_r, H]
+
+    def _gather_outputs(self, module: nn.Module, args: tuple,
+                        output: MiniMaxH3TransformerOutput | tuple[Tensor, Tensor]):
+        shard, self._shard = self.shard, None
+        as_tuple = isinstance(output, tuple)
+        video, audio = output if as_tuple else (output.sample, output.audio_sample)
+        video = self._gather_rows(video, shard.video)
+        audio = self._gather_rows(audio, shard.audio)
+        return (video, audio) if as_tuple else MiniMaxH3TransformerOutput(sample=video, audio_sample=audio)
+
+    def _gather_rows(self, local: Tensor, rows: RowShard) -> Tensor:
+        """[B, n_r, C] on every rank -> [B, n, C] in the modality's index order, the same bytes on every rank."""
+        if self.degree == 1:
+            return local
+        batch, _, channels = local.shape
+        most = max(rows.counts)
+        send = local.new_zeros((1, batch, most, channels))
+        send[0, :, : local.shape[1]] = local
+        received = local.new_empty((self.degree, batch, most, channels))
+        # The forward's host-side wait: a peer that died anywhere in this forward surfaces here, bounded.
+        self.group.all_gather(received, send, host_wait=True)
+        stacked = torch.cat([received[r, :, :count] for r, count in enumerate(rows.counts)], dim=1)
+        return torch.empty_like(stacked).index_copy_(1, rows.order, stacked)
+
+    # --- the exchange around attention ------------------------------------------------------------------
+
+    def heads_to_sequence(self, qkv: Tensor) -> Tensor:
+        """[3, B, S_loc, H, D] (this rank's rows, all heads) -> [3, B, S_pad, H/N, D] (all rows, its heads)."""
+        if self.degree == 1:
+            return qkv
+        n = self.degree
+        three, batch, rows, heads, dim = qkv.shape
+        # Chunk j of dim 0 goes to rank j: this rank's rows of head group j.
+        send = qkv.view(three, batch, rows, n, heads // n, dim).permute(3, 0, 1, 2, 4, 5).contiguous()
+        received = torch.empty_like(send)  # chunk i: rank i's rows of this rank's head group
+        self.group.all_to_all(received, send)
+        return received.permute(1, 2, 0, 3, 4, 5).reshape(three, batch, n * rows, heads // n, dim)
+
+    def sequence_to_heads(self, out: Tensor) -> Tensor:
+        """[B, S_pad, H/N, D] (all rows, this rank's heads) -> [B, S_loc, H, D] (its rows, all heads)."""
+        if self.degree == 1:
+            return out
+        n = self.degree
+        batch, padded_rows, head_group, dim = out.shape
+        rows = padded_rows // n
+        # Chunk j of dim 0 goes to rank j: rank j's rows of this rank's head group.
+        send = out.reshape(batch, n, rows, head_group, dim).permute(1, 0, 2, 3, 4).contiguous()
+        received = torch.empty_like(send)  # chunk i: this rank's rows of head group i
+        self.group.all_to_all(received, send)
+        return received.permute(1, 2, 0, 3, 4).reshape(batch, rows, n * head_group, dim)
+
+
+class UlyssesAttnProcessor:
+    """`MiniMaxH3AttnProcessor`'s computation with the Ulysses exchange around the attention kernel.
+
+    Projections, per-head norms and rotary run on this rank's rows; attention runs on all rows of H/N heads,
+    with keys and values cut to the real rows (pads contribute nothing)."""
+
+    _attention_backend = None  # set by install / diffusers' set_attention_backend; None: diffusers' default
+    _parallel_config = None  # diffusers' own context parallel stays off: the exchange is done here
+
+    def __init__(self, sp: SequenceParallel):
+        self.sp = sp
+
+    def __call__(self, attn: MiniMaxH3Attention, hidden_states: Tensor,
+                 rotary_emb: tuple[Tensor, Tensor] | None = None, attention_mask: Tensor | None = None) -> Tensor:
+        if attention_mask is not None:
+            raise ValueError("UlyssesAttnProcessor takes no attention_mask (MiniMax-H3 passes none)")
+        if attn.fused_projections:
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))  # [B, S_loc, H, D]
+        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
+        value = value.unflatten(-1, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        query, key, value = self.sp.heads_to_sequence(torch.stack((query, key, value)))  # [B, S_pad, H/N, D]
+        num_rows = self.sp.shard.num_rows
+        out = dispatch_attention_fn(query, key[:, :num_rows], value[:, :num_rows], attn_mask=None, dropout_p=0.0,
+                                    is_causal=False, backend=self._attention_backend)
+        out = self.sp.sequence_to_heads(out)  # [B, S_loc, H, D]
+
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
