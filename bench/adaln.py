@@ -2,8 +2,15 @@
 two alternating schedules, side by side in one run, with bit-exactness checked against resident.
 
     python -m bench.adaln                      # H200: h3 AdaLN scale (50 blocks + final, 49 plans of width 2)
-    python -m bench.adaln --smoke              # CPU or GPU, tiny preset, < 60 s
+    python -m bench.adaln --smoke              # CPU or GPU, tiny width, seconds
     python -m bench.adaln --checkpoint DIR     # reuse an AdaLN checkpoint (else one is made with --only adaln)
+
+The model is diffusers' `MiniMaxH3Transformer3DModel` (seen by the cache as `model.adaln.H3Adaln`) built on the
+meta device with only what the AdaLN path needs made real: the timestep MLP (its input) and, for resident mode,
+every `transformer_blocks.{i}.adaln_proj.linear` and `norm_out.linear`. The checkpoint is a random one of the
+real architecture holding just those tensors (`bench.checkpoints.make_random_checkpoint(..., only="adaln")`:
+26.1 GB at h3 scale), read by `model.weights.TransformerWeights` exactly as a full checkpoint is. Plans are
+the H3 scheduler's (t2va: video shift 12 / audio shift 3, and 6 / 3 for the second schedule).
 
 Writes bench/results/adaln-<device>.md and .json (git commit, device, command, table). The limits the
 ratios refer to (shared/reference.md, H200): pinned H2D 54.9 GB/s, 16-thread page-cache read 39.3 GB/s,
@@ -24,14 +31,17 @@ from pathlib import Path
 
 import torch
 
+from accelerate import init_empty_weights
+from diffusers import MiniMaxH3Transformer3DModel
+
+from bench.checkpoints import ADALN_INPUT_PREFIX, PRESETS, make_random_checkpoint
 from bench.common import git_commit
 from cache.config import AdalnConfig
 from cache.plan_cache import PlanCache, ResidentModulation
 from cache.rebuild import AdalnRebuilder, _Files, resolve_adaln_units
-from model.checkpoint import CheckpointReader, make_checkpoint
-from model.config import preset
-from model.dit import DiT, is_adaln_rebuild_input
-from model.sampler import FlowMatchSchedule
+from model.layout import H3Checkpoint
+from model.schedule import H3Schedule
+from model.weights import TransformerWeights, adaln_unit_names, is_adaln_param
 
 LIMITS = {"h2d_gbps": 54.9, "page_cache_read_gbps": 39.3, "cold_disk_gbps": 1.96, "sglang_rebuild_s": 8.46,
           "target_page_cache_s": 1.0, "target_cold_ratio": 1.1}
@@ -42,21 +52,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def adaln_model(reader: CheckpointReader, device: torch.device, with_adaln: bool) -> DiT:
-    """The DiT's own adaln_input / resident_modulation code on just the tensors an AdaLN checkpoint holds:
-    everything else stays on the meta device (h3's 33 B params are never allocated)."""
-    model = DiT(reader.config, with_adaln=with_adaln, device="meta")
-    names = [n for n, _ in model.named_parameters() if is_adaln_rebuild_input(n)]
-    model.load_state_dict({n: reader.tensor(n, device) for n in names}, strict=False, assign=True)
-    model.video_in.to_empty(device=device)  # DiT.device reads this parameter's device
-    return model
+def adaln_model(weights: TransformerWeights, device: torch.device, with_adaln: bool) -> MiniMaxH3Transformer3DModel:
+    """diffusers' H3 transformer with only the AdaLN path real: the timestep MLP (fp32) and, `with_adaln`,
+    the projections (bf16). Everything else stays on the meta device (h3's 33 B parameters are never
+    allocated), in the blocks' dtype, so the cache sees the published AdaLN dtype."""
+    with init_empty_weights(include_buffers=False):
+        model = MiniMaxH3Transformer3DModel.from_config(weights.config.model_dump())
+    model.transformer_blocks.to(weights.config.torch_dtype)  # adaln_dtype() asks the (meta) blocks
+    modules = dict(model.named_modules())
+    for name in weights.names():
+        if name.startswith(ADALN_INPUT_PREFIX) or (with_adaln and is_adaln_param(name)):
+            module_name, _, leaf = name.rpartition(".")
+            modules[module_name].register_parameter(
+                leaf, torch.nn.Parameter(weights.tensor(name, device), requires_grad=False))
+    return model.eval()
 
 
 def two_schedules(steps: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Two schedules of `width`-wide plans (dropping step 0, where video and audio sigma are both 1.0)."""
+    """Two H3 schedules' `width`-wide plans (dropping step 0, where video and audio sigma are both 1.0)."""
     out = []
-    for shift in (3.0, 5.0):
-        plans = FlowMatchSchedule(steps, shift=shift, audio_shift=shift + 1.5).plans
+    for video_shift in (12.0, 6.0):
+        plans = H3Schedule.build(steps, video_shift, 3.0).plans
         out.append([p for p in plans if p.numel() == width])
     return out[0], out[1]
 
@@ -123,7 +139,10 @@ def timed_prepare(cache: PlanCache, plans, device) -> tuple[float, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny preset, a few seconds, CPU is fine")
+    ap.add_argument("--smoke", action="store_true", help="tiny width, a few seconds, CPU is fine")
+    ap.add_argument("--num-blocks", type=int, default=None, help="blocks of the AdaLN checkpoint (h3: 50, smoke: 4)")
+    ap.add_argument("--layout", choices=["diffusers", "native"], default="diffusers")
+    ap.add_argument("--make-device", default=None, help="where a new checkpoint's values are drawn (default: --device)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--checkpoint", default=None, help="AdaLN checkpoint dir (made with --only adaln if absent)")
     ap.add_argument("--steps", type=int, default=50, help="steps per schedule (plans = steps-1 of width 2)")
@@ -131,29 +150,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-chunk-mb", type=int, default=AdalnConfig().read_chunk_mb)
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats of the page-cache rebuild")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-disk rebuild")
+    ap.add_argument("--quick", action="store_true",
+                    help="no reader / chunk / buffer sweeps and only the direct_io=auto cold rebuild (a short GPU run)")
     ap.add_argument("--out", default="bench/results", help="folder for adaln-<device>.md/.json")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     name = "tiny" if args.smoke else "h3"
-    config = preset(name)
+    config = PRESETS[name].model_copy(update={"num_layers": args.num_blocks or (4 if args.smoke else 50)})
     log = lambda *a: print(*a, flush=True)  # noqa: E731
 
     tmp = None
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     made_s = None
-    if ckpt is None or not (ckpt / "model.safetensors.index.json").exists():
+    if ckpt is None or not (ckpt / "model_index.json").exists() and not (ckpt / "FL2VA").is_dir():
         if ckpt is None:
             tmp = tempfile.TemporaryDirectory(prefix="adaln-bench-")
-            ckpt = Path(tmp.name)
+            ckpt = Path(tmp.name) / "ckpt"
         log(f"making {name} AdaLN checkpoint in {ckpt} ...")
         start = time.perf_counter()
-        make_checkpoint(ckpt, config, seed=0, only="adaln", progress=False)
+        make_random_checkpoint(ckpt, config, args.layout, seed=0, only="adaln", workers=args.readers,
+                               device=args.make_device or device)
         made_s = time.perf_counter() - start
-    reader = CheckpointReader(ckpt)
+    checkpoint = H3Checkpoint.open(ckpt)
+    reader = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
     config = reader.config
-    units = resolve_adaln_units(reader, config)
+    units = resolve_adaln_units(reader, config, adaln_unit_names(config.num_blocks))
     adaln_bytes = sum(u.nbytes for u in units)
     shards = sorted({u.weight.path for u in units})
     log(f"checkpoint {ckpt}: {adaln_bytes / 1e9:.2f} GB of adaln_proj in {len(units)} units"
@@ -183,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. Online miss from the page cache (make_checkpoint just wrote it; a read pass keeps it warm).
     cache = PlanCache(AdalnConfig(**base, gpu_plans=64, host_cache_gb=0), reader, online_model, device)
     sweep = [(args.readers, args.read_chunk_mb)]
-    if not args.smoke:
+    if not (args.smoke or args.quick):
         sweep += [(r, c) for r in (8, 16, 32) for c in (4, 8, 32) if (r, c) != sweep[0]]
     for readers, chunk_mb in sweep:
         rb = AdalnRebuilder(streams=cache.streams, readers=readers, chunk_bytes=chunk_mb << 20, direct_io="never")
@@ -193,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     # O_DIRECT always reads the disk, page cache or not: a cold-read sweep without dropping caches.
     some = units[: min(8, len(units))]
     some_bytes = sum(u.nbytes for u in some)
-    for readers, chunk_mb in ([(16, 32)] if args.smoke else [(16, 8), (16, 32), (16, 128), (4, 32)]):
+    for readers, chunk_mb in ([(16, 32)] if args.smoke or args.quick else [(16, 8), (16, 32), (16, 128), (4, 32)]):
         rb = AdalnRebuilder(streams=cache.streams, readers=readers, direct_chunk_bytes=chunk_mb << 20,
                             direct_io="always")
         add(f"readers only, O_DIRECT: {readers} x {chunk_mb} MiB ({len(some)} units)", read_only_pass(rb, some),
             some_bytes / 1e9, LIMITS["cold_disk_gbps"], "disk -> pinned staging")
         rb.close()
-    if not args.smoke:  # the whole pipeline under other chunk / buffer settings
+    if not (args.smoke or args.quick):  # the whole pipeline under other chunk / buffer settings
         for chunk_mb, buffers in ((32, 2), (8, 3), (32, 3)):
             other = PlanCache(AdalnConfig(**{**base, "read_chunk_mb": chunk_mb}, staging_buffers=buffers,
                                           gpu_plans=64, host_cache_gb=0), reader, online_model, device)
@@ -266,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     # 5. Cold disk: direct_io=auto (probes each unit, reads cold ones with O_DIRECT), then buffered only.
     cold_prepared = None
     if not args.no_cold:
-        for direct_io in ("auto", "never"):
+        for direct_io in ("auto",) if args.quick else ("auto", "never"):
             cold = PlanCache(AdalnConfig(**base, gpu_plans=64, host_cache_gb=0, direct_io=direct_io), reader,
                              online_model, device)
             how = drop_page_cache(shards, system_wide=not args.smoke)
@@ -317,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# AdaLN plan cache benchmark ({name}, {device.type})", "",
         f"- commit: `{git_commit()}`", f"- device: {dev_name}; torch {torch.__version__}; {os.cpu_count()} CPUs",
         f"- command: `{command}`",
-        f"- scale: {config.num_blocks} blocks + final, {n_plans} plans of width 2, "
-        f"{adaln_bytes / 1e9:.2f} GB of adaln_proj; readers={args.readers}, read_chunk_mb={args.read_chunk_mb}",
+        f"- scale: MiniMax-H3 AdaLN (diffusers MiniMaxH3Transformer3DModel, hidden {config.hidden_size}), "
+        f"{config.num_blocks} blocks + final, {n_plans} plans of width 2 (t2va, shifts 12/3 and 6/3), "
+        f"{adaln_bytes / 1e9:.2f} GB of adaln_proj ({checkpoint.layout.value} layout); readers={args.readers}, "
+        f"read_chunk_mb={args.read_chunk_mb}",
         "- limits: " + ", ".join(f"{k}={v}" for k, v in LIMITS.items()), "",
         "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
     ]

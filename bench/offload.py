@@ -1,18 +1,20 @@
-"""Layerwise offload x cache-dit benchmark: resident vs streamed (sglang's rules, ours, ours with r resident)
-vs diffusers group offloading, each without cache and with DBCache configs.
+"""Layerwise offload x cache-dit benchmark on MiniMax-H3's blocks: resident vs streamed (sglang's rules, ours,
+ours with r resident) vs diffusers group offloading, each without cache and with DBCache configs.
 
-    python -m bench.offload                 # H3 width, 16 blocks, 8192 tokens, 20 steps (GPU)
-    python -m bench.offload --smoke         # tiny sizes on the CPU fake device, < 60 s
+    python -m bench.offload                 # H3 width, 16 blocks, 640x320 5 s (~7.8k tokens), 20 steps (GPU)
+    python -m bench.offload --smoke         # tiny width on the CPU fake device, seconds
 
-The model is a stack of H3-width DiT blocks (RMSNorm, q/k/v/o attention 5376 -> 56x128, fused SwiGLU 14336)
-with AdaLN-style modulation supplied per step from a small resident time projection (no per-block adaln_proj),
-wrapped by cache-dit (ForwardPattern.Pattern_3) exactly like model/dit.py. One request = `--steps` Euler steps
-of x <- x + dt * v(x, t) from fixed noise.
+The model is diffusers' `MiniMaxH3Transformer3DModel` with random weights (`bench.checkpoints.random_transformer`)
+at h3 width with `--blocks` blocks, served as the engine serves it: AdaLN from precomputed rows through
+`model.adaln.ExternalModulation` (so a block streams 0.77 GB: no adaln_proj), the packed t2va sequence from
+`model.denoise.Denoiser` (text | audio | video, random text embeddings of `--text-tokens` rows), DBCache via
+`cache.cache_dit.CacheDit` on `transformer_blocks`. One request = the H3 schedule of `--steps` grid points
+(steps - 1 forwards, video shift 12 / audio shift 3) from fixed noise.
 
 Reported per (mode, cache): step time; H2D bytes per step; peak VRAM; ratio to the floor
 max(compute, bytes / H2D bandwidth), compute = the resident step time with the same cache config and the
 bandwidth measured with a pinned copy; cache speedup vs the ideal (block calls without / with cache); PSNR of the
-final latents vs the same mode without cache (peak = their value range); bit-exactness vs resident.
+final video latents vs the same mode without cache (peak = their value range); bit-exactness vs resident.
 """
 
 from __future__ import annotations
@@ -21,19 +23,21 @@ import argparse
 import json
 import logging
 import math
-import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from bench.checkpoints import PRESETS, random_transformer
+from bench.common import device_description, git_commit
 from cache.cache_dit import CacheDitConfig, CacheDitOverrides
+from model.adaln import ExternalModulation, Modulation, adaln_input, resident_modulation
+from model.denoise import Denoiser
+from model.geometry import GeometryLimits, VideoGeometry
+from model.schedule import H3Schedule
 from offload import FakeDevice, LayerwiseOffloader, OffloadConfig, make_device
 
 logger = logging.getLogger("bench.offload")
@@ -45,79 +49,47 @@ logger = logging.getLogger("bench.offload")
 
 @dataclass(frozen=True)
 class Shape:
-    hidden: int = 5376
-    heads: int = 56
-    head_dim: int = 128
-    ffn: int = 14336
     blocks: int = 16
-    tokens: int = 8192
-    steps: int = 20
-    channels: int = 64  # latent channels per token (projected to `hidden` by a resident fp32 layer)
-    freq_dim: int = 256
+    width: int = 640
+    height: int = 320
+    seconds: float = 5.0
+    text_tokens: int = 256
+    steps: int = 20  # grid points: steps - 1 forwards
+
+
+SMOKE_SHAPE = Shape(blocks=4, width=64, height=64, seconds=1.0, text_tokens=16, steps=8)
+ANY_SIZE = GeometryLimits(short_edge=None, max_pixels=4096 * 4096, min_seconds=0.1, max_seconds=60.0)
 
 
 @dataclass
-class BenchContext:
-    mod: torch.Tensor  # [num_blocks, 6, hidden]: shift, scale, gate (attention), shift, scale, gate (MLP)
+class BenchModel:
+    """The transformer with external AdaLN rows, the request's denoiser, text rows and per-forward rows."""
+
+    transformer: torch.nn.Module
+    external: ExternalModulation
+    modulations: list[Modulation]   # one per forward, on the device
+    denoiser: Denoiser
+    text: torch.Tensor              # [text_tokens, text_dim]
+
+    @property
+    def num_forwards(self) -> int:
+        return len(self.modulations)
 
 
-class BenchBlock(nn.Module):
-    """H3-width DiT block, modulation supplied in ctx (cache-dit ForwardPattern.Pattern_3)."""
-
-    def __init__(self, index: int, s: Shape, device, dtype, gen: torch.Generator):
-        super().__init__()
-        self.index, self.hidden, self.heads, self.head_dim = index, s.hidden, s.heads, s.head_dim
-        attn = s.heads * s.head_dim
-
-        def w(out_f, in_f):
-            return nn.Parameter(torch.randn(out_f, in_f, generator=gen, device=device, dtype=dtype) / math.sqrt(in_f))
-
-        self.norm1 = nn.Parameter(torch.ones(s.hidden, device=device, dtype=dtype))
-        self.q, self.k, self.v, self.o = w(attn, s.hidden), w(attn, s.hidden), w(attn, s.hidden), w(s.hidden, attn)
-        self.norm2 = nn.Parameter(torch.ones(s.hidden, device=device, dtype=dtype))
-        self.gate_up, self.down = w(2 * s.ffn, s.hidden), w(s.hidden, s.ffn)
-
-    def forward(self, hidden_states: torch.Tensor, *, ctx: BenchContext) -> torch.Tensor:
-        x = hidden_states  # [1, T, hidden]; never written in place (cache-dit diffs input and output)
-        b, t, _ = x.shape
-        shift1, scale1, gate1, shift2, scale2, gate2 = ctx.mod[self.index].unbind(0)  # each [hidden]
-        h = F.rms_norm(x, (self.hidden,), self.norm1, 1e-5) * (1 + scale1) + shift1
-        q, k, v = (F.linear(h, w).view(b, t, self.heads, self.head_dim).transpose(1, 2) for w in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)  # [1, T, heads*head_dim]
-        x = x + gate1 * F.linear(a, self.o)
-        h = F.rms_norm(x, (self.hidden,), self.norm2, 1e-5) * (1 + scale2) + shift2
-        g, u = F.linear(h, self.gate_up).chunk(2, dim=-1)  # each [1, T, ffn]
-        return x + gate2 * F.linear(F.silu(g) * u, self.down)
-
-
-class BenchDiT(nn.Module):
-    def __init__(self, s: Shape, device, dtype=torch.bfloat16, seed: int = 0):
-        super().__init__()
-        gen = torch.Generator(device=device).manual_seed(seed)
-        self.shape, self.dtype = s, dtype
-        self.video_in = nn.Linear(s.channels, s.hidden, device=device)
-        self.time_proj = nn.Linear(s.freq_dim, 6 * s.hidden, device=device, dtype=dtype)
-        base = torch.zeros(s.blocks, 6, s.hidden, device=device)
-        base[:, 2] = base[:, 5] = 0.25  # residual gates
-        base += 0.02 * torch.randn(base.shape, generator=gen, device=device)
-        self.mod_base = nn.Parameter(base.to(dtype))
-        self.blocks = nn.ModuleList(BenchBlock(i, s, device, dtype, gen) for i in range(s.blocks))
-        self.video_out = nn.Linear(s.hidden, s.channels, device=device)
-        self.requires_grad_(False)
-
-    @torch.no_grad()
-    def forward(self, latents: torch.Tensor, t: float) -> torch.Tensor:
-        """latents fp32 [1, T, channels], t in [0, 1] -> velocity fp32 [1, T, channels]."""
-        s = self.shape
-        half = s.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=latents.device) / half) * (t * 1000)
-        emb = torch.cat((freqs.cos(), freqs.sin())).to(self.dtype)  # [freq_dim]
-        mod = self.mod_base + 0.02 * torch.tanh(self.time_proj(emb)).view(1, 6, s.hidden)  # [blocks, 6, hidden]
-        ctx = BenchContext(mod)
-        x = self.video_in(latents).to(self.dtype)
-        for block in self.blocks:
-            x = block(x, ctx=ctx)
-        return self.video_out(x.float())
+@torch.no_grad()
+def build_model(s: Shape, smoke: bool, device: torch.device, seed: int) -> BenchModel:
+    """Random H3-architecture transformer on `device`; every forward's AdaLN rows computed once from its own
+    projections, which `ExternalModulation.install` then drops (the engine's online mode, minus the cache)."""
+    config = PRESETS["tiny" if smoke else "h3"].model_copy(update={"num_layers": s.blocks})
+    transformer = random_transformer(config, seed, device)
+    schedule = H3Schedule.build(s.steps)
+    modulations = [resident_modulation(transformer, adaln_input(transformer, plan.to(device)))
+                   for plan in schedule.plans]
+    external = ExternalModulation.install(transformer)
+    geometry = VideoGeometry.from_seconds(s.width, s.height, s.seconds, ANY_SIZE)
+    text = torch.randn(s.text_tokens, config.text_dim, generator=torch.Generator().manual_seed(seed))
+    return BenchModel(transformer, external, modulations, Denoiser(geometry, schedule, s.text_tokens, device),
+                      text.to(device, torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,10 +162,11 @@ class DiffusersBytes:
         go.ModuleGroup.onload_ = onload_
 
 
-def request(model: BenchDiT, cache, cfg: CacheDitConfig, steps: int, noise: torch.Tensor, device, off=None,
-            calls: list | None = None) -> tuple[torch.Tensor, float, list[int]]:
-    """One request; returns (final latents on CPU, seconds, cached steps)."""
-    effective = cache.refresh(steps, overrides_for(cfg))
+def request(bench: BenchModel, cache, cfg: CacheDitConfig, device, off=None,
+            calls: list | None = None, num_forwards: int | None = None) -> tuple[torch.Tensor, float, list[int]]:
+    """One request (the first `num_forwards` forwards); returns (final video rows on CPU, seconds, cached steps)."""
+    num_forwards = num_forwards or bench.num_forwards
+    effective = cache.refresh(num_forwards, overrides_for(cfg))
     if off is not None:
         if effective.enabled:
             off.set_cache_blocks(effective.Fn_compute_blocks, effective.Bn_compute_blocks)
@@ -201,21 +174,20 @@ def request(model: BenchDiT, cache, cfg: CacheDitConfig, steps: int, noise: torc
             off.clear_cache_blocks()
         off.device.synchronize()  # replan loads land before the clock starts
         off.reset_stats()
-    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    sigmas = (3.0 * sigmas / (1 + 2.0 * sigmas)).tolist()  # shift 3
+    latents = bench.denoiser.initial_latents(0)
     sync(device)
     if calls is not None:
         calls.clear()
     t0 = time.perf_counter()
-    x = noise.clone()
-    for i in range(steps):
+    for i in range(num_forwards):
         will = cache.predict_middle()
         if off is not None:
             off.begin_step(will)
-        v = model(x, sigmas[i])
-        x = x + (sigmas[i + 1] - sigmas[i]) * v
+        bench.external.set(bench.modulations[i])
+        video, audio = bench.denoiser.transformer_inputs(i, latents, bench.text).run(bench.transformer)
+        latents = bench.denoiser.step(i, latents, video, audio)
     sync(device)
-    return x.cpu(), time.perf_counter() - t0, cache.cached_steps()
+    return latents.video.cpu(), time.perf_counter() - t0, cache.cached_steps()
 
 
 def sync(device: torch.device) -> None:
@@ -247,9 +219,10 @@ def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = Shape()
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU fake device")
-    for name in ("hidden", "heads", "head_dim", "ffn", "blocks", "tokens", "steps", "channels"):
+    p.add_argument("--smoke", action="store_true", help="tiny width on the CPU fake device")
+    for name in ("blocks", "width", "height", "text_tokens", "steps"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {getattr(d, name)}")
+    p.add_argument("--seconds", type=float, default=None, help=f"default {d.seconds}")
     p.add_argument("--resident", type=int, default=4, help="r for the 'ours, r resident' mode")
     p.add_argument("--policy", default="leading", choices=("leading", "strided"))
     p.add_argument("--depth", type=int, default=1, help="prefetch depth")
@@ -264,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("cache_dit", "diffusers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
-    smoke = dict(hidden=64, heads=4, head_dim=16, ffn=128, blocks=6, tokens=128, steps=12, channels=16)
-    shape = Shape(**{k: (getattr(args, k) if getattr(args, k) is not None else (smoke[k] if args.smoke else getattr(d, k)))
-                     for k in smoke})
+    base = SMOKE_SHAPE if args.smoke else d
+    shape = Shape(**{k: getattr(args, k) if getattr(args, k) is not None else getattr(base, k)
+                     for k in Shape.__dataclass_fields__})
     if args.device == "auto":
         device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     else:
@@ -278,18 +251,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from cache.cache_dit import CacheDit  # imports cache_dit
 
-    model = BenchDiT(shape, device, seed=args.seed)
-    block_bytes = sum(t.numel() * t.element_size() for t in model.blocks[0].parameters())
+    bench = build_model(shape, args.smoke, device, args.seed)
+    model = bench.transformer
+    blocks = model.transformer_blocks
+    num_forwards = bench.num_forwards
+    block_bytes = sum(t.numel() * t.element_size() for t in blocks[0].parameters())
+    tokens = bench.denoiser.geometry.num_tokens(shape.text_tokens)
     calls: list[int] = []
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda m, a, i=i: calls.append(i))
     max_fn_bn = max(c.Fn_compute_blocks + c.Bn_compute_blocks for c in caches)
+    if max_fn_bn > shape.blocks:
+        raise SystemExit(f"a cache config needs Fn + Bn = {max_fn_bn} blocks; the model has {shape.blocks}")
     cache = CacheDit(model, CacheDitConfig(enabled=True, Fn_compute_blocks=1, Bn_compute_blocks=min(2, shape.blocks - 1)))
-    assert max_fn_bn <= shape.blocks
-    noise = torch.randn(1, shape.tokens, shape.channels, generator=torch.Generator().manual_seed(args.seed)).to(device)
     bw = h2d_bandwidth(device, min(1 << 30, 64 * block_bytes))
-    logger.info("shape %s, block %.3f GB, H2D %.1f GB/s, device %s", shape, block_bytes / 1e9, bw / 1e9,
-                torch.cuda.get_device_name(device) if on_gpu else "cpu (fake device)")
+    logger.info("shape %s (%d tokens), block %.3f GB, H2D %.1f GB/s, device %s", shape, tokens, block_bytes / 1e9,
+                bw / 1e9, torch.cuda.get_device_name(device) if on_gpu else "cpu (fake device)")
 
     runs: list[Run] = []
 
@@ -299,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             before = diffusers_bytes.nbytes if diffusers_bytes else 0
-            out, seconds, cached = request(model, cache, cfg, shape.steps, noise, device, off, calls)
+            out, seconds, cached = request(bench, cache, cfg, device, off, calls)
             if on_gpu:
                 peak = torch.cuda.max_memory_allocated(device) / 1e9
             elif off is not None:
@@ -307,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 peak = shape.blocks * block_bytes / 1e9
             if off is not None:
-                h2d = sum(off.stats.h2d_bytes_per_step) / shape.steps
+                h2d = sum(off.stats.h2d_bytes_per_step) / num_forwards
             elif diffusers_bytes is not None:
-                h2d = (diffusers_bytes.nbytes - before) / shape.steps
+                h2d = (diffusers_bytes.nbytes - before) / num_forwards
             else:
                 h2d = 0.0
-            run = Run(mode, cfg.label(), seconds / shape.steps, h2d, peak, len(calls), cached, output=out,
+            run = Run(mode, cfg.label(), seconds / num_forwards, h2d, peak, len(calls), cached, output=out,
                       resident_blocks=resident_blocks() if callable(resident_blocks) else resident_blocks)
             if off is not None:
                 run.sync_loads, run.prefetches, run.wasted_prefetches = (
@@ -322,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                         run.step_time_s, h2d / 1e9, f"{peak:.2f} GB" if peak is not None else "-", len(calls), cached)
 
     def warmup(off=None):
-        request(model, cache, CacheDitConfig(enabled=False), args.warmup_steps, noise, device, off)
+        request(bench, cache, CacheDitConfig(enabled=False), device, off, num_forwards=args.warmup_steps)
 
     failed: list[str] = []
 
@@ -336,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_resident=args.resident if mode == "ours-r" else 0, residency_policy=args.policy,
                 skip_predictive=mode != "sglang", resident_cache_edges=mode != "sglang",
             )
-            off = LayerwiseOffloader(model.blocks, cfg, FakeDevice() if isinstance(dev, FakeDevice) else dev,
+            off = LayerwiseOffloader(blocks, cfg, FakeDevice() if isinstance(dev, FakeDevice) else dev,
                                      root=model).apply()
             try:
                 if on_gpu:
@@ -378,12 +355,14 @@ def main(argv: list[str] | None = None) -> int:
             logger.exception("mode %s failed", mode)
             failed.append(mode)
         logger.info("mode %s took %.1f s", mode, time.perf_counter() - t_mode)
-        write_results(runs, failed, shape, block_bytes, bw, args, command, device, Path(args.out), quiet=True)
-    write_results(runs, failed, shape, block_bytes, bw, args, command, device, Path(args.out))
+        write_results(runs, failed, shape, tokens, model.config, block_bytes, bw, args, command, device,
+                      Path(args.out), quiet=True)
+    write_results(runs, failed, shape, tokens, model.config, block_bytes, bw, args, command, device, Path(args.out))
     return 1 if failed else 0
 
 
-def write_results(runs, failed, shape, block_bytes, bw, args, command, device, out: Path, quiet=False) -> None:
+def write_results(runs, failed, shape, tokens, model_config, block_bytes, bw, args, command, device, out: Path,
+                  quiet=False) -> None:
     on_gpu = device.type == "cuda"
     by = {(r.mode, r.cache): r for r in runs}
     for r in runs:
@@ -402,7 +381,11 @@ def write_results(runs, failed, shape, block_bytes, bw, args, command, device, o
         "git_commit": git_commit(),
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (fake device)",
         "torch": torch.__version__,
+        "device_description": device_description(str(device)),
         "shape": asdict(shape),
+        "tokens": tokens,
+        "hidden": model_config.hidden_size, "heads": model_config.num_attention_heads,
+        "head_dim": model_config.attention_head_dim, "ffn": model_config.ffn_dim,
         "block_bytes": block_bytes,
         "h2d_bandwidth_gbps": bw / 1e9,
         "prefetch_depth": args.depth,
@@ -422,17 +405,6 @@ def write_results(runs, failed, shape, block_bytes, bw, args, command, device, o
         logger.info("wrote %s", out / f"offload-{slug}.md")
 
 
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-        if sha.returncode:
-            return "uncommitted"
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def markdown(runs: list[Run], meta: dict, on_gpu: bool, unit: float = 1e9) -> str:
     def f(v, fmt):
         return "-" if v is None else (("inf" if v == float("inf") else format(v, fmt)) if isinstance(v, float) else str(v))
@@ -444,8 +416,11 @@ def markdown(runs: list[Run], meta: dict, on_gpu: bool, unit: float = 1e9) -> st
         "",
         f"- command: `{meta['command']}`",
         f"- git commit: {meta['git_commit']}, torch {meta['torch']}, {meta['date']}",
-        f"- model: {s['blocks']} blocks of hidden {s['hidden']} ({s['heads']}x{s['head_dim']} attention, SwiGLU "
-        f"{s['ffn']}, no adaln_proj: modulation supplied), {s['tokens']} tokens, {s['steps']} steps; "
+        f"- device: {meta['device_description']}",
+        f"- model: diffusers MiniMaxH3Transformer3DModel, random weights, {s['blocks']} blocks of hidden "
+        f"{meta['hidden']} ({meta['heads']}x{meta['head_dim']} attention, SwiGLU {meta['ffn']}), AdaLN rows supplied "
+        f"through ExternalModulation (no adaln_proj streamed); t2va {s['width']}x{s['height']} {s['seconds']:g} s + "
+        f"{s['text_tokens']} text rows = {meta['tokens']} tokens; {s['steps']} steps ({s['steps'] - 1} forwards); "
         f"{meta['block_bytes'] / 1e9:.3f} GB per block",
         f"- H2D bandwidth (pinned copy): {meta['h2d_bandwidth_gbps']:.1f} GB/s; prefetch depth {meta['prefetch_depth']}",
         "- floor = max(resident step time with the same cache, H2D bytes per step / bandwidth); ideal speedup = block "

@@ -16,10 +16,11 @@ in the replica's GPU slab or rebuilt, and the GPU-tier hit rate shows affinity a
 is deleted and the pool actors killed, so no mode starts warm (the OS page cache of the checkpoint stays
 warm for all: rebuilds here are page-cache rebuilds).
 
-Model: "thin h3" keeps h3's AdaLN size (50 blocks, hidden 5376, time_embed_dim 2688: a 520 MB adaln_proj
-per block, 26 GB in all, and a 9.25 MiB plan row) but makes everything else tiny (1 head of 32, ffn 64, no
-refiner), so a rebuild streams what it streams on h3 while a step stays cheap (still ~50 launch-bound block
-forwards). The slab (`--gpu-plans`, default 1.28 x steps: 64 for 50 steps) holds one schedule's plans but
+Model: "thin h3" is diffusers' MiniMax-H3 transformer (random weights, `bench.checkpoints`) that keeps h3's
+AdaLN size (50 blocks, hidden 5376, time_embed_dim 2688: a 520 MB adaln_proj.linear per block, 26 GB in all,
+and a 9.25 MiB plan row) but makes everything else tiny (1 head of 32, ffn 64, no refiner, text_dim 32 with the
+tiny Qwen3-VL and VAEs of `model.tiny_components`), so a rebuild streams what it streams on h3 while a step
+stays cheap (still ~50 launch-bound block forwards). The slab (`--gpu-plans`, default 1.28 x steps: 64 for 50 steps) holds one schedule's plans but
 not two (a second schedule adds steps-1 plans: the sigma=1 plan is shared by all).
 
 Oracle: an upper bound on the GPU hit rate for this request order: Belady's rule over the plan accesses with
@@ -58,16 +59,19 @@ from ray import serve
 from bench.common import command_line, write_results
 from bench.routing import draw_schedules, percentile
 from cache.plan_key import plan_key
-from model.checkpoint import CheckpointError, CheckpointReader, make_checkpoint
-from model.config import DiTConfig, preset
-from model.sampler import FlowMatchSchedule
+from bench.checkpoints import make_random_checkpoint
+from model.layout import CheckpointError, H3Checkpoint
+from model.schedule import H3Schedule
+from model.tiny import TINY_TRANSFORMER
+from model.weights import H3TransformerConfig, TransformerWeights
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL_NAMESPACE = "ditserve"  # actors.host_cache_pool.POOL_NAMESPACE (not imported: it pulls in the pool actor)
 
-# h3's AdaLN shapes (num_blocks, hidden, time_embed_dim come from the preset); everything else minimal.
-THIN_H3 = dict(num_heads=1, head_dim=32, rope_axes_dims=(8, 8, 8), ffn=64, num_refiner_blocks=0,
-               text_embedder_width=32, text_embedder_layers=0, text_dim=32, name="thin-h3")
+# h3's AdaLN shapes (num_layers, hidden_size, time_embed_dim as released); everything else minimal. text_dim is
+# the tiny components' Qwen3-VL width.
+THIN_H3 = H3TransformerConfig(num_attention_heads=1, attention_head_dim=32, ffn_dim=64, num_refiner_layers=0,
+                              text_dim=TINY_TRANSFORMER.text_dim, rope_freq_dim=4)
 
 MODES = {
     "affinity": {"router": "schedule_affinity", "pool": False},
@@ -81,23 +85,33 @@ MODES = {
 # --------------------------------------------------------------------------------------------------
 
 
-def model_config(smoke: bool, num_blocks: Optional[int] = None) -> DiTConfig:
-    base = preset("tiny").model_dump() if smoke else {**preset("h3").model_dump(), **THIN_H3}
-    return DiTConfig(**{**base, **({"num_blocks": num_blocks} if num_blocks else {})})
+def model_config(smoke: bool, num_blocks: Optional[int] = None) -> H3TransformerConfig:
+    base = TINY_TRANSFORMER if smoke else THIN_H3
+    return base.model_copy(update={"num_layers": num_blocks}) if num_blocks else base
 
 
-def ensure_checkpoint(path: Path, config: DiTConfig, workers: Optional[int]) -> str:
-    """Make the checkpoint unless `path` already holds one of `config`; says which."""
+def ensure_checkpoint(path: Path, config: H3TransformerConfig, workers: Optional[int]) -> str:
+    """Make the checkpoint (transformer + tiny components) unless `path` already holds one of `config`."""
     with contextlib.suppress(CheckpointError, OSError):
-        if CheckpointReader(path).config == config:
+        checkpoint = H3Checkpoint.open(path, require_components=True)
+        if TransformerWeights(checkpoint.transformer_dir, checkpoint.layout).config == config:
             return "reused"
-    make_checkpoint(path, config, seed=0, progress=True, workers=workers)
+    import shutil
+
+    import torch
+
+    from model.tiny_components import write_tiny_components
+
+    shutil.rmtree(path, ignore_errors=True)
+    make_random_checkpoint(path, config, "diffusers", seed=0, workers=workers or 8,
+                           device="cuda" if torch.cuda.is_available() else "cpu")
+    write_tiny_components(path, "diffusers", 0)
     return "made"
 
 
 def schedule_plans(steps: int, shift: float) -> List[Any]:
-    """Distinct plan keys of one schedule, in step order."""
-    return list(dict.fromkeys(plan_key(p, 0) for p in FlowMatchSchedule(steps, shift, shift).plans))
+    """Distinct plan keys of one schedule (video and audio shift `shift`), in step order."""
+    return list(dict.fromkeys(plan_key(p, 0) for p in H3Schedule.build(steps, shift, shift).plans))
 
 
 def oracle_row(schedules: List[int], shifts: List[float], steps: int, gpu_plans: int, replicas: int) -> Dict[str, Any]:
@@ -140,6 +154,8 @@ def app_args(args, mode: str, checkpoint: Path, replicas: int) -> Dict[str, Any]
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = config["applications"][0]["args"]
     app["engine"].update(checkpoint=str(checkpoint), device="auto")
+    # thin-h3 has the released width, which gets the released size rules by default (short edge 768)
+    app["engine"]["geometry"] = {"short_edge": None}
     app["engine"]["adaln"].update(mode="online", gpu_plans=args.gpu_plans, host_cache_gb=args.host_cache_gb)
     app["engine"]["pool"].update(enabled=MODES[mode]["pool"], capacity_gb=args.pool_gb)
     app["worker"].update(num_replicas=replicas, router=MODES[mode]["router"], num_gpus=None)
@@ -147,8 +163,11 @@ def app_args(args, mode: str, checkpoint: Path, replicas: int) -> Dict[str, Any]
 
 
 def request_body(steps: int, shift: float, seed: int) -> Dict[str, Any]:
-    return {"prompt": "a red fox in snow", "steps": steps, "frames": 1, "height": 16, "width": 16, "audio_len": 8,
-            "shift": shift, "audio_shift": shift, "seed": seed, "return_latents": False}
+    """One schedule per shift (video and audio shifts equal: one AdaLN plan row per forward); the smallest
+    canvas and duration, no MP4 and no latents (the benchmark measures plans, not denoising or decode)."""
+    return {"prompt": "a red fox in snow", "steps": steps, "seconds": 5.0, "width": 64, "height": 64,
+            "flow_shift": shift, "audio_flow_shift": shift, "seed": seed, "return_video": False,
+            "return_latents": False}
 
 
 async def in_thread(fn, *args, **kwargs) -> Any:
@@ -176,12 +195,12 @@ def first_choices(app_name: str, steps: int, shifts: List[float]) -> List[int]:
     """The replica (0..R-1, by id) each schedule's rendezvous hash ranks first: affinity keeps a schedule there
     unless it spills, so how the hot schedules split over replicas decides much of the affinity result."""
     from deployments.router import first_choice
-    from engine.api import GenerationRequest, schedule_for
+    from engine.api import GenerationRequest
 
     prefix = f"SERVE_REPLICA::{app_name}#Worker#"
     ids = sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith(prefix))
-    keys = [schedule_for(GenerationRequest(**request_body(steps, shift, 0))).schedule_key for shift in shifts]
+    keys = [GenerationRequest(**request_body(steps, shift, 0)).schedule_key for shift in shifts]
     return [ids.index(first_choice(key, ids)) for key in keys] if ids else []
 
 
@@ -324,7 +343,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         counts = np.bincount(schedules, minlength=len(args.shifts))
         notes.append(f"workload: {args.requests} requests, {args.clients} clients, {args.steps} steps, shifts "
                      f"{args.shifts} drawn Zipf(alpha {args.zipf_alpha}, seed {args.seed}): counts {counts.tolist()}; "
-                     f"model {config.name} ({config.num_blocks} blocks, hidden {config.hidden}); {replicas} replicas, "
+                     f"model {'tiny' if args.smoke else 'thin-h3'} ({config.num_blocks} blocks, hidden {config.hidden_size}); "
+                     f"{replicas} replicas, "
                      f"gpu_plans {args.gpu_plans}, host_cache_gb {args.host_cache_gb}, pool {args.pool_gb} GB in "
                      "the +pool mode")
 

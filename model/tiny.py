@@ -194,6 +194,35 @@ def _write_native(partition_dir: Path, model: MiniMaxH3Transformer3DModel) -> No
         "sigma_shift_scales": {"video": RELEASED_VIDEO_SHIFT, "audio": RELEASED_AUDIO_SHIFT}}})
 
 
+def write_index_files(root: str | os.PathLike, layout: Layout | str) -> Path:
+    """The files around a transformer that make `root` open as an H3Checkpoint of `layout`; returns the
+    (created, empty) transformer directory for the caller to fill with config, index and shards.
+
+    diffusers: model_index.json, modular_model_index.json, scheduler/ (shift 12), audio_scheduler/ (shift 3);
+    native: FL2VA/model_index.json with the `_minimax_h3` block. Component directories (text encoder, VAEs)
+    are not written (`write_tiny_components`, or `bench.checkpoints.write_h3_components` at full size)."""
+    root, layout = Path(root), Layout(layout)
+    if layout is Layout.DIFFUSERS:
+        MiniMaxH3Scheduler(shift=RELEASED_VIDEO_SHIFT).save_pretrained(root / "scheduler")
+        MiniMaxH3Scheduler(shift=RELEASED_AUDIO_SHIFT).save_pretrained(root / "audio_scheduler")
+        header = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__}
+        _write_json(root / MODEL_INDEX,
+                    header | {name: [library, cls] for name, library, cls in _DIFFUSERS_COMPONENTS})
+        specs = {name: [library, cls, {"pretrained_model_name_or_path": HUB_REPO, "subfolder": name,
+                                       "variant": None, "revision": None, "type_hint": [library, cls]}]
+                 for name, library, cls in _DIFFUSERS_COMPONENTS}
+        _write_json(root / MODULAR_MODEL_INDEX, header | {"_blocks_class_name": "MiniMaxH3Blocks"} | specs)
+        transformer_dir = root / Partition.FL2VA.diffusers_transformer_name
+    else:
+        partition = Partition.FL2VA
+        _write_json(root / partition.native_dir_name / MODEL_INDEX, {NATIVE_BLOCK: {
+            "schema_version": 1, "partition": partition.value, "tasks": list(partition.tasks), "task_aliases": {},
+            "sigma_shift_scales": {"video": RELEASED_VIDEO_SHIFT, "audio": RELEASED_AUDIO_SHIFT}}})
+        transformer_dir = root / partition.native_dir_name / "transformer"
+    transformer_dir.mkdir(parents=True, exist_ok=True)
+    return transformer_dir
+
+
 def _block_order(group: str) -> int:
     return -1 if not group else int(group.split(".")[1])
 

@@ -1,0 +1,93 @@
+"""Every benchmark's `--smoke` mode runs on CPU and writes the tables its GPU run writes, with the numbers the
+tables promise (bit-exactness flags, floors, stage and mode rows). Timings are not checked: CPU smoke timings
+mean nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import adaln, engine, h3, offload
+
+
+def load(path: Path) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text())
+
+
+def test_h3_smoke_measures_every_mode_and_stage(tmp_path):
+    assert h3.main(["--smoke", "--shapes", "s", "--out", str(tmp_path), "--workdir", str(tmp_path / "w")]) == 0
+    report = load(tmp_path / "h3-smoke-cpu.json")
+    assert report["meta"]["commit"] and report["meta"]["command"].startswith("python -m bench.h3 --smoke")
+    assert report["skipped"] == []
+
+    modes = {row["mode"]: row for row in report["denoise"]}
+    cache = "(F1B0 W3 R0.24 MC2)"
+    assert list(modes) == ["diffusers forward (resident AdaLN)", "ours: engine step (online AdaLN)",
+                           "ours + offload", f"ours + offload + cache-dit {cache}", f"ours + cache-dit {cache}"]
+    assert {row["shape"] for row in report["denoise"]} == {"s"}
+    # Online AdaLN through ExternalModulation gives diffusers' bits.
+    assert modes["ours: engine step (online AdaLN)"]["bit_exact_vs_diffusers"] is True
+    assert all(row["floor_ms"] > 0 and row["x_floor"] > 0 for row in report["denoise"])
+    offloaded = modes["ours + offload"]["H2D_GB_per_step"]
+    assert offloaded > 0 and modes["ours: engine step (online AdaLN)"]["H2D_GB_per_step"] == 0
+    # A cached step streams nothing: with cache-dit at most the uncached bytes per step move.
+    assert modes[f"ours + offload + cache-dit {cache}"]["H2D_GB_per_step"] <= offloaded
+    for mode in (f"ours + offload + cache-dit {cache}", f"ours + cache-dit {cache}"):
+        assert modes[mode]["cached_steps"].endswith("/5")  # a 6-step schedule: 5 forwards
+
+    stages = [row["stage"] for row in report["stages"]]
+    for prefix in ("text encode", "plan miss (49 plans", "plan GPU hit (49 plans)", "plan host hit (49 plans)",
+                   "engine.generate", "video decode (39 frames 64x64)", "audio decode", "MP4 mux"):
+        assert sum(stage.startswith(prefix) for stage in stages) == 1, prefix
+    components = [row["component"] for row in report["memory"]]
+    assert len(components) == 6 and components[0] == "transformer, online AdaLN (ours)"
+    cold, warm = report["end_to_end"]
+    parts = ("text encode", "plan miss", "denoise", "video decode", "audio decode", "mux")
+    assert cold["total_s"] == pytest.approx(sum(cold[p] for p in parts), abs=0.05 * len(parts))
+    assert warm["total_s"] == pytest.approx(cold["total_s"] - cold["plan miss"], abs=0.1)
+    assert (tmp_path / "h3-smoke-cpu.md").read_text().count("## ") == 5
+
+
+def test_adaln_smoke_is_bit_exact_in_every_tier(tmp_path):
+    assert adaln.main(["--smoke", "--quick", "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "adaln-smoke-cpu.json")
+    assert report["bit_exact"] == {"online rebuild == resident": True, "host hit == resident": True,
+                                   "cold (O_DIRECT) rebuild == resident": True}
+    rows = {row["scenario"]: row for row in report["rows"]}
+    assert report["num_plans"] == 48  # 50 steps: 49 forwards, the first (both sigmas 1) has one timestep
+    for scenario in ("online miss, page cache (48 plans)", "host hit (H2D)", "online miss, cold disk, direct_io=auto"):
+        assert "floor_s" in rows[scenario] and rows[scenario]["x_floor"] > 0, scenario  # tiny floors round to 0
+    assert "GPU hit" in rows and "resident: project 48 plans" in rows
+    # 4 blocks [18 * 64, 32] + final [2 * 64, 32], weight and bias, bf16
+    assert report["adaln_bytes"] == (4 * 18 * 64 + 2 * 64) * (32 + 1) * 2
+
+
+def test_offload_smoke_streams_every_mode_exactly(tmp_path):
+    assert offload.main(["--smoke", "--caches", "none;F1B0 W4 R0.24 MC3", "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "offload-cpu.json")
+    assert report["meta"]["failed_modes"] == [] and report["meta"]["git_commit"]
+    runs = {(run["mode"], run["cache"]): run for run in report["runs"]}
+    modes = ["resident", "stream (sglang rules)", "stream (ours)", "stream (ours, r=4 leading)",
+             "diffusers group offload (no stream: CPU)"]
+    assert sorted(runs) == sorted((m, c) for m in modes for c in ("off", "F1B0 W4 R0.24 MC3"))
+    assert all(run["bit_exact_vs_resident"] for run in runs.values())
+    assert runs["resident", "off"]["h2d_bytes_per_step"] == 0
+    assert all(run["ratio_to_floor"] > 0 for run in runs.values())
+    # Skip-aware streaming moves fewer bytes on a cached request than sglang's rules.
+    cached = "F1B0 W4 R0.24 MC3"
+    assert runs["stream (ours)", cached]["h2d_bytes_per_step"] < runs["stream (sglang rules)", cached]["h2d_bytes_per_step"]
+    assert runs["stream (ours)", cached]["cached_steps"] == runs["resident", cached]["cached_steps"]
+
+
+def test_engine_smoke_times_both_adaln_modes(tmp_path):
+    assert engine.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "engine-smoke-cpu.json")
+    assert report["commit"] and report["command"].startswith("python")
+    rows = {row["adaln"]: row for row in report["rows"]}
+    assert set(rows) == {"resident", "online"}
+    assert rows["resident"]["tokens"] == rows["online"]["tokens"]
+    assert rows["online"]["weights_gib"] < rows["resident"]["weights_gib"]  # online loads no adaln_proj
+    assert all(row["model"] == "tiny" and row["blocks"] == 4 and row["steps"] == 3 for row in rows.values())
