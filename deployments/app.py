@@ -20,6 +20,7 @@ from deployments.router import ScheduleAffinityRouter
 from deployments.schemas import AppConfig, WorkerOptions
 from deployments.worker import EngineFactory, Worker
 from engine.config import EngineConfig
+from jobs.config import JobsConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,6 +73,15 @@ def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
     return engine.model_copy(update=update)
 
 
+def resolve_jobs_config(jobs: JobsConfig, checkpoint_root: str) -> JobsConfig:
+    """Pin a relative `state_dir` next to the (absolute) checkpoint root, so every replica uses the same job
+    database and outputs, and a test that puts its checkpoints in a temp dir gets its jobs there too."""
+    state_dir = os.path.expanduser(jobs.state_dir)
+    if not os.path.isabs(state_dir):
+        state_dir = os.path.join(os.path.dirname(os.path.abspath(checkpoint_root)), state_dir)
+    return jobs.model_copy(update={"state_dir": state_dir})
+
+
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
     """Ingress bound to a Worker. `engine_factory` (default: the real `engine.engine.Engine`) lets tests pass a fake engine."""
     engine = resolve_engine_config(config.engine)
@@ -82,8 +92,15 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
         update={"weight_roots": [os.path.abspath(os.path.expanduser(r)) for r in config.admin.weight_roots]
                 or [engine.checkpoint_root]}
     )
-    ingress = Ingress.options(**shutdown_options(config.http.graceful_shutdown_timeout_s))
-    return ingress.bind(worker, config.http.model_dump(), admin.model_dump())
+    jobs = resolve_jobs_config(config.jobs, engine.checkpoint_root)
+    ingress = Ingress.options(
+        max_ongoing_requests=config.http.max_ongoing_requests,
+        **shutdown_options(config.http.graceful_shutdown_timeout_s),
+    )
+    return ingress.bind(
+        worker, config.http.model_dump(), admin.model_dump(), jobs.model_dump(), config.auth.model_dump(),
+        config.videos.model_dump(),
+    )
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -1,6 +1,10 @@
 """HTTP + handle front door: validates requests, holds the worker handle, encodes responses.
 
-Routes: `POST /v1/generations` (`?stream=true` or `POST /v1/generations:stream`: server-sent events
+Video jobs (`/v1/videos`: create, get, list, content with Range, events, cancel, delete, sync; routes and
+statuses in deployments/videos.py) run through the replica's `JobService`, which `deployments/video_jobs.py`
+starts from the async constructor (once the worker has described the model) and stops in `__del__`.
+
+Research routes: `POST /v1/generations` (`?stream=true` or `POST /v1/generations:stream`: server-sent events
 `progress` per step, then `result`), `GET /healthz`, `GET /v1/models`, `POST|GET /admin/weights` (bearer
 token; fleet weight update: deployments/admin.py); OpenAPI at `/docs`. Routing only: statuses and log
 levels of failures live in deployments/errors.py, the weight update's orchestration in deployments/admin.py.
@@ -31,16 +35,30 @@ from ray.serve.handle import DeploymentHandle
 from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
 from deployments.metrics import RoutingMetrics
-from deployments.schemas import AdminOptions, ErrorResponse, GenerationResponse, HttpOptions, ProgressEvent
+from deployments.schemas import (
+    AdminOptions,
+    ErrorResponse,
+    GenerationResponse,
+    HttpOptions,
+    ProgressEvent,
+    VideoOptions,
+)
+from deployments.video_jobs import VideoJobs
+from deployments.videos import VideoApiSlot, videos_router
 from engine.api import GenerationRequest
+from jobs.config import AuthConfig, JobsConfig
 
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(
     title="ditserve",
-    description="Text to video+audio latents with a MiniMax-H3-shaped DiT.",
+    description="MiniMax-H3 text to video+audio: video jobs (/v1/videos, MP4s) and, for research, "
+    "generations with latents (/v1/generations).",
     version="0.1.0",
 )
+#: This replica's video API: routes are declared with the app, the job service exists once the replica started.
+VIDEO_API = VideoApiSlot()
+api.include_router(videos_router(VIDEO_API.get))
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},
@@ -75,17 +93,27 @@ def _new_id() -> str:
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
-    def __init__(
-        self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None
+    async def __init__(
+        self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None,
+        jobs: dict[str, Any] | None = None, auth: dict[str, Any] | None = None, videos: dict[str, Any] | None = None,
     ) -> None:
         install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
         self._worker = worker
         self._http = HttpOptions.model_validate(http or {})
-        self._admin = WeightAdmin(
-            worker, AdminOptions.model_validate(admin or {}), serve.get_replica_context().app_name
-        )
+        context = serve.get_replica_context()
+        self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
         self._routing_metrics = RoutingMetrics()
         self._model_card: dict[str, Any] | None = None
+        self._videos = VideoJobs(
+            worker, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
+            VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,
+            describe_timeout_s=self._http.health_timeout_s,
+        )
+        self._videos.start()
+
+    async def __del__(self) -> None:
+        """Serve calls this once the replica drained (or its drain timed out): jobs running here are released."""
+        await self._videos.stop()
 
     # ---------------------------------------------------------------------------------------------
     # The one generation path (HTTP and handle callers both come through here)

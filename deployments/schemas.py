@@ -18,6 +18,7 @@ from safetensors.torch import save as save_safetensors
 
 from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult
 from engine.config import EngineConfig
+from jobs.config import AuthConfig, JobsConfig
 
 __all__ = [
     "AdminOptions",
@@ -31,6 +32,7 @@ __all__ = [
     "HttpOptions",
     "ProgressEvent",
     "Timings",
+    "VideoOptions",
     "WeightUpdateRequest",
     "WorkerOptions",
     "decode_latents",
@@ -59,7 +61,10 @@ class GenerationResponse(BaseModel):
     """A finished generation."""
 
     id: str = Field(..., description="Generation id (`gen-...`), also in the ingress logs.")
-    model: str = Field(..., description="Model name and checkpoint fingerprint that produced it (`minimax-h3@...`).")
+    model: str = Field(
+        ..., description="Model name and the fingerprint of the transformer weights that produced it "
+        "(`minimax-h3@...`; a weight update changes it).",
+    )
     seed: int = Field(..., description="Seed of the initial noise (the drawn one when the request gave none).")
     video_shape: list[int] = Field(..., description="Video latent shape [C, F, H, W].")
     audio_shape: list[int] = Field(..., description="Audio latent rows [2A, Ca] (left channel's A rows, then the right's).")
@@ -127,10 +132,10 @@ def preview_png(video: torch.Tensor, size_px: int = PREVIEW_PX) -> str:
 
 
 class ProgressEvent(BaseModel):
-    """One denoising step done (streaming): SSE event `progress`, or an item of `generate_stream`."""
+    """One transformer forward done (streaming): SSE event `progress`, or an item of `generate_stream`."""
 
-    step: int = Field(..., description="Steps done (0: accepted, before the first step).")
-    steps: int = Field(..., description="Steps in the request.")
+    step: int = Field(..., description="Transformer forwards done (0: accepted, before the first forward).")
+    steps: int = Field(..., description="Transformer forwards of the request: its `steps` - 1.")
     elapsed_s: float = Field(..., description="Seconds since the worker accepted the request.")
 
 
@@ -216,6 +221,10 @@ class HttpOptions(BaseModel):
     max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
     health_timeout_s: float = Field(10.0, gt=0, description="Longest /healthz waits for the worker.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one ingress replica holds at once; the HTTP proxy queues the rest. Open "
+        "video event streams and /v1/videos/sync waits count, so keep it well above the expected watchers.",
+    )
     graceful_shutdown_timeout_s: float = Field(
         2.0, ge=0, description="When the ingress stops, how long its open requests may still wait for their "
         "generations before they are cut (the worker then stops its own within worker.graceful_shutdown_timeout_s).",
@@ -241,6 +250,37 @@ class AdminOptions(BaseModel):
     )
 
 
+#: `quality: high` of a video job: Cache-DiT DBCache F1B0 W4 R0.04 MC1 (shared/reference.md: H3 on 4 H200,
+#: 1.40x at 28.16 dB PSNR against exact sampling).
+HIGH_QUALITY_CACHE_DIT = CacheDitOverrides(
+    enabled=True, Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=4, residual_diff_threshold=0.04,
+    max_continuous_cached_steps=1,
+)
+
+
+class VideoOptions(BaseModel):
+    """How the ingress turns a video job into an engine request (`POST /v1/videos`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    high_quality: CacheDitOverrides = Field(
+        HIGH_QUALITY_CACHE_DIT,
+        description="Cache-DiT settings of `quality: high` (`lossless` always runs with Cache-DiT off). Needs "
+        "engine.cache_dit.enabled: true; without it `quality: high` is refused with a 422.",
+    )
+    validate_timeout_s: float = Field(
+        5.0, gt=0, description="How long POST /v1/videos waits for a worker to check the request against the "
+        "loaded model (prompt tokens, snapped duration). A worker that does not answer in time does not block "
+        "creation: the job is queued and checked again when it runs.",
+    )
+
+    @model_validator(mode="after")
+    def _high_quality_caches(self) -> "VideoOptions":
+        if self.high_quality.enabled is not True:
+            raise ValueError("high_quality.enabled must be true: quality high is a Cache-DiT profile")
+        return self
+
+
 class AppConfig(BaseModel):
     """`args` of serve_config.yaml: validated once in `build_app`."""
 
@@ -250,3 +290,10 @@ class AppConfig(BaseModel):
     worker: WorkerOptions = Field(default_factory=WorkerOptions, description="Worker replication and placement.")
     http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")
     admin: AdminOptions = Field(default_factory=AdminOptions, description="Admin routes: fleet weight updates.")
+    jobs: JobsConfig = Field(
+        default_factory=lambda: JobsConfig(state_dir="state"),
+        description="Video jobs (/v1/videos): job database, output store, queue bound, leases, retention. A "
+        "relative state_dir lies next to engine.checkpoint_root (in the same parent directory).",
+    )
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="Optional API keys of the video routes.")
+    videos: VideoOptions = Field(default_factory=VideoOptions, description="What video jobs ask the engine for.")

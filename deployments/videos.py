@@ -19,9 +19,11 @@ over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable rang
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: the route handlers are closures, which Ray pickles by value
+with only the globals their code names; FastAPI could then not resolve a string annotation (`Request`) and
+would take `request` for a query parameter.
+"""
 
 import asyncio
 import functools
@@ -213,15 +215,18 @@ class VideoApiSlot:
 
     def __init__(self) -> None:
         self._api: VideoApi | None = None
+        self._reason = "video jobs are not ready yet; retry shortly"
 
     def set(self, api: VideoApi) -> None:
         self._api = api
 
+    def unavailable(self, reason: str) -> None:
+        """No API (starting, stopping, or off): the routes answer 503 with `reason`."""
+        self._api, self._reason = None, reason
+
     def get(self) -> VideoApi:
         if self._api is None:
-            raise ApiError(
-                503, "unavailable", "video jobs are not ready yet; retry shortly", headers={"retry-after": "5"}
-            )
+            raise ApiError(503, "unavailable", self._reason, headers={"retry-after": "5"})
         return self._api
 
 

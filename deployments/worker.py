@@ -114,6 +114,12 @@ class Worker(ScheduleAffinityReporter):
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         return future
 
+    async def validate(self, request: GenerationRequest) -> None:
+        """ClientError naming the field and the limit if the loaded model cannot take `request` (the video
+        API's check before it queues a job: prompt tokens, snapped duration, sizes). Cheap, runs on the event
+        loop like `generate_stream`'s own check, beside a running generation."""
+        self._engine.validate(request)
+
     async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
         """Run one generation off the event loop. Raises ClientError for requests the model cannot take.
         `schedule_key` is read by the router (and recorded here as recently served)."""

@@ -67,6 +67,7 @@ class VideoTimings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    plan_s: float = Field(0.0, ge=0, description="AdaLN modulation plans for the schedule (cache tiers or rebuild).")
     encode_s: float = Field(0.0, ge=0, description="Prompt encoding.")
     denoise_s: float = Field(0.0, ge=0, description="The denoising loop.")
     decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode.")
@@ -112,6 +113,12 @@ class VideoCancelled(Exception):
 
 class VideoBackend(Protocol):
     """The generation side as the job service sees it."""
+
+    async def validate(self, spec: VideoSpec) -> None:
+        """Check `spec` against what is actually loaded (e.g. the prompt's tokens), before it is queued; raises
+        `jobs.errors.InvalidVideoRequest` naming the field. Cheap; a backend that cannot tell right now (no
+        worker answers) returns: the run checks again."""
+        ...
 
     async def run(
         self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck

@@ -29,6 +29,9 @@ class VideoModelLimits(BaseModel):
     default_seconds: float = Field(5.0, gt=0, description="Duration when the request gives none.")
     fps: int = Field(24, ge=1, description="Frames per second of the MP4 (informational).")
     size_multiple: int = Field(32, ge=1, description="Width and height must be multiples of this.")
+    short_edge: int | None = Field(
+        None, ge=1, description="The short edge every size must have (H3's engine serves 768 only); None: any."
+    )
     min_edge: int = Field(256, ge=1, description="Smallest width or height.")
     max_edge: int = Field(1344, ge=1, description="Largest width or height.")
     max_pixels: int = Field(1344 * 768, ge=1, description="Largest width x height.")
@@ -74,6 +77,10 @@ def check_size(limits: VideoModelLimits, width: int, height: int, field: str) ->
             raise InvalidVideoRequest(field, f"{size}: {edge} is below the model's min_edge={limits.min_edge}")
         if edge > limits.max_edge:
             raise InvalidVideoRequest(field, f"{size}: {edge} exceeds the model's max_edge={limits.max_edge}")
+    if limits.short_edge is not None and min(width, height) != limits.short_edge:
+        raise InvalidVideoRequest(
+            field, f"{size}: the short edge {min(width, height)} is not the model's short_edge={limits.short_edge}"
+        )
     if width * height > limits.max_pixels:
         raise InvalidVideoRequest(
             field, f"{width}x{height}: {width * height} pixels exceed the model's max_pixels={limits.max_pixels}"

@@ -149,7 +149,9 @@ class JobService:
         return resolve_spec(request, limits)
 
     async def submit(self, spec: VideoSpec, owner: str | None) -> JobRecord:
-        """Queue a job; QueueFull (with retry_after_s) when the model's queue is at its bound."""
+        """Queue a job once the backend accepts it (InvalidVideoRequest otherwise); QueueFull (with
+        retry_after_s) when the model's queue is at its bound."""
+        await self._backend.validate(spec)
         try:
             record = await asyncio.to_thread(self._store.create, spec, owner, self._config.max_queued_per_model)
         except QueueFull as full:

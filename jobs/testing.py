@@ -3,8 +3,8 @@
 `FakeVideoBackend` runs `num_inference_steps` steps of `step_s` seconds each, reports progress, honours
 `cancelled()` between steps, and returns deterministic bytes (`fake_mp4(spec)`, a real 1x1 `fake_png(spec)`).
 A test can hold jobs before a given step (`hold_before_step`, then `release()`) and make a job fail through
-its prompt: `fail:request`, `fail:server` or `fail:crash` (a plain RuntimeError). `postgres_server()` runs a throwaway
-PostgreSQL server through scripts/postgres.
+its prompt: `fail:request`, `fail:server` or `fail:crash` (a plain RuntimeError); `validate` refuses a prompt
+starting with `invalid:`. `postgres_server()` runs a throwaway PostgreSQL server through scripts/postgres.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from jobs.backend import (
     VideoStats,
     VideoTimings,
 )
+from jobs.errors import InvalidVideoRequest
 
 __all__ = ["FakeClock", "FakeVideoBackend", "fake_mp4", "fake_png", "postgres_server", "reset_postgres"]
 
@@ -77,6 +78,11 @@ class FakeVideoBackend:
     def release(self) -> None:
         """Let held jobs run to the end (and every later job run without holding)."""
         self._released.set()
+
+    async def validate(self, spec: VideoSpec) -> None:
+        """Refuses a prompt starting with `invalid:` (as a backend refuses a prompt over its token limit)."""
+        if spec.prompt.startswith("invalid:"):
+            raise InvalidVideoRequest("prompt", f"{len(spec.prompt)} tokens exceed the text encoder's 8 (fake)")
 
     async def run(
         self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck

@@ -1,0 +1,339 @@
+"""The video job layer's `VideoBackend` over the Worker deployment: a job's `VideoSpec` becomes the engine's
+`GenerationRequest`, streamed through `Worker.generate_stream`, and comes back as the job's MP4.
+
+- Request: pixels, seconds, `num_inference_steps` -> `steps`, shifts, seed, `return_video=True`,
+  `return_latents=False`; `quality: lossless` runs with Cache-DiT off, `quality: high` with the
+  `videos.high_quality` Cache-DiT profile (refused when the server has no Cache-DiT).
+- Progress: each `progress` event of the worker's stream goes to `on_progress(step, steps)` (step 0 out of
+  the request's steps once accepted, then forwards done out of `steps - 1`).
+- Cancellation: `cancelled()` is polled every `CANCEL_POLL_S`; when it turns true the stream is cancelled,
+  which stops the engine at its next step and releases its plan references.
+- Errors: the engine's `ClientError` -> `VideoRequestError`, a cancel the job did not ask for (the worker
+  replica stopping) or any other failure -> `VideoServerError` with a message fit for the job record (no
+  server paths).
+- Limits: `video_model_limits(card)` turns the worker's `describe()` into the job layer's
+  `VideoModelLimits`, so a tiny CPU model accepts the small sizes it is configured for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import re
+from fractions import Fraction
+from typing import Any
+
+import annotated_types
+import av
+from pydantic import BaseModel, ConfigDict, Field
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.handle import DeploymentHandle
+
+from deployments.errors import unwrap
+from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult
+from engine.errors import ClientError, GenerationCancelled, ServerFault
+from jobs.backend import (
+    CancelCheck,
+    ProgressCallback,
+    VideoCancelled,
+    VideoOutput,
+    VideoRequestError,
+    VideoServerError,
+    VideoSpec,
+    VideoStats,
+    VideoTimings,
+)
+from jobs.errors import InvalidVideoRequest
+from jobs.limits import VideoModelLimits
+
+__all__ = [
+    "CANCEL_POLL_S",
+    "LOSSLESS_CACHE_DIT",
+    "ModelCard",
+    "ServedModelLimits",
+    "WorkerVideoBackend",
+    "generation_request",
+    "video_model_limits",
+    "video_output",
+]
+
+logger = logging.getLogger("ray.serve")
+
+#: How often a running job's cancel flag is looked at while waiting for the worker's next event.
+CANCEL_POLL_S = 0.1
+#: `quality: lossless`: exact sampling, whatever the server's own Cache-DiT default is.
+LOSSLESS_CACHE_DIT = CacheDitOverrides(enabled=False)
+#: Clips the API offers by default, when the model allows them.
+DEFAULT_SECONDS = 5.0
+DEFAULT_STEPS = 50
+DEFAULT_SHORT_EDGE = 768
+DEFAULT_ASPECT = Fraction(16, 9)
+
+
+# --------------------------------------------------------------------------------------------------
+# The served model, as the worker describes it
+# --------------------------------------------------------------------------------------------------
+
+
+class ServedModelLimits(BaseModel):
+    """`describe()["limits"]` of the engine: what the loaded model and server accept."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    max_steps: int = Field(..., ge=2, description="Most sampling grid points.")
+    short_edge: int | None = Field(..., description="Required short edge in pixels; None: any.")
+    max_pixels: int = Field(..., ge=1, description="Largest width x height.")
+    min_seconds: float = Field(..., gt=0, description="Shortest clip (of the snapped frame count).")
+    max_seconds: float = Field(..., gt=0, description="Longest clip (of the snapped frame count).")
+    pixel_multiple: int = Field(..., ge=1, description="Both pixel axes are multiples of this.")
+    fps: int = Field(..., ge=1, description="Frames per second of the MP4.")
+    max_prompt_tokens: int = Field(..., ge=1, description="Longest prompt in tokens.")
+
+
+class ModelCard(BaseModel):
+    """The parts of the worker's `describe()` the video API needs."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    id: str = Field(..., min_length=1, description="`minimax-h3@<fingerprint>`: name and weights.")
+    limits: ServedModelLimits
+    cache_dit_enabled: bool = Field(..., description="engine.cache_dit.enabled: per-request Cache-DiT is possible.")
+
+    @classmethod
+    def from_describe(cls, card: dict[str, Any]) -> ModelCard:
+        """ValueError naming what is missing when the engine describes itself differently."""
+        engine_config = card.get("engine_config") or {}
+        cache_dit = engine_config.get("cache_dit") or {}
+        return cls.model_validate(
+            {"id": card.get("id"), "limits": card.get("limits"), "cache_dit_enabled": cache_dit.get("enabled")}
+        )
+
+    @property
+    def name(self) -> str:
+        """What clients put in `model`: the id without the weights fingerprint (stable across weight updates)."""
+        return self.id.partition("@")[0]
+
+
+def video_model_limits(card: ModelCard) -> VideoModelLimits:
+    """The job layer's limits of the served model. Durations are the engine's bounds on the *snapped* clip;
+    a request between them whose snapped clip is not (15 s snaps to 15.08 s) is refused by the worker's
+    check at creation."""
+    limits = card.limits
+    multiple = limits.pixel_multiple
+    if limits.short_edge is not None:
+        short_edge = limits.short_edge
+        min_edge = short_edge
+        max_edge = limits.max_pixels // short_edge // multiple * multiple
+    else:
+        short_edge = _default_short_edge(limits.max_pixels, multiple)
+        min_edge = multiple
+        max_edge = min(8192, limits.max_pixels // multiple // multiple * multiple)
+    long_edge = _long_edge(short_edge, multiple, limits.max_pixels)
+    return VideoModelLimits(
+        name=card.name,
+        min_seconds=limits.min_seconds,
+        max_seconds=limits.max_seconds,
+        default_seconds=min(max(DEFAULT_SECONDS, limits.min_seconds), limits.max_seconds),
+        fps=limits.fps,
+        size_multiple=multiple,
+        short_edge=limits.short_edge,
+        min_edge=min_edge,
+        max_edge=max(max_edge, min_edge),
+        max_pixels=limits.max_pixels,
+        default_size=f"{long_edge}x{short_edge}",
+        default_short_edge=short_edge,
+        min_steps=2,
+        max_steps=limits.max_steps,
+        default_steps=min(DEFAULT_STEPS, limits.max_steps),
+        default_flow_shift=GenerationRequest.model_fields["flow_shift"].default,
+        default_audio_flow_shift=GenerationRequest.model_fields["audio_flow_shift"].default,
+        max_prompt_chars=_max_length(GenerationRequest.model_fields["prompt"].metadata),
+    )
+
+
+def _max_length(metadata: list[Any]) -> int:
+    """The schema's max_length of a string field (the engine request's own bound on prompts)."""
+    return next(m.max_length for m in metadata if isinstance(m, annotated_types.MaxLen))
+
+
+def _long_edge(short_edge: int, multiple: int, max_pixels: int) -> int:
+    """The 16:9 long edge for `short_edge`, in multiples, within max_pixels (768 -> 1344)."""
+    long_edge = int(short_edge * DEFAULT_ASPECT) // multiple * multiple
+    return max(short_edge, min(long_edge, max_pixels // short_edge // multiple * multiple))
+
+
+def _default_short_edge(max_pixels: int, multiple: int) -> int:
+    """The largest short edge <= 768 whose 16:9 frame fits max_pixels (a small model gets a small default)."""
+    short_edge = DEFAULT_SHORT_EDGE // multiple * multiple
+    while short_edge > multiple and short_edge * (int(short_edge * DEFAULT_ASPECT) // multiple * multiple) > max_pixels:
+        short_edge -= multiple
+    return max(short_edge, multiple)
+
+
+# --------------------------------------------------------------------------------------------------
+# Request and result
+# --------------------------------------------------------------------------------------------------
+
+
+def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> GenerationRequest:
+    """The engine request of a video job (an MP4, no latents)."""
+    return GenerationRequest(
+        prompt=spec.prompt,
+        steps=spec.num_inference_steps,
+        seconds=spec.seconds,
+        width=spec.width,
+        height=spec.height,
+        flow_shift=spec.flow_shift,
+        audio_flow_shift=spec.audio_flow_shift,
+        seed=spec.seed,
+        return_video=True,
+        return_latents=False,
+        cache_dit=high_quality if spec.quality == "high" else LOSSLESS_CACHE_DIT,
+    )
+
+
+def video_output(result: GenerationResult) -> VideoOutput:
+    """The job's output: the MP4 and thumbnail, the engine's timings, and counts read from the MP4 itself."""
+    if result.mp4 is None or result.thumbnail_png is None:
+        raise VideoServerError("the worker returned no MP4 for a request that asked for one")
+    with av.open(io.BytesIO(result.mp4)) as container:
+        video = container.streams.video[0]
+        audio = container.streams.audio[0] if container.streams.audio else None
+        num_frames, fps = video.frames, float(video.average_rate or 0)
+        sample_rate = audio.rate if audio is not None else 0
+    stats = result.stats
+    adaln = stats.get("adaln") or {}
+    cache_dit = stats.get("cache_dit") or {}
+    return VideoOutput(
+        mp4=result.mp4,
+        thumbnail_png=result.thumbnail_png,
+        timings=VideoTimings(**{k: result.timings.get(k, 0.0) for k in VideoTimings.model_fields}),
+        stats=VideoStats(
+            num_steps=int(stats.get("forwards", 0)),
+            num_frames=num_frames,
+            fps=fps,
+            audio_sample_rate=sample_rate,
+            plan_cache_hits=sum(int(adaln.get(k, 0)) for k in ("gpu_hit_plans", "host_hit_plans", "remote_hit_plans")),
+            plan_cache_misses=int(adaln.get("built_plans", 0)),
+            cached_steps=len(cache_dit.get("cached_steps", [])),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+#: The engine names the field of a request it refuses (`steps: ...`, `width=...`, `num_frames=...`); the video
+#: API's name for it.
+_ENGINE_FIELDS = {
+    "steps": "num_inference_steps", "width": "size", "height": "size", "width*height": "size",
+    "num_frames": "seconds", "seconds": "seconds", "prompt": "prompt", "cache_dit": "quality",
+    "cache_dit.enabled": "quality", "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift",
+}
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_.*]+)\s*([:=])\s*")
+
+
+def invalid_request(message: str) -> InvalidVideoRequest:
+    """An engine refusal as the video API's 422, under the video API's field name."""
+    match = _FIELD_PREFIX.match(message)
+    if match is None:
+        return InvalidVideoRequest("request", message)
+    field = _ENGINE_FIELDS.get(match.group(1), "request")
+    # "prompt: 3000 tokens ..." -> "prompt: 3000 tokens ..." (not "prompt: prompt: ..."); "width=64 ..." keeps its name.
+    return InvalidVideoRequest(field, message[match.end():] if match.group(2) == ":" else message)
+
+
+def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
+    """A failed worker call as the job layer's error type (messages fit for the job record)."""
+    cause = unwrap(exc)
+    if isinstance(cause, ClientError):
+        return VideoRequestError(str(cause))
+    if isinstance(cause, (GenerationCancelled, RequestCancelledError, asyncio.CancelledError)):
+        if cancel_asked:
+            return VideoCancelled("cancelled")
+        return VideoServerError("the worker replica stopped the generation (it was shutting down)")
+    if isinstance(cause, ServerFault):
+        logger.error("video generation failed reading the checkpoint", exc_info=exc)
+        return VideoServerError(f"generation failed: {cause.kind} (the server could not read its checkpoint)")
+    if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
+        return VideoServerError(f"no worker could run the job: {type(exc).__name__}")
+    logger.error("video generation failed", exc_info=exc)
+    return VideoServerError(f"generation failed: {type(cause).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------------
+
+
+class WorkerVideoBackend:
+    """`jobs.backend.VideoBackend` over a `Worker` deployment handle."""
+
+    def __init__(
+        self, worker: DeploymentHandle, card: ModelCard, high_quality: CacheDitOverrides, validate_timeout_s: float
+    ) -> None:
+        self._worker = worker
+        self._card = card
+        self._high_quality = high_quality
+        self._validate_timeout_s = validate_timeout_s
+
+    def request(self, spec: VideoSpec) -> GenerationRequest:
+        if spec.quality == "high" and not self._card.cache_dit_enabled:
+            raise InvalidVideoRequest(
+                "quality", "'high' runs Cache-DiT, which is off on this server (engine.cache_dit.enabled: false); "
+                "send quality 'lossless'",
+            )
+        return generation_request(spec, self._high_quality)
+
+    async def validate(self, spec: VideoSpec) -> None:
+        """The worker's check of the request (prompt tokens, snapped duration, sizes). A worker that does not
+        answer within validate_timeout_s does not refuse the job: the run checks again."""
+        request = self.request(spec)
+        try:
+            await asyncio.wait_for(self._worker.validate.remote(request), timeout=self._validate_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            cause = unwrap(exc)
+            if isinstance(cause, ClientError):
+                raise invalid_request(str(cause)) from None
+            logger.warning("video request check skipped (the worker did not answer): %s", type(exc).__name__)
+
+    async def run(
+        self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck
+    ) -> VideoOutput:
+        try:
+            request = self.request(spec)
+        except InvalidVideoRequest as exc:  # e.g. Cache-DiT turned off since the job was queued
+            raise VideoRequestError(str(exc)) from None
+        stream = self._worker.options(stream=True).generate_stream.remote(request, schedule_key=request.schedule_key)
+        pending: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                if cancelled():
+                    raise VideoCancelled(f"video job {job_id} cancelled")
+                if pending is None:
+                    pending = asyncio.ensure_future(stream.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=CANCEL_POLL_S)
+                if not done:
+                    continue
+                finished, pending = pending, None
+                try:
+                    event = finished.result()
+                except StopAsyncIteration:
+                    raise VideoServerError("the worker's stream ended without a result") from None
+                except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - sorted by backend_error
+                    raise backend_error(exc, cancelled()) from exc
+                if event["event"] == "progress":
+                    on_progress(event["step"], event["steps"])
+                else:
+                    # Reading the MP4's header is blocking work: keep it off the event loop.
+                    return await asyncio.to_thread(video_output, event["result"])
+        finally:
+            # Leaving early (cancelled, failed, the service stopping): the engine stops at its next step.
+            # A no-op once the worker finished.
+            stream.cancel()
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
