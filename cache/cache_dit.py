@@ -1,13 +1,14 @@
 """cache-dit's DBCache on a DiT's block stack, through the real library. The only module that imports
 cache_dit (lazily: `CacheDitConfig` is importable without cache-dit, diffusers or transformers installed).
 
-What the model must provide (diffusers' `MiniMaxH3Transformer3DModel` and ditserve's old `model/dit.py` do):
+What the model must provide (diffusers' `MiniMaxH3Transformer3DModel` does):
 
-- its block stack as a direct child `nn.ModuleList` named `transformer_blocks` (diffusers) or `blocks`
-  (`find_block_stack`; pass a `BlockStack` to `CacheDit` to name another).
+- its block stack as a direct child `nn.ModuleList` named `transformer_blocks` (H3 and most diffusers
+  transformers) or `blocks` (diffusers' Wan) (`find_block_stack`; pass a `BlockStack` to `CacheDit` to name
+  another).
 - blocks of cache-dit's `ForwardPattern.Pattern_3`: `forward(hidden_states, ...) -> hidden_states`, any
-  other arguments positional (H3: `temb, adaln_indices, rotary_emb`) or keyword (the old DiT: `ctx=`);
-  cache-dit passes them through untouched. The pattern is read from the block's signature and return
+  other arguments positional (H3: `temb, adaln_indices, rotary_emb`) or keyword; cache-dit passes them
+  through untouched. The pattern is read from the block's signature and return
   annotation, never assumed. No op may write into `hidden_states` in place: DBCache diffs a block's input
   against its output, an in-place write makes the residual 0/0 and silently disables caching.
 - a forward that runs the blocks as `for block in self.<attr>: h = block(h, ...)`. During forward cache-dit
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Where a model keeps its DiT block stack, in lookup order: diffusers' transformers, then ditserve's DiT.
+#: Where a model keeps its block stack, in lookup order (diffusers' names: H3 and most, then Wan).
 BLOCK_STACK_ATTRS: tuple[str, ...] = ("transformer_blocks", "blocks")
 
 #: cache-dit forward patterns this adapter serves (hidden states in, hidden states out).

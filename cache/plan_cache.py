@@ -13,10 +13,10 @@ The engine calls, per request (both modes have the same interface, so it treats 
 and around a weight update: `provider.validate_weight_update_source(path)` before writing any weight,
 `provider.refresh_weight_derived_caches(path)` after.
 
-`model` is what the cache asks about the AdaLN projections (`model.adaln.AdalnModel`: shapes, unit names,
-the projection input, the resident projection): diffusers' `MiniMaxH3Transformer3DModel` (seen through
-`model.adaln.H3Adaln`) or, until it is deleted, the look-alike `model.dit.DiT`. `reader` locates the
-projections' bytes: a `model.weights.TransformerWeights` or a `model.checkpoint.CheckpointReader`.
+`model` is what the cache asks about the AdaLN projections (`model.adaln.AdalnModel`: shapes, unit names
+`transformer_blocks.{i}.adaln_proj.linear` and `norm_out.linear`, the projection input, the resident projection):
+diffusers' `MiniMaxH3Transformer3DModel`, seen through `model.adaln.H3Adaln`. `reader` locates the projections'
+bytes (`AdalnWeights`: a `model.weights.TransformerWeights` of either checkpoint layout).
 
 Not thread-safe: one engine thread drives a provider.
 """
@@ -37,15 +37,14 @@ from cache.host_tier import HostTier, PageAllocator
 from cache.plan_key import PlanKey, check_plan, plan_key
 from cache.projection import prepare_weight, project, projection_guard
 from cache.rebuild import (
-    AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, dit_adaln_unit_names, resolve_adaln_units,
+    AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, TensorLocator, resolve_adaln_units,
 )
 from cache.slab import PlanSlab, SlabFullError
 from cache.streams import Streams
 from model.adaln import AdalnModel, H3Adaln, Modulation
-from model.dit import DiT
 
 __all__ = [
-    "AdalnStats", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
+    "AdalnStats", "AdalnWeights", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
     "PlanCache", "PreparedPlans", "ResidentModulation", "ResidentPlans", "make_adaln_provider",
 ]
 
@@ -110,72 +109,34 @@ class RemoteTier(Protocol):
     def publish(self, key: PlanKey, rows: PlanRows) -> None: ...
 
 
-class _DiTAdaln:
-    """`AdalnModel` view of the look-alike `model.dit.DiT` (goes when the DiT goes)."""
-
-    def __init__(self, dit: DiT):
-        self.dit = dit
-        config = dit.config
-        self.num_blocks = config.num_blocks
-        self.time_embed_dim = config.time_embed_dim
-        self.adaln_width = config.adaln_width
-        self.final_adaln_width = config.final_adaln_width
-        self.torch_dtype = config.torch_dtype
+class AdalnWeights(TensorLocator, Protocol):
+    """The checkpoint a `PlanCache` rebuilds plans from (`model.weights.TransformerWeights`): where each AdaLN
+    tensor's bytes are, and a fingerprint that changes with the weights (part of every plan key)."""
 
     @property
-    def device(self) -> torch.device:
-        return self.dit.device
-
-    def adaln_input(self, timesteps: torch.Tensor) -> torch.Tensor:
-        return self.dit.adaln_input(timesteps)
-
-    def resident_modulation(self, adaln_input: torch.Tensor) -> Modulation:
-        modulation = self.dit.resident_modulation(adaln_input)
-        return Modulation(blocks=modulation.blocks, final=modulation.final)
-
-    def resident_projections(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not self.dit.with_adaln:
-            raise RuntimeError("this DiT was built with with_adaln=False")
-        modules = [block.adaln_proj for block in self.dit.blocks] + [self.dit.final.adaln_proj]
-        return [(module.weight, module.bias) for module in modules]
-
-    def unit_names(self) -> list[tuple[str, int | None]]:
-        return dit_adaln_unit_names(self.num_blocks)
+    def fingerprint(self) -> str: ...
 
 
 def as_adaln_model(model: AdalnModel | nn.Module) -> AdalnModel:
-    """The cache's view of `model`: a `MiniMaxH3Transformer3DModel` (as `H3Adaln`), a look-alike DiT, or
-    something that already is an `AdalnModel`."""
-    if isinstance(model, DiT):
-        return _DiTAdaln(model)
+    """The cache's view of `model`: a `MiniMaxH3Transformer3DModel` (as `H3Adaln`), or something that already
+    is an `AdalnModel`."""
     if isinstance(model, nn.Module):
         return H3Adaln(model)  # TypeError unless it is the H3 transformer
     return model
 
 
-def _open_dit_checkpoint(path: str):
-    from model.checkpoint import CheckpointReader  # lazy: only weight updates open new checkpoints
-
-    return CheckpointReader(path)
-
-
-def _open_h3_transformer(path: str):
-    """The FL2VA transformer of the H3 checkpoint at `path` (any layout `model.layout.H3Checkpoint` opens).
-    Serving another partition: pass `reader_factory`."""
-    from model.layout import H3Checkpoint  # lazy, as above
+def open_h3_transformer(path: str) -> AdalnWeights:
+    """The FL2VA transformer of the H3 checkpoint at `path` (any layout `model.layout.H3Checkpoint` opens): how
+    a weight update's directory is opened by default. Serving another partition: pass `reader_factory`."""
+    from model.layout import H3Checkpoint  # lazy: only weight updates open new checkpoints
     from model.weights import TransformerWeights
 
     checkpoint = H3Checkpoint.open(path)
     return TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
 
 
-def _default_reader_factory(model: AdalnModel) -> Callable[[str], Any]:
-    """How a weight update's directory is opened, for the kind of model served."""
-    return _open_dit_checkpoint if isinstance(model, _DiTAdaln) else _open_h3_transformer
-
-
 def _check_update_source(path: str | os.PathLike, model: AdalnModel,
-                         reader_factory: Callable[[str], Any]) -> Any:
+                         reader_factory: Callable[[str], AdalnWeights]) -> AdalnWeights:
     """Open `path` and check its adaln tensors against `model`'s; the reader, or WeightUpdateError."""
     try:
         reader = reader_factory(os.fspath(path))
@@ -243,11 +204,11 @@ class PlanCache:
     """Online AdaLN: plans from the GPU slab, else the pinned host tier, else the remote seam, else one
     streaming rebuild pass over the checkpoint for all of the request's missing plans.
 
-    `PlanCache(config, checkpoint_reader, model, device)`: `checkpoint_reader` has `.location(name)` and
-    `.fingerprint` (`model.weights.TransformerWeights`, `model.checkpoint.CheckpointReader`); `model` (see
-    `as_adaln_model`; built with or without its AdaLN weights) gives the slab's shapes, the unit names and
+    `PlanCache(config, checkpoint_reader, model, device)`: `checkpoint_reader` (`AdalnWeights`: a
+    `model.weights.TransformerWeights`) has `.location(name)` and `.fingerprint`; `model` (see `as_adaln_model`;
+    built with or without its AdaLN weights) gives the slab's shapes, the unit names and
     `adaln_input(timesteps fp32 [M]) -> [M, time_embed_dim]`. `reader_factory(path)` opens a weight update's
-    directory (default: as the served model's checkpoints are laid out).
+    directory (default: `open_h3_transformer`).
 
     Invariants: a plan is visible only after every block and the final layer were written (slots commit
     after the rebuild/H2D); a plan held by an in-flight request is never evicted (slot refcounts); a failed
@@ -255,9 +216,9 @@ class PlanCache:
     weight refresh bumps, so no request can see a plan built from old weights.
     """
 
-    def __init__(self, config: AdalnConfig, checkpoint_reader: Any, model: AdalnModel | nn.Module,
+    def __init__(self, config: AdalnConfig, checkpoint_reader: AdalnWeights, model: AdalnModel | nn.Module,
                  device: torch.device | str, *, remote: RemoteTier | None = None,
-                 reader_factory: Callable[[str], Any] | None = None,
+                 reader_factory: Callable[[str], AdalnWeights] | None = None,
                  streams: Streams | None = None, host_allocator: PageAllocator | None = None):
         if config.mode != "online":
             raise ValueError("PlanCache serves adaln.mode=online; use ResidentModulation for resident")
@@ -266,7 +227,7 @@ class PlanCache:
         self.reader = checkpoint_reader
         self.model = as_adaln_model(model)
         self._adaln_input = self.model.adaln_input
-        self._reader_factory = reader_factory or _default_reader_factory(self.model)
+        self._reader_factory = reader_factory or open_h3_transformer
         self.remote = remote
         self.streams = streams if streams is not None else Streams(self.device)
         dims = self.model  # the slab and host pages are shaped like the served model's projections
@@ -353,8 +314,9 @@ class PlanCache:
     def prepare(self, plans: Sequence[torch.Tensor], weights_version: Hashable | None = None) -> PreparedPlans:
         """Make every plan of a request resident in the slab and take a reference on each.
 
-        `plans`: one fp32 [M] tensor per step (`FlowMatchSchedule.plans`). `weights_version`, if given, must
-        be the current one (an engine that loaded weights under another version would get stale plans).
+        `plans`: one fp32 [M] tensor per forward (`model.schedule.H3Schedule.plans`). `weights_version`, if
+        given, must be the current one (an engine that loaded weights under another version would get stale
+        plans).
         """
         if weights_version is not None and weights_version != self.weights_version:
             raise WeightUpdateError(
@@ -543,7 +505,7 @@ class ResidentModulation:
     does with that setting, so the two modes stay bit-equal under either setting."""
 
     def __init__(self, config: AdalnConfig, model: AdalnModel | nn.Module, device: torch.device | str | None = None,
-                 *, reader_factory: Callable[[str], Any] | None = None):
+                 *, reader_factory: Callable[[str], AdalnWeights] | None = None):
         self.model = as_adaln_model(model)
         try:
             projections = self.model.resident_projections()
@@ -553,7 +515,7 @@ class ResidentModulation:
             raise ValueError("adaln.mode=resident needs the model's AdaLN weights: they are on meta")
         self.config = config
         self.device = torch.device(device) if device is not None else self.model.device
-        self._reader_factory = reader_factory or _default_reader_factory(self.model)
+        self._reader_factory = reader_factory or open_h3_transformer
         self._generation = 0
         self.stats = AdalnStats()
 
@@ -601,7 +563,7 @@ class ResidentModulation:
         pass
 
 
-def make_adaln_provider(config: AdalnConfig, model: AdalnModel | nn.Module, checkpoint_reader: Any,
+def make_adaln_provider(config: AdalnConfig, model: AdalnModel | nn.Module, checkpoint_reader: AdalnWeights,
                         device: torch.device | str, **kwargs) -> PlanCache | ResidentModulation:
     """The provider for `config.mode`: the engine loads the model's AdaLN weights only for resident mode."""
     if config.mode == "resident":

@@ -1,7 +1,8 @@
 """The one AdaLN projection both modes use, so online plans equal resident ones bit for bit.
 
-`match`: `F.linear(x, W, b)` in the model dtype with exactly M rows, the same call and shape as
-`DiT.resident_modulation` (cuBLAS picks kernels by shape: batching plans into one GEMM changes the bits).
+`match`: `F.linear(x, W, b)` in the model dtype with exactly M rows, the same call and shape as the transformer's
+own `nn.Linear` in `model.adaln.resident_modulation` (cuBLAS picks kernels by shape: batching plans into one GEMM
+changes the bits).
 `fp32`: `F.linear(x.float(), W.float(), b.float()).to(dtype)` with TF32 off, so the result does not depend
 on the process-wide `allow_tf32` flag. The model's own resident path is bf16, so with `fp32` resident mode
 must also project through `project()` (`ResidentModulation` does) to stay equal to online mode.

@@ -1,6 +1,7 @@
-"""Online rebuild: stream every block's `adaln_proj` from the checkpoint and project the missing plans.
+"""Online rebuild: stream every block's `adaln_proj.linear` from the checkpoint and project the missing plans.
 
-One pass over the checkpoint serves every missing plan of a request. Per unit (block 0..N-1, then final):
+One pass over the checkpoint serves every missing plan of a request. Per unit (blocks 0..N-1's
+`transformer_blocks.{i}.adaln_proj.linear`, then the final layer's `norm_out.linear`):
 
     readers (thread pool, os.preadv)  : checkpoint bytes -> pinned staging[k]          (unit i+1, i+2...)
     copy stream                       : staging[k] -> device weight buffer[k]            (unit i)
@@ -30,7 +31,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
@@ -38,14 +39,22 @@ from cache.host_memory import PinOwner, pinned_empty
 from cache.projection import Projection, prepare_weight, project, projection_guard
 from cache.streams import Event, Streams
 
-if TYPE_CHECKING:  # model.adaln is only needed for types here (the ingress imports this module for RebuildError)
+if TYPE_CHECKING:  # model/ is only needed for types here (the ingress imports this module for RebuildError)
     from model.adaln import AdalnDims
+    from model.weights import TensorLocation
 
 _ALIGN = 4096
 _MIN_CHUNK = 1 << 20
 
 class RebuildError(ValueError):
     """The checkpoint cannot provide an adaln tensor (missing, wrong shape or dtype, short read)."""
+
+
+class TensorLocator(Protocol):
+    """Where a checkpoint keeps each tensor's bytes (`model.weights.TransformerWeights`); `location` raises a
+    ValueError (`model.layout.CheckpointError`) for a tensor it cannot place."""
+
+    def location(self, name: str) -> TensorLocation: ...
 
 
 def _align(n: int) -> int:
@@ -63,8 +72,8 @@ class Span:
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, location: Any) -> "Span":
-        """From a `CheckpointReader.location(...)` result (`TensorLocation`)."""
+    def of(cls, location: TensorLocation) -> "Span":
+        """From a `TensorLocator.location(...)` result."""
         return cls(os.fspath(location.path), int(location.offset), int(location.nbytes), location.dtype,
                    tuple(int(s) for s in location.shape))
 
@@ -88,24 +97,17 @@ class AdalnUnit:
         return _align(self.weight.nbytes) + _ALIGN + self.bias.nbytes
 
 
-def dit_adaln_unit_names(num_blocks: int) -> list[tuple[str, int | None]]:
-    """(module name, block index or None) of every AdaLN projection of the look-alike `model.dit.DiT`, in
-    streaming order. The real transformer's are `model.weights.adaln_unit_names`."""
-    return [(f"blocks.{i}.adaln_proj", i) for i in range(num_blocks)] + [("final.adaln_proj", None)]
-
-
-def resolve_adaln_units(reader: Any, dims: AdalnDims,
-                        unit_names: Sequence[tuple[str, int | None]] | None = None) -> list[AdalnUnit]:
+def resolve_adaln_units(reader: TensorLocator, dims: AdalnDims,
+                        unit_names: Sequence[tuple[str, int | None]]) -> list[AdalnUnit]:
     """Locate and check every adaln tensor of `reader` against `dims` before any byte is read.
 
-    `unit_names`: (module name, block index or None) per projection, blocks first (`AdalnModel.unit_names()`);
-    the tensors are `{name}.weight` and `{name}.bias`. None: the look-alike DiT's names.
+    `unit_names`: (module name, block index or None) per projection, blocks first (`AdalnModel.unit_names()`,
+    `model.weights.adaln_unit_names`: `transformer_blocks.{i}.adaln_proj.linear`, then `norm_out.linear`); the
+    tensors are `{name}.weight` and `{name}.bias`.
     Raises `RebuildError` naming the first missing tensor or wrong shape/dtype (and the file, when known).
     """
     units = []
     in_dim = dims.time_embed_dim
-    if unit_names is None:
-        unit_names = dit_adaln_unit_names(dims.num_blocks)
     for name, block in unit_names:
         width = dims.adaln_width if block is not None else dims.final_adaln_width
         spans = {}
@@ -190,10 +192,14 @@ class _Files:
         return self._direct[path]
 
     def cached(self, span: Span) -> bool:
-        """Whether a few pages of `span` (start, middle, end) are in the page cache."""
+        """Whether a few pages of `span` (at 1/8, 3/8, 5/8 and 7/8 of it) are in the page cache.
+
+        Not its first, middle or last page: `TransformerWeights.fingerprint` reads exactly those of every
+        tensor, so after fingerprinting they are cached however cold the rest of the unit is."""
         probe = bytearray(1)
         fd = self.fd(span.path)
-        for offset in (span.offset, span.offset + span.nbytes // 2, span.offset + span.nbytes - 1):
+        for eighth in (1, 3, 5, 7):
+            offset = span.offset + span.nbytes * eighth // 8
             try:
                 os.preadv(fd, [probe], offset, os.RWF_NOWAIT)
             except BlockingIOError:

@@ -64,8 +64,8 @@ class Modulation:
 
 
 class AdalnDims(Protocol):
-    """Shapes of a model's AdaLN projections: `model.config.DiTConfig`, `model.weights.H3TransformerConfig`
-    and every `AdalnModel` have these (`cache.rebuild.resolve_adaln_units` checks a checkpoint against them)."""
+    """Shapes of a model's AdaLN projections: `model.weights.H3TransformerConfig` and every `AdalnModel` have
+    these (`cache.rebuild.resolve_adaln_units` checks a checkpoint against them)."""
 
     @property
     def num_blocks(self) -> int: ...

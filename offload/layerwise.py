@@ -19,8 +19,8 @@ them, then the last Bn blocks):
   `cache.cache_dit.CacheDit.predict_middle`) or the first middle block's pre-forward hook fires (the
   residual check missed). A cached step therefore copies no weights at all.
 
-Blocks are called with any arguments (the hooks never read them): the diffusers MiniMax-H3 block
-`(hidden_states, temb, adaln_indices, rotary_emb)` positionally, the old DiT's `(hidden_states, ctx=)`.
+Blocks are called with any arguments (the hooks never read them), e.g. the diffusers MiniMax-H3 block's
+`(hidden_states, temb, adaln_indices, rotary_emb)`.
 Block tensors named by `resident_tensors` (H3: `adaln_proj`, whose projection also serves the AdaLN plan
 cache) are moved to the device once like the model's other weights; a block whose `adaln_proj` holds no
 tensors (AdaLN served from the plan cache) simply has nothing there to keep. Every tensor must be loaded

@@ -1,8 +1,10 @@
-"""Helpers shared by the AdaLN plan cache tests (no tests here; the `tiny` fixture is in conftest.py).
+"""Helpers shared by the AdaLN plan cache tests (no tests here; the `tiny` fixtures are in conftest.py).
 
-Checkpoints are real ones from `model.checkpoint.make_checkpoint` (what `python -m model.checkpoint make`
-writes). Tiny numbers used throughout: `preset("tiny")` has 4 blocks, adaln_width 1152, final 128, so one
-host page (one plan row) is 4*1152 + 128 = 4736 bf16 params = 9472 bytes.
+Checkpoints are real tiny MiniMax-H3 checkpoints (`model.tiny.make_tiny_checkpoint`, transformer only), served as
+the engine serves them: the reference transformer holds every weight; the online one is built without its AdaLN
+weights and reads rows through `ExternalModulation`. Tiny numbers used throughout: 4 blocks, hidden 64,
+time_embed_dim 32, so adaln_width = 3*6*64 = 1152, final_adaln_width = 2*64 = 128 and one host page (one plan row)
+is 4*1152 + 128 = 4736 bf16 params = 9472 bytes; one rebuild pass reads 4 x (1152x32 + 1152) + (128x32 + 128) bf16.
 """
 
 from __future__ import annotations
@@ -11,24 +13,31 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from diffusers import MiniMaxH3Transformer3DModel
 
 from cache.config import GB, AdalnConfig
 from cache.plan_cache import PlanCache, ResidentModulation
 from cache.streams import Streams
-from model.checkpoint import CheckpointError, CheckpointReader, load_model, make_checkpoint
-from model.config import preset
+from model.adaln import ExternalModulation, Modulation, adaln_input, resident_modulation
+from model.layout import CheckpointError, H3Checkpoint, Layout
+from model.loading import load_transformer
+from model.tiny import make_tiny_checkpoint
+from model.weights import TensorLocation, TransformerWeights, is_adaln_param
 
-TINY_PAGE_BYTES = (4 * 3 * 6 * 64 + 2 * 64) * 2
+NUM_BLOCKS, TIME_EMBED_DIM, ADALN_WIDTH, FINAL_WIDTH = 4, 32, 1152, 128
+TINY_PAGE_BYTES = (NUM_BLOCKS * ADALN_WIDTH + FINAL_WIDTH) * 2
+TINY_ADALN_BYTES = (NUM_BLOCKS * (ADALN_WIDTH * TIME_EMBED_DIM + ADALN_WIDTH)
+                    + FINAL_WIDTH * TIME_EMBED_DIM + FINAL_WIDTH) * 2
 
 
 def plan(*timesteps: float) -> torch.Tensor:
-    """One step's distinct timesteps as the fp32 [M] tensor the sampler produces."""
+    """One forward's distinct timesteps as the fp32 [M] tensor the schedule produces."""
     return torch.tensor(timesteps, dtype=torch.float32)
 
 
 def schedule(start: float, steps: int, width: int = 2) -> list[torch.Tensor]:
-    """`steps` distinct plans of `width` timesteps, all different from other `start`s."""
-    return [plan(*(start - 0.01 * i - 0.001 * j for j in range(width))) for i in range(steps)]
+    """`steps` distinct plans of `width` ascending timesteps, all different from other `start`s."""
+    return [plan(*(start - 0.01 * i + 0.001 * j for j in range(width))) for i in range(steps)]
 
 
 def host_gb(pages: int, page_bytes: int = TINY_PAGE_BYTES) -> float:
@@ -36,30 +45,47 @@ def host_gb(pages: int, page_bytes: int = TINY_PAGE_BYTES) -> float:
     return pages * page_bytes / GB
 
 
+def open_weights(root: Path) -> TransformerWeights:
+    """The transformer of the H3 checkpoint at `root` (either layout)."""
+    checkpoint = H3Checkpoint.open(root)
+    return TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
+
+
 @dataclasses.dataclass
 class Models:
-    path: Path
-    reader: CheckpointReader
-    online: torch.nn.Module     # DiT built with_adaln=False (what online mode serves with)
-    resident: torch.nn.Module   # DiT with adaln_proj (the reference)
+    """One checkpoint as the plan cache tests serve it."""
+
+    path: Path                              # the checkpoint root
+    reader: TransformerWeights
+    online: MiniMaxH3Transformer3DModel     # built without AdaLN weights, ExternalModulation installed
+    external: ExternalModulation            # feeds `online`'s AdaLN: `external.set(modulation)` per forward
+    resident: MiniMaxH3Transformer3DModel   # every weight: the reference
 
 
-def make_models(path: Path, name: str) -> Models:
-    make_checkpoint(path, preset(name), seed=0)
-    return Models(path, CheckpointReader(path), load_model(path, with_adaln=False), load_model(path))
+def serve(root: Path) -> Models:
+    """Load the checkpoint at `root` twice: online (no AdaLN weights) and resident."""
+    reader = open_weights(root)
+    online = load_transformer(reader, "cpu", skip=is_adaln_param)  # adaln params stay on meta...
+    external = ExternalModulation.install(online)                  # ...until replaced by row readers
+    return Models(root, reader, online, external, load_transformer(reader, "cpu"))
 
 
-_MADE: dict[str, Models] = {}
+def make_models(root: Path, layout: Layout | str, seed: int = 0) -> Models:
+    return serve(make_tiny_checkpoint(root, layout, seed, components=False))
 
 
-def models_for(name: str, tmp_path_factory) -> Models:
-    """Once per test session, whichever module asks first (small's checkpoint is ~110 MB)."""
-    if name not in _MADE:
-        _MADE[name] = make_models(tmp_path_factory.mktemp(name), name)
-    return _MADE[name]
+_MADE: dict[Layout, Models] = {}
+
+
+def models_for(layout: Layout, tmp_path_factory) -> Models:
+    """The seed-0 tiny checkpoint of `layout`, once per test session, whichever module asks first."""
+    if layout not in _MADE:
+        _MADE[layout] = make_models(tmp_path_factory.mktemp(f"tiny-{layout.value}") / "tiny", layout)
+    return _MADE[layout]
 
 
 def online_cache(models: Models, *, reader=None, streams: Streams | None = None, **overrides) -> PlanCache:
+    """A CPU PlanCache over `models` (4 slab plans of width 2, no host tier, 2 readers unless overridden)."""
     settings = dict(gpu_plans=4, plan_width=2, host_cache_gb=0.0, readers=2, read_chunk_mb=1)
     settings.update(overrides)
     return PlanCache(AdalnConfig(**settings), reader or models.reader, models.online, "cpu", streams=streams)
@@ -69,23 +95,31 @@ def resident(models: Models, projection: str = "match") -> ResidentModulation:
     return ResidentModulation(AdalnConfig(mode="resident", projection=projection), models.resident)
 
 
+def resident_rows(transformer: MiniMaxH3Transformer3DModel, timesteps) -> Modulation:
+    """The transformer's own modulation for one forward's distinct timesteps."""
+    return resident_modulation(transformer, adaln_input(transformer, torch.as_tensor(timesteps)))
+
+
+def assert_same_modulation(got: Modulation, want: Modulation, what: str) -> None:
+    assert torch.equal(got.blocks, want.blocks), f"{what}: block modulation differs"
+    assert torch.equal(got.final, want.final), f"{what}: final modulation differs"
+
+
 def assert_equal_to_resident(prepared, reference: ResidentModulation, plans: list[torch.Tensor]) -> None:
     """torch.equal on every step's block and final modulation."""
     expected = reference.prepare(plans)
     for step in range(len(plans)):
-        got, want = prepared.modulation(step), expected.modulation(step)
-        assert torch.equal(got.blocks, want.blocks), f"step {step}: block modulation differs"
-        assert torch.equal(got.final, want.final), f"step {step}: final modulation differs"
+        assert_same_modulation(prepared.modulation(step), expected.modulation(step), f"step {step}")
 
 
 class FaultyReader:
-    """A CheckpointReader that pretends some tensors are missing or point past the end of their file."""
+    """A TransformerWeights that pretends some tensors are missing or point past the end of their file."""
 
-    def __init__(self, reader: CheckpointReader, missing=(), truncated=()):
+    def __init__(self, reader: TransformerWeights, missing=(), truncated=()):
         self.reader, self.missing, self.truncated = reader, set(missing), set(truncated)
         self.config, self.fingerprint = reader.config, reader.fingerprint
 
-    def location(self, name: str):
+    def location(self, name: str) -> TensorLocation:
         if name in self.missing:
             raise CheckpointError(f"tensor {name!r} is not in the index")
         loc = self.reader.location(name)

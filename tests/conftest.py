@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs, models and real checkpoints on disk."""
+"""Shared fixtures: the tiny MiniMax-H3 (`model.tiny`) as real checkpoints on disk and as loaded transformers."""
 
 from __future__ import annotations
 
@@ -6,50 +6,39 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from model.checkpoint import make_checkpoint
-from model.config import DiTConfig, preset
-from model.dit import DiT
+from model.layout import Layout
+from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
+from model.weights import H3TransformerConfig
 from tests.adaln_support import Models, models_for
 
 
 @pytest.fixture(scope="session")
-def tiny_config() -> DiTConfig:
-    """The tiny preset with 2 blocks: every structural feature, checkpoints of ~0.6 MB."""
-    return preset("tiny", num_blocks=2)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tiny_config) -> DiT:
-    """DiT(tiny_config, seed=0). Shared: tests must not modify it."""
-    return DiT(tiny_config, seed=0)
-
-
-@pytest.fixture(scope="session")
-def _tiny_checkpoint_master(tmp_path_factory, tiny_config) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", tiny_config, seed=0)
-
-
-@pytest.fixture
-def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
-    """A private copy of a real seed-0 tiny checkpoint in tmp_path (safe to corrupt)."""
-    return Path(shutil.copytree(_tiny_checkpoint_master, tmp_path / "tiny"))
-
-
-@pytest.fixture
-def tiny_inputs(tiny_config):
-    """(video [C, 2, 8, 8], audio [6, Ca], text_states [5, text_dim]), seeded."""
-    g = torch.Generator().manual_seed(1234)
-    c = tiny_config
-    video = torch.randn(c.video_channels, 2, 8, 8, generator=g)
-    audio = torch.randn(6, c.audio_channels, generator=g)
-    text = torch.randn(5, c.text_dim, generator=g)
-    return video, audio, text
+def tiny_config() -> H3TransformerConfig:
+    """The tiny transformer's config: 4 blocks, hidden 64, time_embed_dim 32 (adaln_width 1152, final 128)."""
+    return TINY_TRANSFORMER
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Models:
-    """The tiny preset (4 blocks) as a real checkpoint with its online and resident models (AdaLN plan
-    cache tests; helpers in tests/adaln_support.py). Shared: tests must not modify it."""
-    return models_for("tiny", tmp_path_factory)
+    """The seed-0 tiny transformer checkpoint (diffusers layout) with its online and resident transformers
+    (AdaLN plan cache tests; helpers in tests/adaln_support.py). Shared: tests must not modify it."""
+    return models_for(Layout.DIFFUSERS, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_native(tmp_path_factory) -> Models:
+    """`tiny` in the native layout (FL2VA/transformer under native names): the same model."""
+    return models_for(Layout.NATIVE, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def _tiny_checkpoint_master(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", Layout.DIFFUSERS, seed=0)
+
+
+@pytest.fixture
+def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
+    """A private copy of the complete seed-0 tiny checkpoint (diffusers layout: transformer, text encoder,
+    tokenizer, VAEs) in tmp_path, safe to corrupt."""
+    return Path(shutil.copytree(_tiny_checkpoint_master, tmp_path / "tiny"))

@@ -1,40 +1,27 @@
-"""Layerwise offload and Cache-DiT on diffusers' MiniMax-H3 transformer: the tiny seed-0 checkpoint (bf16 blocks,
-fp32 input/time/output modules) loaded as the engine loads it, denoising a tiny t2va request on CPU with the
-offloader's deferring fake device (a block that runs before its copy landed computes with NaN weights, so every
-bit-exact comparison below also proves the waits are in place)."""
+"""Layerwise offload (alone and with Cache-DiT) on diffusers' MiniMax-H3 transformer: the tiny seed-0 checkpoint
+(bf16 blocks, fp32 input/time/output modules) loaded as the engine loads it, denoising a tiny t2va request on CPU
+with the offloader's deferring fake device (a block that runs before its copy landed computes with NaN weights, so
+every bit-exact comparison below also proves the waits are in place). Served with AdaLN rows from outside the
+blocks (`ExternalModulation`), with streamed or resident `adaln_proj`. Cache-DiT's own behaviour (configs, block
+stack, decisions) is tested in test_cache_dit.py; generic offloader behaviour on toy blocks in test_offload.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 pytest.importorskip("cache_dit")
 from diffusers import MiniMaxH3Transformer3DModel  # noqa: E402
 
-from cache.cache_dit import (  # noqa: E402
-    BlockStack,
-    BlockStackError,
-    CacheDit,
-    CacheDitConfig,
-    block_forward_pattern,
-    find_block_stack,
-)
+from cache.cache_dit import CacheDit, CacheDitConfig  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
-from model.geometry import GeometryLimits, VideoGeometry  # noqa: E402
-from model.layout import H3Checkpoint, Layout  # noqa: E402
 from model.loading import load_transformer  # noqa: E402
-from model.packing import PackedLayout  # noqa: E402
-from model.schedule import H3Schedule, euler_update  # noqa: E402
-from model.tiny import make_tiny_checkpoint  # noqa: E402
 from model.weights import TransformerWeights, is_adaln_param  # noqa: E402
-from offload import FakeDevice, LayerwiseOffloader, OffloadConfig  # noqa: E402
+from offload import LayerwiseOffloader, OffloadConfig  # noqa: E402
+from tests.denoise_support import Request, Run, assert_same_velocities, denoise, offload, t2va_request  # noqa: E402
 
 NUM_BLOCKS = 4  # the tiny transformer's num_layers (notes/seams.md)
-NUM_TEXT_TOKENS = 5
 NUM_STEPS = 9  # sigma grid points: 8 forward passes
 
 # Bytes of one block's flat bf16 buffer (alignment 256 B = 128 elements; every slot starts aligned):
@@ -57,10 +44,9 @@ CACHED_STEPS = [1, 2, 4]
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory) -> TransformerWeights:
-    root = make_tiny_checkpoint(tmp_path_factory.mktemp("h3") / "tiny", Layout.DIFFUSERS, seed=0, components=False)
-    checkpoint = H3Checkpoint.open(root)
-    return TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
+def weights(tiny) -> TransformerWeights:
+    """The seed-0 tiny checkpoint (diffusers layout) the engine would load."""
+    return tiny.reader
 
 
 @pytest.fixture
@@ -69,99 +55,10 @@ def model(weights) -> MiniMaxH3Transformer3DModel:
     return load_transformer(weights, "cpu")
 
 
-@dataclass(frozen=True)
-class Request:
-    layout: PackedLayout
-    schedule: H3Schedule
-    video: Tensor  # fp32 [Nv, 96] packed video rows (noise)
-    audio: Tensor  # fp32 [2A, 32] channel-major audio rows (noise)
-    text: Tensor  # [L, 32] text states
-
-    def to(self, device: torch.device | str) -> Request:
-        return Request(self.layout.to(device), self.schedule, self.video.to(device), self.audio.to(device),
-                       self.text.to(device))
-
-
 @pytest.fixture(scope="module")
 def t2va() -> Request:
-    """64x64 px, 5 frames -> 2 latent frames of 2x2 patches (8 video rows), 8 audio latents x 2 channels
-    (16 rows), 5 text rows: a 29-row packed sequence, two distinct timesteps per step after the first."""
-    geometry = VideoGeometry.from_frames(64, 64, 5, limits=GeometryLimits(short_edge=None, min_seconds=0.0))
-    g = torch.Generator().manual_seed(1)
-    return Request(
-        layout=PackedLayout.build(geometry, NUM_TEXT_TOKENS),
-        schedule=H3Schedule.build(NUM_STEPS),
-        video=torch.randn(geometry.num_video_tokens, geometry.spec.patch_dim, generator=g),
-        audio=torch.randn(geometry.num_audio_rows, geometry.spec.audio_latent_channels, generator=g),
-        text=torch.randn(NUM_TEXT_TOKENS, 32, generator=g),  # the tiny text_dim
-    )
-
-
-@dataclass
-class Run:
-    """What one request did: per step the velocities, the blocks that ran, the skip prediction."""
-
-    video_velocity: list[Tensor] = field(default_factory=list)
-    audio_velocity: list[Tensor] = field(default_factory=list)
-    ran: list[list[int]] = field(default_factory=list)
-    predicted: list[bool | None] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)
-    video: Tensor | None = None  # final sample
-
-
-def record_blocks(model: MiniMaxH3Transformer3DModel, run: Run) -> None:
-    for i, block in enumerate(model.transformer_blocks):
-        block.register_forward_pre_hook(lambda module, args, i=i: run.ran[-1].append(i))
-
-
-def denoise(model: MiniMaxH3Transformer3DModel, req: Request, *, cache: CacheDit | None = None,
-            off: LayerwiseOffloader | None = None, before_step: Callable[[Tensor], None] | None = None) -> Run:
-    """The engine's per-request and per-step calls around the transformer, Euler in fp32."""
-    run = Run()
-    record_blocks(model, run)
-    sched, layout = req.schedule, req.layout
-    if cache is not None:
-        cfg = cache.refresh(sched.num_forwards)
-        if off is not None:
-            off.set_cache_blocks(cfg.Fn_compute_blocks, cfg.Bn_compute_blocks)
-    video, audio = req.video.clone(), req.audio.clone()
-    with torch.no_grad():
-        for i, step in enumerate(sched.steps):
-            timesteps = step.timesteps.to(video.device)
-            if before_step is not None:
-                before_step(timesteps)
-            will = cache.predict_middle() if cache is not None else None
-            run.predicted.append(will)
-            if off is not None:
-                off.begin_step(will)
-            run.ran.append([])
-            v_video, v_audio = model(
-                video[None], audio[None], req.text[None], timesteps,
-                layout.timestep_indices(step.video_index, step.audio_index), layout.token_tags, layout.position_ids,
-                layout.video_indices, layout.audio_indices, layout.text_indices, return_dict=False,
-            )
-            run.video_velocity.append(v_video[0])
-            run.audio_velocity.append(v_audio[0])
-            video = euler_update(video, v_video[0], sched.video_timesteps[i],
-                                 sched.video_sigmas[i], sched.video_sigmas[i + 1])
-            audio = euler_update(audio, v_audio[0], sched.audio_timesteps[i],
-                                 sched.audio_sigmas[i], sched.audio_sigmas[i + 1])
-    run.video = video
-    if cache is not None:
-        run.cached = cache.cached_steps()
-    return run
-
-
-def offload(model: MiniMaxH3Transformer3DModel, **config) -> LayerwiseOffloader:
-    return LayerwiseOffloader(model.transformer_blocks, OffloadConfig(enabled=True, **config), FakeDevice(),
-                              root=model).apply()
-
-
-def assert_same_velocities(run: Run, expect: Run) -> None:
-    assert len(run.video_velocity) == len(expect.video_velocity)
-    for step, (v, a, ev, ea) in enumerate(zip(run.video_velocity, run.audio_velocity, expect.video_velocity,
-                                              expect.audio_velocity)):
-        assert torch.equal(v, ev) and torch.equal(a, ea), f"step {step}"
+    """The tiny 29-row t2va request (tests/denoise_support.py) over 8 forwards."""
+    return t2va_request(NUM_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -173,82 +70,6 @@ def resident_run(weights, t2va) -> Run:
 def resident_cached_run(weights, t2va) -> Run:
     model = load_transformer(weights, "cpu")
     return denoise(model, t2va, cache=CacheDit(model, DBCACHE))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The block stack Cache-DiT wraps
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_block_stack_of_the_h3_transformer_is_its_transformer_blocks_pattern_3(model):
-    stack = find_block_stack(model)
-    assert stack == BlockStack(attr="transformer_blocks", blocks=model.transformer_blocks, forward_pattern="Pattern_3")
-    assert stack.blocks is model.transformer_blocks  # not the token refiner's blocks
-
-
-class _OldStyleBlock(nn.Module):
-    def forward(self, hidden_states: Tensor, *, ctx: object) -> Tensor:
-        return hidden_states
-
-
-class _OldStyleDiT(nn.Module):
-    """Shaped like ditserve's old model/dit.py: a refiner list, then the block stack under `blocks`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refiner = nn.ModuleList([nn.Linear(2, 2)])
-        self.blocks = nn.ModuleList([_OldStyleBlock(), _OldStyleBlock()])
-
-
-def test_block_stack_of_an_old_style_dit_is_its_blocks():
-    model = _OldStyleDiT()
-    assert find_block_stack(model) == BlockStack(attr="blocks", blocks=model.blocks, forward_pattern="Pattern_3")
-
-
-class _DualStreamBlock(nn.Module):
-    def forward(self, hidden_states: Tensor, encoder_hidden_states: Tensor) -> tuple[Tensor, Tensor]:
-        return hidden_states, encoder_hidden_states
-
-
-class _TupleBlock(nn.Module):
-    def forward(self, hidden_states: Tensor, temb: Tensor) -> tuple[Tensor, Tensor]:
-        return hidden_states, temb
-
-
-class _UnannotatedBlock(nn.Module):
-    def forward(self, hidden_states, temb):
-        return hidden_states
-
-
-class _ContextFirstBlock(nn.Module):
-    def forward(self, temb: Tensor, hidden_states: Tensor) -> Tensor:
-        return hidden_states
-
-
-@pytest.mark.parametrize("block,message", [
-    (_DualStreamBlock(), r"takes encoder_hidden_states \(a dual-stream block\)"),
-    (_TupleBlock(), r"must be annotated to return torch.Tensor .* got tuple\[torch.Tensor, torch.Tensor\]"),
-    (_UnannotatedBlock(), r"must be annotated to return torch.Tensor .* got None"),
-    (_ContextFirstBlock(),
-     r"must take hidden_states as its first positional argument, got \['temb', 'hidden_states'\]"),
-])
-def test_blocks_of_another_forward_pattern_are_refused_naming_the_block(block, message):
-    with pytest.raises(BlockStackError, match=rf"^{type(block).__name__}\.forward {message}"):
-        block_forward_pattern(block)
-
-
-def test_a_model_without_a_block_stack_is_refused():
-    model = nn.Module()
-    model.layers = nn.ModuleList([nn.Linear(2, 2)])
-    with pytest.raises(BlockStackError, match=r"Module has no block stack: expected a non-empty nn.ModuleList child "
-                                              r"named one of \('transformer_blocks', 'blocks'\)"):
-        find_block_stack(model)
-
-
-def test_a_stack_that_is_not_the_models_attribute_is_refused(model):
-    detached = BlockStack("transformer_blocks", nn.ModuleList(list(model.transformer_blocks)), "Pattern_3")
-    with pytest.raises(BlockStackError, match="is not the stack's block list"):
-        CacheDit(model, DBCACHE, stack=detached)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -352,19 +173,8 @@ def test_meta_tensors_are_refused_at_apply_naming_them(weights):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Cache-DiT, alone and with offload
+# Cache-DiT with offload
 # ---------------------------------------------------------------------------------------------------------
-
-
-def test_dbcache_caches_exactly_the_expected_steps(resident_cached_run, resident_run):
-    run = resident_cached_run
-    assert run.cached == CACHED_STEPS
-    for step, ran in enumerate(run.ran):
-        assert ran == ([0, NUM_BLOCKS - 1] if step in CACHED_STEPS else list(range(NUM_BLOCKS))), step
-    # warmup step 0 and step 3 (after two cached in a row) surely compute; the rest hinge on the residual
-    assert run.predicted == [True, None, None, True, None, None, None, None]
-    assert torch.equal(run.video_velocity[0], resident_run.video_velocity[0])  # step 0 computes every block
-    assert not torch.equal(run.video, resident_run.video)  # the cached steps did change the result
 
 
 # With DBCache's edges (blocks 0 and 3) resident; strided residency adds candidate 2 of [1, 2].
@@ -437,4 +247,5 @@ def test_cuda_offload_with_dbcache_matches_resident_bit_for_bit(weights, t2va):
     run = denoise(model, req, cache=CacheDit(model, DBCACHE), off=off, before_step=set_step)
     assert run.cached == expect.cached
     assert_same_velocities(run, expect)
-    assert [n for step, n in enumerate(off.stats.h2d_bytes_per_step) if step in expect.cached] == [0] * len(expect.cached)
+    cached_bytes = [n for step, n in enumerate(off.stats.h2d_bytes_per_step) if step in expect.cached]
+    assert cached_bytes == [0] * len(expect.cached)

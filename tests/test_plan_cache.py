@@ -1,29 +1,42 @@
-"""The tier walk (`PlanCache.prepare`) on a real tiny checkpoint: hits, host restores, rebuilds, admission,
-failures, invalidation and weight updates. Tiny: 4 blocks; with plan_width=2 slot s owns rows 2s, 2s+1."""
+"""The tier walk (`PlanCache.prepare`) on the real tiny H3 checkpoint: hits, host restores, rebuilds, admission,
+failures, invalidation and weight updates. Tiny: 4 blocks; with plan_width=2 slot s owns rows 2s, 2s+1; helpers and
+the tiny numbers are in tests/adaln_support.py."""
 
+import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from cache.plan_cache import AdmissionError, PlanRows, SlabFullError, WeightUpdateError
 from cache.plan_key import plan_key
 from cache.rebuild import RebuildError
 from cache.streams import Streams
-from model.checkpoint import load_model, make_checkpoint
-from model.config import preset
+from model.layout import H3Checkpoint, Layout
+from model.loading import load_transformer
+from model.tiny import make_tiny_checkpoint
+from model.weights import is_adaln_param
 from tests.adaln_support import (
-    FaultyReader, assert_equal_to_resident, host_gb, online_cache, plan, resident, schedule,
+    TINY_ADALN_BYTES, FaultyReader, Models, assert_equal_to_resident, assert_same_modulation, host_gb, make_models,
+    online_cache, open_weights, plan, resident, resident_rows, schedule,
 )
 
-A = schedule(0.9, 2)   # two plans of width 2
+A = schedule(0.1, 2)   # two plans of width 2
 B = schedule(0.5, 2)
-C = schedule(0.3, 2)
+C = schedule(0.7, 2)
 
 
 def slots_of(cache, plans):
     return [cache.slab.index.lookup(plan_key(p, cache.weights_version)) for p in plans]
+
+
+@pytest.fixture(params=list(Layout), ids=lambda layout: layout.value)
+def served(request) -> Models:
+    """The shared seed-0 tiny checkpoint, in each layout."""
+    return request.getfixturevalue("tiny" if request.param is Layout.DIFFUSERS else "tiny_native")
 
 
 def test_first_request_builds_then_the_same_schedule_hits_the_gpu(tiny):
@@ -31,9 +44,11 @@ def test_first_request_builds_then_the_same_schedule_hits_the_gpu(tiny):
     first = cache.prepare(A)
     assert (first.stats.built_plans, first.stats.gpu_hit_plans) == (2, 0)
     assert first.row_index.tolist() == [0, 1, 2, 3]   # fresh slab: slots 0 and 1
-    adaln_names = [n for n in tiny.reader.keys() if ".adaln_proj." in n]  # 4 blocks + final, weight + bias
+    adaln_names = [n for n in tiny.reader.names() if is_adaln_param(n)]  # 4 blocks + norm_out, weight + bias
     assert len(adaln_names) == 10
-    assert first.stats.rebuild_bytes_read == sum(tiny.reader.location(n).nbytes for n in adaln_names)
+    # One pass reads every AdaLN tensor once: 4 x (1152x32 + 1152) + (128x32 + 128) bf16.
+    assert first.stats.rebuild_bytes_read == sum(tiny.reader.location(n).nbytes for n in adaln_names) \
+        == TINY_ADALN_BYTES == 312576
     first.release()
     second = cache.prepare(A)
     assert (second.stats.built_plans, second.stats.gpu_hit_plans) == (0, 2)
@@ -95,8 +110,8 @@ def test_refcounts_and_idempotent_release(tiny):
         r2.modulation(0)
 
 
-def test_host_tier_restore_is_bit_exact(tiny):
-    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(8))
+def test_host_tier_restore_is_bit_exact(served):
+    cache = online_cache(served, gpu_plans=2, host_cache_gb=host_gb(8))
     a = cache.prepare(A)
     assert a.stats.host_stored_plans == 2
     a.release()
@@ -104,8 +119,8 @@ def test_host_tier_restore_is_bit_exact(tiny):
     assert slots_of(cache, A) == [None, None]
     again = cache.prepare(A)
     assert (again.stats.host_hit_plans, again.stats.built_plans, again.stats.gpu_hit_plans) == (2, 0, 0)
-    assert again.stats.h2d_bytes == 4 * cache.host.page_bytes
-    assert_equal_to_resident(again, resident(tiny), A)
+    assert again.stats.h2d_bytes == 4 * cache.host.page_bytes == 4 * 9472
+    assert_equal_to_resident(again, resident(served), A)
 
 
 def test_two_alternating_schedules_both_stay_resident(tiny):
@@ -122,8 +137,9 @@ def test_alternating_schedules_beyond_the_slab_restore_from_the_host_tier(tiny):
     for _ in range(3):
         for plans in (A, B):
             cache.prepare(plans).release()
-    # Built once each; every later request restores its group from the host tier.
-    assert (cache.stats.built_plans, cache.stats.host_hit_plans, cache.stats.rebuild_bytes_read > 0) == (4, 8, True)
+    # Built once each (one pass each: 2 x 312576 bytes); every later request restores its group from the host.
+    assert (cache.stats.built_plans, cache.stats.host_hit_plans) == (4, 8)
+    assert cache.stats.rebuild_bytes_read == 2 * TINY_ADALN_BYTES
 
 
 def test_pressure_skip_then_rebuild(tiny):
@@ -139,9 +155,9 @@ def test_pressure_skip_then_rebuild(tiny):
 
 
 def test_failed_rebuild_missing_tensor_can_be_retried(tiny):
-    faulty = FaultyReader(tiny.reader, missing={"blocks.2.adaln_proj.weight"})
+    faulty = FaultyReader(tiny.reader, missing={"transformer_blocks.2.adaln_proj.linear.weight"})
     cache = online_cache(tiny, reader=faulty)
-    with pytest.raises(RebuildError, match=r"blocks\.2\.adaln_proj\.weight"):
+    with pytest.raises(RebuildError, match=r"transformer_blocks\.2\.adaln_proj\.linear\.weight"):
         cache.prepare(A)
     index = cache.slab.index
     assert index.num_free == 4 and slots_of(cache, A) == [None, None]  # slots given back
@@ -155,7 +171,7 @@ def test_failure_mid_stream_releases_hits_and_gives_new_slots_back(tiny):
     faulty = FaultyReader(tiny.reader)
     cache = online_cache(tiny, reader=faulty)
     cache.prepare(A[:1]).release()        # a0 in slot 0
-    faulty.truncated.add("final.adaln_proj.weight")  # the last unit fails, after the blocks were written
+    faulty.truncated.add("norm_out.linear.weight")  # the last unit fails, after the blocks were written
     cache._units = None                   # the locations are re-read on the next rebuild
     with pytest.raises(RebuildError, match="short read"):
         cache.prepare(A)                  # a0 hits, a1 is rebuilt and fails
@@ -173,7 +189,7 @@ def test_width_rejection_keeps_resident_plans(tiny):
     cache = online_cache(tiny, plan_width=2)
     cache.prepare(A).release()
     with pytest.raises(AdmissionError, match="adaln.plan_width"):
-        cache.prepare([A[0], plan(0.7, 0.6, 0.5)])
+        cache.prepare([A[0], plan(0.5, 0.6, 0.7)])
     again = cache.prepare(A)
     assert (again.stats.gpu_hit_plans, again.stats.built_plans) == (2, 0)
     assert cache.stats.requests == 2      # the rejected request never started
@@ -181,10 +197,10 @@ def test_width_rejection_keeps_resident_plans(tiny):
 
 def test_admission_boundary_counts_distinct_plans(tiny):
     cache = online_cache(tiny, gpu_plans=4)
-    four = schedule(0.8, 4)
+    four = schedule(0.2, 4)
     cache.prepare(four + [four[0]]).release()     # 5 steps, 4 distinct plans: fits exactly
     with pytest.raises(AdmissionError, match="adaln.gpu_plans=4"):
-        cache.prepare(schedule(0.8, 5))           # 5 distinct plans: rejected before any GPU work
+        cache.prepare(schedule(0.2, 5))           # 5 distinct plans: rejected before any GPU work
     assert cache.stats.requests == 1
 
 
@@ -221,58 +237,6 @@ def test_stats_per_request_and_cumulative(tiny):
     total = cache.stats
     assert (total.requests, total.built_plans, total.gpu_hit_plans, total.host_evicted_groups) == (3, 4, 2, 1)
     assert total.gpu_evicted_plans == 2 and total.host_stored_plans == 4 and total.rebuild_s > 0
-
-
-def test_weights_version_of_the_caller_must_match(tiny):
-    cache = online_cache(tiny)
-    cache.prepare(A, weights_version=cache.weights_version).release()
-    with pytest.raises(WeightUpdateError, match="refresh_weight_derived_caches"):
-        cache.prepare(A, weights_version=("other", 0))
-
-
-def test_weight_update_sources_are_validated_before_anything_changes(tiny, tmp_path):
-    cache = online_cache(tiny)
-    cache.prepare(A).release()
-    with pytest.raises(WeightUpdateError, match="without a source path"):
-        cache.validate_weight_update_source(None)
-    with pytest.raises(WeightUpdateError, match="without a source path"):
-        cache.refresh_weight_derived_caches(None)
-    # Wrong shapes: a checkpoint whose time_embed_dim differs.
-    narrow = make_checkpoint(tmp_path / "narrow", preset("tiny", time_embed_dim=16), only="adaln")
-    with pytest.raises(WeightUpdateError, match=r"blocks\.0\.adaln_proj\.weight.*\[1152, 16\]"):
-        cache.validate_weight_update_source(narrow)
-    # Missing tensor: drop one adaln tensor from a copy's index.
-    broken = shutil.copytree(tiny.path, tmp_path / "broken")
-    index_file = broken / "model.safetensors.index.json"
-    index_file.write_text(index_file.read_text().replace('"final.adaln_proj.bias"', '"final.adaln_proj.zzz"'))
-    with pytest.raises(WeightUpdateError, match=r"final\.adaln_proj\.bias"):
-        cache.validate_weight_update_source(broken)
-    cache.validate_weight_update_source(tiny.path)
-    # Nothing was touched: the cached plans still hit.
-    assert cache.prepare(A).stats.gpu_hit_plans == 2
-    # Resident mode reads weights from the model: tensor updates are fine, bad directories are not.
-    resident(tiny).validate_weight_update_source(None)
-    with pytest.raises(WeightUpdateError):
-        resident(tiny).validate_weight_update_source(narrow)
-
-
-def test_refresh_bumps_the_version_so_old_plans_are_never_served(tiny, tmp_path):
-    online = load_model(tiny.path, with_adaln=False)  # a private copy: the update mutates it
-    cache = online_cache(tiny, host_cache_gb=host_gb(8))
-    cache._adaln_input = online.adaln_input
-    in_flight = cache.prepare(A)
-    old_version = cache.weights_version
-    new_dir = make_checkpoint(tmp_path / "seed1", preset("tiny"), seed=1)
-    cache.validate_weight_update_source(new_dir)
-    online.load_state_dict(load_model(new_dir, with_adaln=False).state_dict())  # the engine's weight write
-    cache.refresh_weight_derived_caches(new_dir)
-    assert cache.weights_version != old_version
-    fresh = cache.prepare(A)
-    assert (fresh.stats.gpu_hit_plans, fresh.stats.host_hit_plans, fresh.stats.built_plans) == (0, 0, 2)
-    assert slots_of(cache, A) == [2, 3]   # slots 0, 1 still feed the in-flight request
-    assert_equal_to_resident(fresh, resident(type(tiny)(new_dir, None, None, load_model(new_dir))), A)
-    in_flight.release()
-    assert cache.slab.index.num_free == 2  # detached slots come back on release
 
 
 def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
@@ -312,3 +276,100 @@ def test_walk_fences_host_restores_before_the_forward(tiny):
         "compute.wait_event(E)",          # the forward waits for the H2D
     ]
     assert log[2].removeprefix("host.record") == log[3].removeprefix("compute.wait_event")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weight updates
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_misshaped_adaln(root: Path, name: str) -> None:
+    """Rewrite the shard holding diffusers tensor `name` so that it has one column too few."""
+    weights = open_weights(root)
+    stored, path = weights.source(name).name, weights.location(name).path
+    tensors = load_file(path)
+    tensors[stored] = tensors[stored][:, :-1].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def drop_from_index(root: Path, name: str) -> None:
+    """Rename diffusers tensor `name`'s stored tensor in the transformer's index (its shard still holds it)."""
+    weights = open_weights(root)
+    stored = weights.source(name).name
+    index_path = next(H3Checkpoint.open(root).transformer_dir.glob("*.index.json"))
+    index = json.loads(index_path.read_text())
+    index["weight_map"][stored + ".zzz"] = index["weight_map"].pop(stored)
+    index_path.write_text(json.dumps(index))
+
+
+def test_weights_version_of_the_caller_must_match(tiny):
+    cache = online_cache(tiny)
+    cache.prepare(A, weights_version=cache.weights_version).release()
+    with pytest.raises(WeightUpdateError, match="refresh_weight_derived_caches"):
+        cache.prepare(A, weights_version=("other", 0))
+
+
+def test_weight_update_sources_are_validated_before_anything_changes(served, tmp_path):
+    layout = served.reader.layout
+    cache = online_cache(served, gpu_plans=5, host_cache_gb=host_gb(4))
+    cache.prepare(A).release()
+    version, reader = cache.weights_version, cache.reader
+    with pytest.raises(WeightUpdateError, match="without a source path"):
+        cache.validate_weight_update_source(None)
+    with pytest.raises(WeightUpdateError, match="without a source path"):
+        cache.refresh_weight_derived_caches(None)
+    # Wrong shape: one AdaLN weight a column short (either layout stores AdaLN tensors verbatim).
+    misshaped = make_tiny_checkpoint(tmp_path / "misshaped", layout, seed=1, components=False)
+    write_misshaped_adaln(misshaped, "transformer_blocks.2.adaln_proj.linear.weight")
+    with pytest.raises(WeightUpdateError, match=r"transformer_blocks\.2\.adaln_proj\.linear\.weight in .* is "
+                                                r"torch.bfloat16 \[1152, 31\], expected torch.bfloat16 \[1152, 32\]"):
+        cache.validate_weight_update_source(misshaped)
+    with pytest.raises(WeightUpdateError, match="rejected weight update"):
+        cache.refresh_weight_derived_caches(misshaped)
+    # Missing tensor: the final layer's bias is not in the index.
+    broken = Path(shutil.copytree(served.path, tmp_path / "broken"))
+    drop_from_index(broken, "norm_out.linear.bias")
+    stored = "norm_out.linear.bias" if layout is Layout.DIFFUSERS else "final_layer.adaln_proj.linear.bias"
+    with pytest.raises(WeightUpdateError, match=rf"no usable tensor 'norm_out\.linear\.bias'.*{re.escape(stored)}"):
+        cache.validate_weight_update_source(broken)
+    # Not a checkpoint at all.
+    with pytest.raises(WeightUpdateError, match="is not a MiniMax-H3 checkpoint"):
+        cache.validate_weight_update_source(tmp_path)
+    cache.validate_weight_update_source(served.path)
+    # Nothing changed: same version and reader, every plan still in the slab and in the host tier.
+    assert (cache.weights_version, cache.reader) == (version, reader)
+    again = cache.prepare(A)
+    assert (again.stats.gpu_hit_plans, again.stats.built_plans) == (2, 0)
+    again.release()
+    keys = [plan_key(p, version) for p in A]
+    assert cache.host.lookup(keys) == keys
+    # Resident mode reads weights from the model: tensor updates are fine, bad directories are not.
+    resident(served).validate_weight_update_source(None)
+    with pytest.raises(WeightUpdateError, match=r"\[1152, 31\]"):
+        resident(served).validate_weight_update_source(misshaped)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_refresh_rebuilds_from_the_new_checkpoint_and_old_plans_are_never_served(layout, tmp_path):
+    serving = make_models(tmp_path / "serving", layout)  # a private copy: the update writes into it
+    cache = online_cache(serving, host_cache_gb=host_gb(8))
+    in_flight = cache.prepare(A)          # slots 0, 1 feed a request mid-denoise
+    old_version = cache.weights_version
+    new_root = make_tiny_checkpoint(tmp_path / "seed1", layout, seed=1, components=False)
+    new_weights = open_weights(new_root)
+    cache.validate_weight_update_source(new_root)
+    with torch.no_grad():                 # the engine's weight write: every weight the online transformer holds
+        for name, param in serving.online.named_parameters():
+            param.copy_(new_weights.tensor(name))
+    cache.refresh_weight_derived_caches(new_root)
+    assert cache.weights_version != old_version and cache.reader.transformer_dir == new_weights.transformer_dir
+    fresh = cache.prepare(A)
+    assert (fresh.stats.gpu_hit_plans, fresh.stats.host_hit_plans, fresh.stats.built_plans) == (0, 0, 2)
+    assert slots_of(cache, A) == [2, 3]   # slots 0, 1 still feed the in-flight request
+    new_resident = load_transformer(new_weights, "cpu")
+    for step, timesteps in enumerate(A):
+        assert_same_modulation(fresh.modulation(step), resident_rows(new_resident, timesteps), f"step {step}")
+    assert not torch.equal(resident_rows(new_resident, A[0]).final, resident_rows(serving.resident, A[0]).final)
+    fresh.release()
+    in_flight.release()
+    assert cache.slab.index.num_free == 2  # detached slots come back on release

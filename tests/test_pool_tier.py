@@ -7,8 +7,10 @@ one pool namespace per test.
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,14 +20,14 @@ from actors.host_cache_pool import PoolClient, make_pool_client, pool_actor_name
 from engine.api import GenerationRequest
 from engine.config import EngineConfig, PoolConfig
 from engine.engine import Engine
-from model.checkpoint import make_checkpoint
-from model.config import preset
+from model.tiny import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
-REQUEST = dict(prompt="a pool of plans", steps=3, frames=2, height=8, width=8, audio_len=4, seed=7)
-NUM_PLANS = 3  # step 0 (sigma 1.0 for both) and two more steps with 2 distinct timesteps each
+#: The smallest request the tiny checkpoint serves (64x64 px, 5 s), latents only: 4 grid points = 3 forwards.
+REQUEST = dict(prompt="a pool of plans", steps=4, seconds=5.0, width=64, height=64, seed=7, return_video=False)
+NUM_PLANS = 3  # forward 0 (timestep 0.0 for both modalities) and two more with 2 distinct timesteps each
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +39,15 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """The seed-0 tiny checkpoint, and a fine-tune of it: the same text encoder and VAEs, a seed-1 transformer
+    (a weight update replaces the transformer only)."""
     root = tmp_path_factory.mktemp("pool-ckpt")
-    return (make_checkpoint(root / "seed0", preset("tiny"), seed=0),
-            make_checkpoint(root / "seed1", preset("tiny"), seed=1))
+    seed0 = make_tiny_checkpoint(root / "seed0", "diffusers", seed=0)
+    tuned = Path(shutil.copytree(seed0, root / "tuned"))
+    shutil.rmtree(tuned / "transformer")
+    seed1 = make_tiny_checkpoint(root / "seed1", "diffusers", seed=1, components=False)
+    shutil.copytree(seed1 / "transformer", tuned / "transformer")
+    return seed0, tuned
 
 
 @pytest.fixture
@@ -140,7 +148,7 @@ def test_a_weight_update_leaves_no_stale_plan_in_the_pool(checkpoints, namespace
     a = worker(checkpoints[0], a_remote)
     a.generate(GenerationRequest(**REQUEST))
     a_remote.flush()
-    old_version = a.adaln.weights_version
+    old_version = a.plan_cache.weights_version
     assert [g[1] for g in pool_groups(namespace)] == [old_version]
 
     a.update_weights(checkpoints[1])
@@ -148,7 +156,7 @@ def test_a_weight_update_leaves_no_stale_plan_in_the_pool(checkpoints, namespace
     after = a.generate(GenerationRequest(**REQUEST))
     assert after.stats["adaln"]["built_plans"] == NUM_PLANS and after.stats["adaln"]["pool_hit_plans"] == 0
     a_remote.flush()
-    new_version = a.adaln.weights_version
+    new_version = a.plan_cache.weights_version
     assert new_version != old_version and [g[1] for g in pool_groups(namespace)] == [new_version]
 
     # A worker still on the old weights never sees the new plans (the version is in every key) ...
