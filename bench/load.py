@@ -2,8 +2,8 @@
 
 Starts its own local Ray cluster and the app from serve_config.yaml (tiny model; a small AdaLN slab so plans
 are evicted, restored from the host tier and rebuilt all the time), then runs `--clients` closed-loop HTTP
-clients for `--duration` seconds over a mix of requests with different schedules (steps, shifts, audio or
-not, guidance), sizes and seeds. Checks:
+clients for `--duration` seconds over a mix of requests with different schedules (steps, video and audio
+shifts), sizes, durations and seeds, some with the MP4. Checks:
 
 - lost: every request sent gets a 200 (a non-200, a timeout or a connection error counts as lost);
 - wrong: every response's latents equal, bit for bit, a reference computed once per distinct request by an
@@ -50,22 +50,22 @@ MiB = 1 << 20
 
 
 def request_mix(num: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`num` distinct request bodies: schedules (steps x shifts x audio), sizes, guidance, seeds."""
+    """`num` distinct request bodies: schedules (steps x video/audio shifts), sizes, durations, seeds; latents
+    always (they are checked), the MP4 for about a quarter of them (decode and mux under load)."""
     rng = random.Random(seed)
     bodies, seen = [], set()
     while len(bodies) < num:
-        audio_len = rng.choice((0, 4, 8))
         body = {
             "prompt": rng.choice(("a red fox in snow", "waves at night", "城市的夜晚", "a slow train")),
-            "steps": rng.choice((1, 2, 3, 4, 6)),
-            "frames": rng.choice((1, 2, 4)),
-            "height": rng.choice((8, 16)),
-            "width": rng.choice((8, 16)),
-            "audio_len": audio_len,
-            "shift": rng.choice((1.0, 3.0, 5.0)),
-            "audio_shift": rng.choice((2.0, 5.0)),
-            "guidance_scale": rng.choice((1.0, 1.0, 2.5)),
+            "steps": rng.choice((2, 3, 4, 5, 7)),
+            "seconds": rng.choice((5.0, 6.0)),
+            "width": rng.choice((64, 96)),
+            "height": rng.choice((64, 128)),
+            "flow_shift": rng.choice((3.0, 7.0, 12.0)),
+            "audio_flow_shift": rng.choice((2.0, 3.0)),
             "seed": rng.randrange(2**31),
+            "return_latents": True,
+            "return_video": rng.random() < 0.25,
         }
         key = json.dumps(body, sort_keys=True)
         if key not in seen:

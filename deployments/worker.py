@@ -80,7 +80,7 @@ class Worker(ScheduleAffinityReporter):
         """Queue one generation on the engine thread; metrics are recorded when the engine is done with it
         (a cancelled request stops at its next step boundary, after the caller has gone)."""
         loop = asyncio.get_running_loop()
-        last = {"step": 0, "steps": request.steps, "outcome": "running"}
+        last = {"step": 0, "steps": request.steps - 1, "outcome": "running"}  # steps - 1 forwards
         self._last_request = last
 
         def progress(step: int, steps: int) -> None:
@@ -153,7 +153,7 @@ class Worker(ScheduleAffinityReporter):
         with self.track_schedule(schedule_key):
             future = self._submit(request, cancelled, on_progress)
             try:
-                yield {"event": "progress", "step": 0, "steps": request.steps, "elapsed_s": 0.0}
+                yield {"event": "progress", "step": 0, "steps": request.steps - 1, "elapsed_s": 0.0}
                 while True:
                     getter = asyncio.ensure_future(events.get())
                     try:

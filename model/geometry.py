@@ -138,8 +138,20 @@ class VideoGeometry:
         limits: GeometryLimits = H3_LIMITS,
         spec: LatentSpec = H3_LATENTS,
     ) -> VideoGeometry:
-        """`from_frames(round(seconds * fps) + 1)`: 5 s -> 121 -> 124 frames."""
-        return cls.from_frames(width, height, frames_for_seconds(seconds, spec), limits, spec)
+        """`from_frames(round(seconds * fps) + 1)`: 5 s -> 121 -> 124 frames. A duration out of range is
+        reported on `seconds`, the field the caller sent."""
+        num_frames = frames_for_seconds(seconds, spec)
+        try:
+            return cls.from_frames(width, height, num_frames, limits, spec)
+        except GeometryError as exc:
+            if exc.field != "num_frames":
+                raise
+            snapped = snap_num_frames(num_frames, spec)
+            raise GeometryError(
+                "seconds", seconds,
+                f"{num_frames} frames snap to {snapped} = {snapped / spec.fps:g} s at {spec.fps} fps; "
+                f"must be between {limits.min_seconds:g} and {limits.max_seconds:g} s",
+            ) from None
 
     @property
     def seconds(self) -> float:

@@ -1,7 +1,8 @@
 """A fake engine with the real engine's API and request checks, for Serve-layer tests.
 
 Latents are seeded noise of the request's real latent shapes (`model.geometry`, any 32-px multiple, 5-15 s):
-same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode). A prompt
+same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode) and the
+thumbnail a PNG of the request's size, filled with `seed % 256`. A prompt
 starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Importable by Ray workers
 (module-level class).
 """
@@ -11,12 +12,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.api import GenerationRequest, GenerationResult
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+from model.mp4 import thumbnail_png
 
 FAKE_MP4 = b"fake-mp4:"
 FAKE_MODEL = "fake-h3"
@@ -57,9 +60,12 @@ class FakeEngine:
                 progress(i + 1, num_forwards)
         self.num_requests += 1
         total = time.perf_counter() - start
+        mp4 = thumbnail = None
+        if request.return_video:
+            mp4 = FAKE_MP4 + str(seed).encode()
+            thumbnail = thumbnail_png(np.full((request.height, request.width, 3), seed % 256, dtype=np.uint8))
         return GenerationResult(
-            video=video, audio=audio, seed=seed, model=FAKE_MODEL,
-            mp4=FAKE_MP4 + str(seed).encode() if request.return_video else None,
+            video=video, audio=audio, seed=seed, model=FAKE_MODEL, mp4=mp4, thumbnail_png=thumbnail,
             timings={"encode_s": 0.0, "plan_s": 0.0, "denoise_s": total, "total_s": total},
             stats={"steps": request.steps, "forwards": num_forwards, "tokens": geometry.num_tokens(8),
                    "schedule_key": request.schedule_key},

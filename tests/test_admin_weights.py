@@ -1,9 +1,10 @@
 """Fleet-wide weight update (`POST /admin/weights`) on a local cluster with 2 worker replicas (real engine,
-tiny checkpoints on CPU).
+tiny MiniMax-H3 checkpoints on CPU).
 
 The update must reach both replicas, drop every plan built from the old weights, and make the served
-latents bit-identical to a fresh engine on the new checkpoint. Refused updates (token, path, bad
-checkpoint) must change nothing on any replica.
+latents bit-identical to a fresh engine on the new checkpoint (a fine-tune: the seed-1 transformer with the
+served text encoder and VAEs, since an update loads the transformer only). Refused updates (token, path,
+bad checkpoint) must change nothing on any replica.
 """
 
 from __future__ import annotations
@@ -20,23 +21,26 @@ from deployments.weights import confine_weights_path
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
-from model.checkpoint import make_checkpoint
-from model.config import preset
+from model.tiny import make_tiny_checkpoint
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
+from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
 pytestmark = pytest.mark.timeout(400)
 
 TOKEN = "test-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 # Different step counts: different schedules, so the affinity router spreads them over both replicas.
-BODIES = [{"prompt": "a red fox", "steps": s, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 3}
-          for s in (2, 3, 4, 5, 6, 7)]
+BODIES = [{"prompt": "a red fox", "steps": s, "seconds": 5.0, "width": 64, "height": 64, "seed": 3,
+           "return_video": False, "return_latents": True} for s in (2, 3, 4, 5, 6, 7)]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    new = make_checkpoint(root / "tiny-seed1", preset("tiny"), seed=1)
+    # The checkpoint the replicas would make on first start (same seed, same bytes), made here first so the
+    # fine-tune can share its text encoder and VAEs.
+    served = make_tiny_checkpoint(root / "tiny-diffusers", "diffusers", seed=0)
+    new = finetune_of(served, root / "tiny-seed1")
     args = serve_config_args(root)
     args["worker"]["num_replicas"] = 2
     args["admin"] = {"token": TOKEN, "update_timeout_s": 120}
@@ -98,12 +102,12 @@ def test_admin_routes_need_the_bearer_token(cluster):
     ("{root}/../elsewhere", "path traversal"),
     ("/etc", "outside admin.weight_roots"),
     ("{root}/no-such-dir", "no-such-dir"),
-    ("{root}/wrong-shape", "wrong-shape"),
+    ("{root}/wrong-shape", WRONG_SHAPE_TENSOR),
 ])
 def test_refused_updates_are_4xx_and_touch_no_replica(cluster, path, message):
     url, root = cluster["url"], cluster["root"]
     if "wrong-shape" in path and not (root / "wrong-shape").exists():
-        make_checkpoint(root / "wrong-shape", preset("tiny", num_blocks=2), seed=1)
+        with_wrong_shape(cluster["new"], root / "wrong-shape")
     before = generate(url, BODIES[0])
     r = update(url, path.format(root=root))
     assert r.status_code in (400, 422), r.text
@@ -182,16 +186,16 @@ class RecordingPool:
 def test_engine_update_invalidates_the_pool_hook_and_a_rejected_one_writes_nothing(tmp_path):
     engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
     engine.pool_tier = pool = RecordingPool()
-    request = GenerationRequest(prompt="x", steps=2, frames=2, height=8, width=8, audio_len=4, seed=1)
+    request = GenerationRequest(**{**BODIES[0], "return_latents": False})
     before = engine.generate(request)
-    wrong = make_checkpoint(tmp_path / "wrong", preset("tiny", num_blocks=2), seed=1)
-    with pytest.raises(ValueError):
+    wrong = with_wrong_shape(engine.checkpoint.root, tmp_path / "wrong")
+    with pytest.raises(ValueError, match=WRONG_SHAPE_TENSOR):
         engine.validate_weight_update(wrong)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=WRONG_SHAPE_TENSOR):
         engine.update_weights(wrong)
     assert pool.invalidated == [] and torch.equal(engine.generate(request).video, before.video)
-    old_version = engine.adaln.weights_version
-    engine.update_weights(make_checkpoint(tmp_path / "seed1", preset("tiny"), seed=1))
+    old_version = engine.plan_cache.weights_version
+    engine.update_weights(finetune_of(engine.checkpoint.root, tmp_path / "seed1"))
     assert pool.invalidated == [old_version]
     stats = engine.debug_stats()
     assert stats["resident_plans"] == stats["stale_plans"] == stats["held_plan_refs"] == 0

@@ -1,43 +1,149 @@
-"""The plain torch engine (engine.engine.Engine) on a tiny auto-made checkpoint, on CPU."""
+"""The engine (engine.engine.Engine) serving the real MiniMax-H3 classes on the tiny random checkpoint, on CPU.
+
+One module-scoped engine per configuration; every engine reads the same auto-made seed-0 checkpoint (both
+layouts), so features can be compared bit for bit: online AdaLN, offload, both layouts and Cache-DiT turned
+off per request must all give the resident engine's bits.
+
+The request is the smallest the tiny model serves: 64x64 px for 5 s, i.e. 124 frames -> 37 latent frames of
+4x4 (148 video tokens) and 2 x 207 audio rows. `return_video` is off unless a test reads the MP4.
+"""
 
 from __future__ import annotations
 
-import threading
+import copy
+import io
+import multiprocessing
+import re
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
+import av
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from engine.api import GenerationRequest, check_limits
+from cache.rebuild import RebuildError
+from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine, auto_checkpoint_dir, ensure_checkpoint
-from engine.errors import GenerationCancelled
-from model.checkpoint import CheckpointReader, make_checkpoint
-from model.config import preset
+from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from model.layout import CheckpointError, H3Checkpoint
+from model.tiny import make_tiny_checkpoint
+from model.weights import TransformerWeights
+from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
-TINY = preset("tiny")  # max_frames 8, max_height/width 32, patch (1, 2, 2), max_audio_len 64, 128 prompt bytes
+pytestmark = pytest.mark.timeout(300)
+
+FPS = 24
+NUM_FRAMES = 124  # 5 s -> round(5 * 24) + 1 = 121, snapped up to 17 n + 5
+VIDEO_LATENTS = (24, 37, 4, 4)  # [C, 5 n + 2, 64 / 16, 64 / 16]
+AUDIO_ROWS = (414, 32)  # 2 channels x round(124 / 24 * 40) = 207 latents, 32 channels
+SAMPLE_RATE = 32000
+MAX_STEPS = 12
+MAX_PROMPT_TOKENS = 16
+# Cache-DiT on this request (steps=9: 8 forwards), seed-0 tiny checkpoint: Fn=1, Bn=1, one warmup forward,
+# at most two cached forwards in a row. Forwards 1, 2 and 4 stay under the 0.15 residual threshold.
+CACHE_DIT = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 1,
+             "residual_diff_threshold": 0.15, "max_continuous_cached_steps": 2}
+CACHED_STEPS = [1, 2, 4]
 
 
 def small_request(**overrides) -> GenerationRequest:
-    fields = dict(prompt="a red fox", steps=3, frames=2, height=8, width=8, audio_len=4, seed=11)
+    fields = dict(prompt="a red fox", steps=3, seconds=5.0, width=64, height=64, seed=11, return_video=False)
     return GenerationRequest(**{**fields, **overrides})
 
 
-@pytest.fixture(scope="module")
-def checkpoint_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("checkpoints"))
+def same_bits(a, b) -> bool:
+    return torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
+
+
+# --- engines -------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint_root):
-    return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"}))
+def checkpoint_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
 
 
-# --- results -------------------------------------------------------------------------------------
+def make_engine(root: Path, **config) -> Engine:
+    adaln = {"host_cache_gb": 0.01, **config.pop("adaln", {})}
+    return Engine(EngineConfig(checkpoint_root=str(root), device="cpu", adaln=adaln, **config))
 
 
-def test_same_seed_gives_the_same_bits(engine):
-    a, b = engine.generate(small_request()), engine.generate(small_request())
-    assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
+@pytest.fixture(scope="module")
+def engine(checkpoint_root) -> Engine:
+    """The shipped default (online AdaLN) with small server limits."""
+    return make_engine(checkpoint_root, max_steps=MAX_STEPS, text_encoder={"max_prompt_tokens": MAX_PROMPT_TOKENS})
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint_root) -> Engine:
+    return make_engine(checkpoint_root, adaln={"mode": "resident"})
+
+
+@pytest.fixture(scope="module")
+def offloaded(checkpoint_root) -> Engine:
+    return make_engine(checkpoint_root, offload={"enabled": True})
+
+
+@pytest.fixture(scope="module")
+def cached(checkpoint_root) -> Engine:
+    return make_engine(checkpoint_root, adaln={"mode": "resident"}, cache_dit=CACHE_DIT)
+
+
+@pytest.fixture(scope="module")
+def native(checkpoint_root) -> Engine:
+    return make_engine(checkpoint_root, adaln={"mode": "resident"}, checkpoint_layout="native")
+
+
+@pytest.fixture(scope="module")
+def seed1_checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("seed1") / "tiny", "diffusers", seed=1)
+
+
+@pytest.fixture(scope="module")
+def finetune_checkpoint(tmp_path_factory, engine) -> Path:
+    """What an engine updated to `seed1_checkpoint` serves: the seed-1 transformer with the seed-0 text encoder
+    and VAEs (an update loads the transformer only)."""
+    return finetune_of(engine.checkpoint.root, tmp_path_factory.mktemp("finetune") / "tiny")
+
+
+# --- prompt -> MP4 -------------------------------------------------------------------------------------
+
+
+def mean_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(int) - b.astype(int)).mean())
+
+
+def test_prompt_becomes_an_mp4_of_the_requested_frames_size_and_stereo_audio(engine):
+    result = engine.generate(small_request(return_video=True))
+    with av.open(io.BytesIO(result.mp4)) as container:
+        (video,) = container.streams.video
+        (sound,) = container.streams.audio
+        assert (video.codec_context.name, video.width, video.height) == ("h264", 64, 64)
+        assert video.average_rate == FPS
+        assert (sound.codec_context.name, sound.channels, sound.sample_rate) == ("aac", 2, SAMPLE_RATE)
+        video_s, audio_s = float(video.duration * video.time_base), float(sound.duration * sound.time_base)
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(frames) == NUM_FRAMES
+    # 124 frames = 5.167 s; the audio VAE's 207 latents x 800 samples = 5.175 s
+    assert abs(video_s - NUM_FRAMES / FPS) <= 1 / FPS and abs(audio_s - video_s) <= 1 / FPS
+    decoded = engine.video_decoder.decode(result.video)  # uint8 [124, 64, 64, 3]
+    # The thumbnail is the first decoded frame, losslessly.
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(result.thumbnail_png))), decoded[0])
+    # The MP4 holds the decoded frames in order (H.264 at 64x64 blurs the random VAE's near-noise output, so:
+    # each is nearer to its own decoded frame than to another one).
+    for i in (0, 61, NUM_FRAMES - 1):
+        other = decoded[(i + 40) % NUM_FRAMES]
+        assert mean_abs_difference(frames[i], decoded[i]) < mean_abs_difference(frames[i], other)
+    assert result.timings["decode_s"] > 0 and result.timings["mux_s"] > 0
+
+
+def test_same_seed_gives_the_same_bits_and_the_same_mp4(engine):
+    a, b = engine.generate(small_request(return_video=True)), engine.generate(small_request(return_video=True))
+    assert same_bits(a, b) and a.mp4 == b.mp4 and a.thumbnail_png == b.thumbnail_png
 
 
 def test_different_seed_differs(engine):
@@ -46,227 +152,253 @@ def test_different_seed_differs(engine):
 
 
 def test_result_shapes_dtypes_timings_and_stats(engine):
-    result = engine.generate(small_request(frames=3, height=6, width=10, audio_len=5))
-    assert result.video.shape == (TINY.video_channels, 3, 6, 10) and result.video.dtype == torch.float32
-    assert result.audio.shape == (5, TINY.audio_channels) and result.audio.dtype == torch.float32
-    assert result.video.device.type == "cpu" and torch.isfinite(result.video).all()
-    assert set(result.timings) == {"encode_s", "plan_s", "denoise_s", "total_s"}
+    result = engine.generate(small_request(steps=4))
+    assert tuple(result.video.shape) == VIDEO_LATENTS and tuple(result.audio.shape) == AUDIO_ROWS
+    assert result.video.dtype == result.audio.dtype == torch.float32 and result.video.device.type == "cpu"
+    assert torch.isfinite(result.video).all() and torch.isfinite(result.audio).all()
+    assert result.mp4 is None and result.thumbnail_png is None  # return_video=False: no decode
+    assert set(result.timings) == {"plan_s", "encode_s", "denoise_s", "decode_s", "mux_s", "total_s"}
+    assert result.timings["decode_s"] == result.timings["mux_s"] == 0.0
     assert result.timings["total_s"] >= result.timings["denoise_s"] > 0
-    # tokens: BOS + 9 prompt bytes, 5 audio frames, 3*(6/2)*(10/2) = 45 video patches
-    assert result.stats["steps"] == 3 and result.stats["tokens"] == 10 + 5 + 45
-    assert result.stats["model_calls"] == 3 and result.model.startswith("tiny@")
-    assert result.seed == 11
-
-
-def test_video_only_request_has_empty_audio(engine):
-    result = engine.generate(small_request(audio_len=0))
-    assert result.audio.shape == (0, TINY.audio_channels) and result.video.shape == (4, 2, 8, 8)
-
-
-def test_guidance_adds_an_unconditional_pass(engine):
-    plain = engine.generate(small_request())
-    guided = engine.generate(small_request(guidance_scale=4.0))
-    assert guided.stats["model_calls"] == 2 * plain.stats["model_calls"]
-    assert not torch.equal(plain.video, guided.video)
-    assert torch.equal(guided.video, engine.generate(small_request(guidance_scale=4.0)).video)
+    text_tokens = result.stats["text_tokens"]
+    assert text_tokens == engine.prompt_encoder.count_tokens("a red fox")
+    assert result.stats["tokens"] == text_tokens + 414 + 37 * 2 * 2  # [text | audio rows | video patches]
+    assert (result.stats["steps"], result.stats["forwards"], result.stats["frames"]) == (4, 3, NUM_FRAMES)
+    assert result.stats["schedule_key"] == small_request(steps=4).schedule_key
+    assert result.model == engine.model_name and result.model.startswith("minimax-h3@") and result.seed == 11
 
 
 def test_unseeded_request_reports_a_seed_that_reproduces_it(engine):
     first = engine.generate(small_request(seed=None))
-    again = engine.generate(small_request(seed=first.seed))
-    assert torch.equal(first.video, again.video)
+    assert same_bits(first, engine.generate(small_request(seed=first.seed)))
 
 
-def test_progress_is_reported_after_every_step(engine):
+def test_progress_is_reported_after_every_forward(engine):
     seen = []
-    engine.generate(small_request(steps=4), progress=lambda i, n: seen.append((i, n)))
-    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    engine.generate(small_request(steps=5), progress=lambda i, n: seen.append((i, n)))
+    assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]  # 5 grid points: 4 forwards
 
 
-def test_cancel_stops_between_steps_and_the_engine_still_works(engine):
+def test_cancel_stops_between_steps_releases_the_plans_and_the_engine_still_works(engine):
     seen = []
     with pytest.raises(GenerationCancelled):
-        engine.generate(small_request(steps=6), progress=lambda i, n: seen.append(i), cancelled=lambda: len(seen) >= 2)
+        engine.generate(small_request(steps=7), progress=lambda i, n: seen.append(i), cancelled=lambda: len(seen) >= 2)
     assert seen == [1, 2]
-    assert engine.health()["busy"] is False
-    assert engine.generate(small_request()).video.shape == (4, 2, 8, 8)
+    stats = engine.debug_stats()
+    assert stats["busy"] is False and stats["held_plan_refs"] == 0
+    assert engine.generate(small_request()).video.shape == VIDEO_LATENTS
 
 
-def test_online_adaln_plans_give_the_same_bits_as_resident(engine, checkpoint_root):
-    online = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu",
-                                    adaln={"mode": "online", "host_cache_gb": 0.01}))
-    a, b = engine.generate(small_request()), online.generate(small_request())
-    assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
-    assert b.stats["adaln"]["built_plans"] == 3
-    assert online.generate(small_request()).stats["adaln"]["gpu_hit_plans"] == 3
+def test_the_second_request_of_a_schedule_finds_every_plan_in_the_gpu_slab(engine):
+    engine.generate(small_request(steps=2))  # one forward: the plan of timestep 0.0 (both sigmas 1)
+    request = small_request(steps=6, flow_shift=7.5)  # a schedule no other test uses
+    first, second = engine.generate(request), engine.generate(request)
+    # Forward 0's plan is every schedule's: warm; the other 4 are built once, then found in the slab.
+    assert (first.stats["adaln"]["built_plans"], first.stats["adaln"]["gpu_hit_plans"]) == (4, 1)
+    assert (second.stats["adaln"]["built_plans"], second.stats["adaln"]["gpu_hit_plans"]) == (0, 5)
+    assert same_bits(first, second)
 
 
-def test_health_and_describe(engine):
-    assert engine.health()["status"] == "ok"
+def test_health_and_describe(engine, checkpoint_root):
+    assert engine.health()["status"] == "ok" and engine.health()["device"] == "cpu"
     card = engine.describe()
-    assert card["id"] == engine.model_name and card["device"] == "cpu"
-    assert card["fingerprint"] == CheckpointReader(engine.checkpoint_dir).fingerprint
-    assert card["limits"]["max_frames"] == 8 and card["limits"]["patch"] == [1, 2, 2]
-    assert card["engine_config"]["adaln"]["mode"] == "resident"
+    assert card["id"] == engine.model_name and card["device"] == "cpu" and card["layout"] == "diffusers"
+    assert card["checkpoint"] == str(checkpoint_root / "tiny-diffusers")
+    assert card["fingerprint"] == engine.model_name.removeprefix("minimax-h3@")
+    assert card["limits"] == {"max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344,
+                              "min_seconds": 5.0, "max_seconds": 15.0, "pixel_multiple": 32, "fps": FPS,
+                              "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    assert card["model_config"]["num_layers"] == 4 and card["engine_config"]["adaln"]["mode"] == "online"
 
 
-# --- limits --------------------------------------------------------------------------------------
+# --- features: each one on gives the resident bits -----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "field, value, message",
-    [
-        ("prompt", "é" * 65, "prompt: 130 UTF-8 bytes exceeds the model's max_text_tokens=128"),
-        ("frames", 9, "frames: 9 exceeds the model's max_frames=8"),
-        ("height", 34, "height: 34 exceeds the model's max_height=32"),
-        ("height", 7, "height: 7 is not a multiple of the model's patch size 2"),
-        ("width", 64, "width: 64 exceeds the model's max_width=32"),
-        ("width", 9, "width: 9 is not a multiple of the model's patch size 2"),
-        ("audio_len", 65, "audio_len: 65 exceeds the model's max_audio_len=64"),
-    ],
-)
-def test_request_over_a_model_limit_is_a_value_error_naming_field_and_limit(engine, field, value, message):
-    with pytest.raises(ValueError) as info:
-        engine.generate(small_request(**{field: value}))
-    assert str(info.value).startswith(message)
-    assert engine.health()["busy"] is False
+def test_online_adaln_gives_the_same_bits_as_resident(engine, resident):
+    assert same_bits(engine.generate(small_request(steps=5)), resident.generate(small_request(steps=5)))
 
 
-def test_steps_over_the_server_limit():
-    with pytest.raises(ValueError, match="steps: 12 exceeds this server's max_steps=10"):
-        check_limits(small_request(steps=12), TINY, max_steps=10)
+def test_offload_gives_the_same_bits_as_resident(offloaded, resident):
+    out = offloaded.generate(small_request(steps=4))
+    assert same_bits(out, resident.generate(small_request(steps=4)))
+    assert out.stats["offload"]["steps"] == 3 and out.stats["offload"]["h2d_bytes"] > 0
 
 
-def test_cache_dit_override_needs_cache_dit_on_the_server(engine):
-    with pytest.raises(ValueError, match="cache_dit.enabled"):
-        engine.generate(small_request(cache_dit={"enabled": True}))
+def test_both_checkpoint_layouts_give_the_same_bits(native, resident):
+    assert native.describe()["layout"] == "native"
+    assert same_bits(native.generate(small_request()), resident.generate(small_request()))
 
 
-# --- checkpoint -------------------------------------------------------------------------------------
+def test_cache_dit_caches_exactly_the_expected_forwards(cached, resident):
+    out = cached.generate(small_request(steps=9))
+    assert out.stats["cache_dit"] == {"config": "F1B1 W1 R0.15 MC2", "cached_steps": CACHED_STEPS}
+    assert not torch.equal(out.video, resident.generate(small_request(steps=9)).video)
+    # Nothing leaks between requests: the same request again caches the same forwards, same bits.
+    again = cached.generate(small_request(steps=9))
+    assert again.stats["cache_dit"]["cached_steps"] == CACHED_STEPS and same_bits(again, out)
 
 
-def test_auto_checkpoint_is_made_once_then_reused(tmp_path):
-    config = EngineConfig(checkpoint_root=str(tmp_path), device="cpu")
-    path = ensure_checkpoint(config)
-    assert path == auto_checkpoint_dir(config) == tmp_path / "tiny"
-    fingerprint = CheckpointReader(path).fingerprint
-    mtime = (path / "config.json").stat().st_mtime_ns
-    assert ensure_checkpoint(config) == path and (path / "config.json").stat().st_mtime_ns == mtime
-    assert CheckpointReader(path).fingerprint == fingerprint
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp dir left behind
+def test_a_request_turning_cache_dit_off_gets_the_resident_bits(cached, resident):
+    off = cached.generate(small_request(steps=9, cache_dit={"enabled": False}))
+    assert off.stats["cache_dit"] == {"config": "off", "cached_steps": []}
+    assert same_bits(off, resident.generate(small_request(steps=9)))
 
 
-def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_valid_one(tmp_path):
-    config = EngineConfig(checkpoint_root=str(tmp_path), device="cpu")
-    barrier, results, errors = threading.Barrier(3), [], []
+def test_offload_with_cache_dit_gives_the_bits_of_cache_dit_alone(checkpoint_root, cached):
+    both = make_engine(checkpoint_root, cache_dit=CACHE_DIT, offload={"enabled": True})
+    out = both.generate(small_request(steps=9))
+    assert out.stats["cache_dit"]["cached_steps"] == CACHED_STEPS
+    assert same_bits(out, cached.generate(small_request(steps=9)))
 
-    def start():
-        barrier.wait()
-        try:
-            results.append(ensure_checkpoint(config))
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
 
-    threads = [threading.Thread(target=start) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == [] and len(set(results)) == 1
-    CheckpointReader(results[0]).validate(deep=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+# --- limits: ClientError naming the field and the limit ------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"guidance_scale": 2.0}, "guidance_scale: 2.0 is not served: MiniMax-H3 is CFG-distilled, guidance is fixed at 1"),
+    ({"guidance_scale": 0.5}, "guidance_scale: 0.5 is not served"),
+    ({"width": 65}, "width=65 is out of range: must be a multiple of 32 px"),
+    ({"height": 48}, "height=48 is out of range: must be a multiple of 32 px"),
+    ({"width": 4096, "height": 4096}, "width*height=16777216 is out of range: must be <= 1032192 px"),
+    ({"seconds": 4.0}, "snaps to 107 frames = 4.45833 s at 24 fps; must be between 5 and 15 s"),
+    ({"seconds": 16.0}, "snaps to 396 frames = 16.5 s at 24 fps; must be between 5 and 15 s"),
+    # 15 s snaps up to 362 frames = 15.08 s: over the limit, as in the diffusers pipeline.
+    ({"seconds": 15.0}, "snaps to 362 frames = 15.0833 s at 24 fps; must be between 5 and 15 s"),
+    ({"steps": MAX_STEPS + 1}, f"steps: {MAX_STEPS + 1} exceeds this server's max_steps={MAX_STEPS}"),
+    ({"prompt": "a red fox " * 4}, f"prompt: 21 tokens exceeds this server's max_prompt_tokens={MAX_PROMPT_TOKENS}"),
+    ({"cache_dit": {"enabled": True}}, "cache_dit.enabled: Cache-DiT is off on this server"),
+], ids=["guidance-2", "guidance-0.5", "width-65", "height-48", "too-many-pixels", "seconds-4", "seconds-16",
+        "seconds-15", "steps-over-max", "prompt-over-max-tokens", "cache-dit-off-on-the-server"])
+def test_a_request_over_a_limit_is_a_client_error_naming_field_and_limit(engine, overrides, message):
+    for call in (engine.validate, engine.generate):
+        with pytest.raises(ClientError) as info:
+            call(small_request(**overrides))
+        assert message in str(info.value)
+    assert engine.health()["busy"] is False and engine.debug_stats()["held_plan_refs"] == 0
+
+
+@pytest.mark.parametrize("seconds", [4.0, 16.0])
+def test_a_duration_out_of_range_names_the_seconds_field(engine, seconds):
+    with pytest.raises(ClientError, match=rf"^seconds[=:] ?{seconds}"):
+        engine.validate(small_request(seconds=seconds))
+
+
+def test_the_longest_and_shortest_accepted_durations(engine):
+    # 4.9 s -> 119 -> 124 frames (5.17 s); 14.3 s -> 344 -> 345 frames (14.375 s, the longest).
+    for seconds in (4.9, 14.3):
+        engine.validate(small_request(seconds=seconds))
+
+
+def test_cache_dit_settings_past_the_model_are_a_client_error(cached):
+    with pytest.raises(ClientError, match=r"cache_dit: Fn_compute_blocks \+ Bn_compute_blocks = 4 \+ 1 exceeds"):
+        cached.generate(small_request(cache_dit={"Fn_compute_blocks": 4}))
+
+
+# --- weight updates ------------------------------------------------------------------------------------
+
+
+UPDATE_CONFIGS = [
+    pytest.param({"adaln": {"mode": "online"}}, id="online"),
+    pytest.param({"adaln": {"mode": "resident"}}, id="resident"),
+    pytest.param({"adaln": {"mode": "resident"}, "offload": {"enabled": True}}, id="resident-offload"),
+    pytest.param({"adaln": {"mode": "online"}, "offload": {"enabled": True}}, id="online-offload",
+                 marks=pytest.mark.xfail(strict=True, raises=ServerFault, reason=(
+                     "engine bug: Engine._load_weights_ asks the checkpoint for every name in the offloader's "
+                     "block_state, which includes ExternalModulation's non-persistent `adaln_proj.dtype_marker` "
+                     "buffer"))),
+]
+
+
+@pytest.mark.parametrize("config", UPDATE_CONFIGS)
+def test_update_to_a_seed1_checkpoint_serves_exactly_a_fresh_engine_on_its_transformer(
+        checkpoint_root, seed1_checkpoint, finetune_checkpoint, config):
+    engine = make_engine(checkpoint_root, **copy.deepcopy(config))
+    before = engine.generate(small_request())
+    card = engine.update_weights(seed1_checkpoint)
+    fresh = make_engine(checkpoint_root, checkpoint=str(finetune_checkpoint), **copy.deepcopy(config))
+    assert card["id"] == engine.model_name == fresh.model_name != before.model
+    after = engine.generate(small_request())
+    assert after.model == fresh.model_name and same_bits(after, fresh.generate(small_request()))
+    assert not torch.equal(after.video, before.video)
+    if engine.plan_cache is not None:
+        assert after.stats["adaln"]["built_plans"] == 2  # the old weights' plans were dropped
+        assert engine.debug_stats()["stale_plans"] == 0
+
+
+def test_a_rejected_update_names_the_tensor_and_writes_nothing(resident, engine, seed1_checkpoint, tmp_path):
+    wrong = with_wrong_shape(seed1_checkpoint, tmp_path / "wrong")
+    for target in (resident, engine):
+        before, model = target.generate(small_request()), target.model_name
+        for call in (target.validate_weight_update, target.update_weights):
+            with pytest.raises(WeightsRejected, match=re.escape(WRONG_SHAPE_TENSOR)):
+                call(wrong)
+        assert target.model_name == model and same_bits(target.generate(small_request()), before)
+
+
+# --- a checkpoint that breaks while serving ------------------------------------------------------------
+
+
+def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp_path, resident):
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
+    engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"host_cache_gb": 0.0})
+    h3 = H3Checkpoint.open(checkpoint)
+    shard = TransformerWeights(h3.transformer_dir, h3.layout).location(
+        "transformer_blocks.1.adaln_proj.linear.weight").path
+    saved = Path(shard).read_bytes()
+    Path(shard).unlink()
+    request = small_request(flow_shift=5.5)  # a schedule whose plans must be rebuilt from the checkpoint
+    with pytest.raises(ServerFault, match=Path(shard).name) as info:
+        engine.generate(request)
+    assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
+    stats = engine.debug_stats()
+    assert stats["held_plan_refs"] == 0 and stats["resident_plans"] == 0  # no half-built plan was committed
+    assert engine.health()["failed"] == 1
+
+    Path(shard).write_bytes(saved)  # the file is back
+    after = engine.generate(request)
+    assert after.stats["adaln"]["built_plans"] == 2
+    assert same_bits(after, resident.generate(request))
+
+
+# --- the auto-made checkpoint --------------------------------------------------------------------------
+
+
+def test_auto_checkpoint_is_made_once_then_reused(checkpoint_root, engine):
+    config = EngineConfig(checkpoint_root=str(checkpoint_root), device="cpu")
+    path = ensure_checkpoint(config)  # the engine fixture made it
+    assert path == auto_checkpoint_dir(config) == checkpoint_root / "tiny-diffusers"
+    mtime = (path / "model_index.json").stat().st_mtime_ns
+    assert ensure_checkpoint(config) == path and (path / "model_index.json").stat().st_mtime_ns == mtime
+    assert auto_checkpoint_dir(EngineConfig(checkpoint_root="r", checkpoint_layout="native",
+                                            checkpoint_seed=3)) == Path("r/tiny-native-seed3")
+
+
+def _make_checkpoint_after(barrier, config: EngineConfig) -> str:
+    barrier.wait()
+    return str(ensure_checkpoint(config))
+
+
+def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_complete_one(tmp_path):
+    # Replicas are processes: two start at once and both find no checkpoint (the tiny model's meta-device
+    # init is process-global, so the race is run in processes, as Serve runs it).
+    config = EngineConfig(checkpoint_root=str(tmp_path), device="cpu", checkpoint_layout="native")
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(2, mp_context=context) as pool:
+        barrier = manager.Barrier(2)
+        results = list(pool.map(_make_checkpoint_after, [barrier] * 2, [config] * 2))
+    assert results == [str(tmp_path / "tiny-native")] * 2
+    assert H3Checkpoint.open(results[0], require_components=True).layout.value == "native"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-native"]  # no temporary directory left behind
 
 
 def test_explicit_missing_checkpoint_fails_naming_the_path(tmp_path):
-    with pytest.raises(ValueError, match="config.json is missing"):
+    with pytest.raises(CheckpointError, match="nope"):
         Engine(EngineConfig(checkpoint=str(tmp_path / "nope"), device="cpu"))
 
 
-def test_initial_noise_is_the_same_bits_on_cuda(engine, checkpoint_root):
+def test_online_adaln_gives_the_resident_bits_on_cuda(checkpoint_root):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    cuda = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cuda"))
-    request = small_request()
-    cpu_video, cpu_audio = engine._initial_noise(request, 5)
-    cuda_video, cuda_audio = cuda._initial_noise(request, 5)
-    assert torch.equal(cpu_video, cuda_video.cpu()) and torch.equal(cpu_audio, cuda_audio.cpu())
-
-
-# --- optional features: Cache-DiT and layerwise offload -----------------------------------------------
-
-# Random tiny weights give relative residual diffs ~0.9: a 0.95 threshold makes some steps cacheable.
-CACHE_DIT = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 2,
-             "residual_diff_threshold": 0.95, "max_continuous_cached_steps": 2}
-
-
-@pytest.fixture(scope="module")
-def cache_dit_engine(checkpoint_root):
-    return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": "resident"},
-                                  cache_dit=CACHE_DIT))
-
-
-def test_cache_dit_skips_steps_and_a_request_can_turn_it_off(engine, cache_dit_engine):
-    cached = cache_dit_engine.generate(small_request(steps=8))
-    assert cached.stats["cache_dit"]["config"].startswith("F1B1 W2 R0.95")
-    assert len(cached.stats["cache_dit"]["cached_steps"]) > 0
-    off = cache_dit_engine.generate(small_request(steps=8, cache_dit={"enabled": False}))
-    assert off.stats["cache_dit"] == {"config": "off", "cached_steps": []}
-    plain = engine.generate(small_request(steps=8))
-    assert torch.equal(off.video, plain.video) and not torch.equal(cached.video, plain.video)
-    # Nothing leaks between requests: the same cached request again gives the same bits.
-    assert torch.equal(cache_dit_engine.generate(small_request(steps=8)).video, cached.video)
-
-
-def test_cache_dit_request_errors_name_the_field(engine, cache_dit_engine):
-    with pytest.raises(ValueError, match="guidance_scale: classifier-free guidance"):
-        cache_dit_engine.generate(small_request(guidance_scale=2.0))
-    with pytest.raises(ValueError, match="cache_dit: Fn_compute_blocks \\+ Bn_compute_blocks = 4 \\+ 1 exceeds"):
-        cache_dit_engine.generate(small_request(cache_dit={"Fn_compute_blocks": 4}))
-    with pytest.raises(ValueError, match="cache_dit.enabled: Cache-DiT is off on this server"):
-        engine.generate(small_request(cache_dit={"enabled": True}))
-    guided = cache_dit_engine.generate(small_request(guidance_scale=2.0, cache_dit={"enabled": False}))
-    assert torch.equal(guided.video, engine.generate(small_request(guidance_scale=2.0)).video)
-
-
-@pytest.mark.parametrize("adaln_mode", ["resident", "online"])
-def test_offload_with_cache_dit_gives_the_same_bits_as_without_offload(cache_dit_engine, checkpoint_root, adaln_mode):
-    offloaded = Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
-                                       cache_dit=CACHE_DIT, offload={"enabled": True}))
-    ref, out = cache_dit_engine.generate(small_request(steps=8)), offloaded.generate(small_request(steps=8))
-    assert torch.equal(ref.video, out.video) and torch.equal(ref.audio, out.audio)
-    assert out.stats["cache_dit"]["cached_steps"] == ref.stats["cache_dit"]["cached_steps"]
-    assert out.stats["offload"]["steps"] == 8 and out.stats["offload"]["h2d_bytes"] > 0
-
-
-# --- weight updates ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def seed1_checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("seed1") / "tiny", TINY, seed=1)
-
-
-@pytest.mark.parametrize("adaln_mode, offload", [("resident", False), ("online", False), ("resident", True)])
-def test_update_weights_serves_the_new_checkpoint_exactly(checkpoint_root, seed1_checkpoint, adaln_mode, offload):
-    def make(**kw):
-        return Engine(EngineConfig(checkpoint_root=checkpoint_root, device="cpu", adaln={"mode": adaln_mode},
-                                      offload={"enabled": offload}, **kw))
-
-    engine = make()
-    before = engine.generate(small_request())
-    card = engine.update_weights(seed1_checkpoint)
-    assert card["fingerprint"] == CheckpointReader(seed1_checkpoint).fingerprint
-    after = engine.generate(small_request())
-    fresh = make(checkpoint=str(seed1_checkpoint)).generate(small_request())
-    assert torch.equal(after.video, fresh.video) and torch.equal(after.audio, fresh.audio)
-    assert not torch.equal(after.video, before.video) and after.model == fresh.model != before.model
-    if adaln_mode == "online":
-        assert after.stats["adaln"]["built_plans"] == 3  # the old weights' plans were dropped
-
-
-def test_rejected_weight_update_leaves_the_model_untouched(engine, tmp_path):
-    before = engine.generate(small_request())
-    other = make_checkpoint(tmp_path / "small-ish", preset("tiny", num_blocks=2), seed=1)
-    with pytest.raises(ValueError, match="config mismatch"):
-        engine.update_weights(other)
-    assert torch.equal(engine.generate(small_request()).video, before.video)
+    online = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cuda"))
+    resident = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cuda", adaln={"mode": "resident"}))
+    assert same_bits(online.generate(small_request(steps=5)), resident.generate(small_request(steps=5)))

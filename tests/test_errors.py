@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 
 import pytest
 from ray.exceptions import RayActorError, RayTaskError
@@ -22,12 +23,13 @@ from engine.errors import (
     ServerFault,
     WeightsRejected,
 )
-from model.checkpoint import CheckpointError, make_checkpoint
-from model.config import preset
+from model.layout import CheckpointError
+from tests.weights_support import with_wrong_shape
 
 
 def request(**overrides) -> GenerationRequest:
-    fields = dict(prompt="a fox", steps=2, frames=2, height=8, width=8, audio_len=4, seed=3)
+    """64x64 px, 5 s; steps=2: one forward, one AdaLN plan."""
+    fields = dict(prompt="a fox", steps=2, seconds=5.0, width=64, height=64, seed=3, return_video=False)
     return GenerationRequest(**{**fields, **overrides})
 
 
@@ -42,7 +44,7 @@ def from_replica(exc: BaseException) -> BaseException:
 def test_client_errors_are_value_errors_and_server_faults_are_not():
     for client in (ClientError("x"), AdmissionRejected("x"), WeightsRejected("x")):
         assert isinstance(client, (ValueError, EngineError))
-    fault = ServerFault("shard blocks-00002.safetensors is truncated", kind="RebuildError")
+    fault = ServerFault("shard diffusion_pytorch_model-00003-of-00005.safetensors is truncated", kind="RebuildError")
     assert isinstance(fault, EngineError) and not isinstance(fault, ValueError)
     assert isinstance(GenerationCancelled("x"), EngineError) and not isinstance(GenerationCancelled("x"), ValueError)
 
@@ -57,35 +59,39 @@ def test_a_server_fault_survives_pickling_with_its_kind():  # Ray pickles it fro
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> Engine:
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("errors") / "tiny", preset("tiny"), seed=0)
-    return Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu",
+    return Engine(EngineConfig(checkpoint_root=str(tmp_path_factory.mktemp("errors")), device="cpu",
                                adaln={"mode": "online", "gpu_plans": 2, "host_cache_gb": 0.0}))
 
 
-def test_a_request_over_a_model_limit_is_a_client_error(engine):
-    with pytest.raises(ClientError, match="frames: 9 exceeds the model's max_frames=8"):
-        engine.validate(request(frames=9))
-    with pytest.raises(ClientError, match="frames: 9 exceeds the model's max_frames=8"):
-        engine.generate(request(frames=9))
+@pytest.mark.parametrize("overrides, message", [
+    ({"width": 65}, "width=65 is out of range: must be a multiple of 32 px"),
+    ({"guidance_scale": 3.0}, "guidance_scale: 3.0 is not served: MiniMax-H3 is CFG-distilled"),
+    ({"seconds": 16.0}, "must be between 5 and 15 s"),
+])
+def test_a_request_over_a_model_limit_is_a_client_error(engine, overrides, message):
+    for call in (engine.validate, engine.generate):
+        with pytest.raises(ClientError, match=re.escape(message)) as info:
+            call(request(**overrides))
+        assert info.value.__cause__ is None  # the message is the whole story; no lower-layer type leaks
 
 
 def test_a_request_the_plan_cache_can_never_admit_is_admission_rejected_with_the_cache_message(engine):
-    # steps=3: 3 distinct plans, the slab holds adaln.gpu_plans=2
+    # steps=4: 3 forwards with 3 distinct plans, the slab holds adaln.gpu_plans=2
     with pytest.raises(AdmissionRejected) as info:
-        engine.generate(request(steps=3))
+        engine.generate(request(steps=4))
     assert isinstance(info.value.__cause__, AdmissionError)
     assert str(info.value) == str(info.value.__cause__)
-    assert "adaln.gpu_plans=2" in str(info.value)
-    assert engine.generate(request(steps=2)).video.shape == (4, 2, 8, 8)  # the engine serves on
+    assert "request needs 3 distinct AdaLN plans but the GPU slab holds adaln.gpu_plans=2" in str(info.value)
+    assert engine.generate(request(steps=3)).video.shape == (24, 37, 4, 4)  # the engine serves on
 
 
 def test_a_weight_update_the_model_cannot_take_is_weights_rejected(engine, tmp_path):
-    wrong = make_checkpoint(tmp_path / "wrong", preset("tiny", num_blocks=2), seed=1)
+    wrong = with_wrong_shape(engine.checkpoint.root, tmp_path / "wrong")
     for call in (engine.validate_weight_update, engine.update_weights):
         with pytest.raises(WeightsRejected) as info:
             call(str(wrong))
         assert isinstance(info.value.__cause__, CheckpointError) and str(info.value) == str(info.value.__cause__)
-    with pytest.raises(WeightsRejected, match="config.json"):
+    with pytest.raises(WeightsRejected, match="no-such-dir"):
         engine.validate_weight_update(str(tmp_path / "no-such-dir"))
 
 
@@ -99,11 +105,12 @@ def test_a_cancelled_generation_stays_generation_cancelled(engine):
 
 
 @pytest.mark.parametrize("exc, status, kind, message", [
-    (ClientError("frames: 9 exceeds the model's max_frames=8"), 422, "invalid_request",
-     "frames: 9 exceeds the model's max_frames=8"),
+    (ClientError("width=65 is out of range: must be a multiple of 32 px"), 422, "invalid_request",
+     "width=65 is out of range: must be a multiple of 32 px"),
     (AdmissionRejected("request needs 3 distinct AdaLN plans"), 422, "invalid_request",
      "request needs 3 distinct AdaLN plans"),
-    (ServerFault("/srv/ckpt/blocks-00002.safetensors is truncated", "RebuildError"), 500, "server_error",
+    (ServerFault("/srv/ckpt/transformer/diffusion_pytorch_model-00003-of-00005.safetensors is truncated",
+                 "RebuildError"), 500, "server_error",
      "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
     (GenerationCancelled("stopped"), 499, "cancelled", "the request was cancelled"),
     # Anything else is a bug: 500 naming the type (a stray ValueError too: only ClientError is a 4xx).
@@ -117,7 +124,7 @@ def test_worker_errors_map_to_statuses(exc, status, kind, message):
 
 
 @pytest.mark.parametrize("exc, status, message", [
-    (ClientError("frames: 9 exceeds the model's max_frames=8"), 422, "frames: 9 exceeds the model's max_frames=8"),
+    (ClientError("guidance_scale: 2.0 is not served"), 422, "guidance_scale: 2.0 is not served"),
     (ServerFault("/srv/ckpt/x is truncated", "RebuildError"), 500,
      "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
     (GenerationCancelled("stopped"), 499, "the request was cancelled"),

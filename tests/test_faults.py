@@ -22,14 +22,18 @@ from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import AdmissionRejected, ServerFault
-from model.checkpoint import CheckpointError, make_checkpoint, shard_name, shard_of
+from model.layout import CheckpointError, H3Checkpoint
+from model.tiny import make_tiny_checkpoint
+from model.weights import TensorLocation, TransformerWeights
 from tests.adaln_support import assert_equal_to_resident, host_gb, online_cache, resident, schedule
+from tests.weights_support import finetune_of
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def request(**overrides) -> GenerationRequest:
-    fields = dict(prompt="a red fox", steps=3, frames=2, height=8, width=8, audio_len=4, seed=11)
+    """64x64 px, 5 s: 148 video tokens + 414 audio rows; `steps - 1` forwards, one AdaLN plan each."""
+    fields = dict(prompt="a red fox", steps=3, seconds=5.0, width=64, height=64, seed=11, return_video=False)
     return GenerationRequest(**{**fields, **overrides})
 
 
@@ -46,13 +50,19 @@ def same_bits(a, b) -> bool:
     return torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
 
 
-def block_shard(checkpoint: Path, block: int, num_blocks: int) -> Path:
-    """The shard file holding `blocks.{block}.*`."""
-    return checkpoint / shard_name(shard_of(f"blocks.{block}.norm1.weight"), num_blocks + 1)
+def tensor_location(checkpoint: Path, name: str) -> TensorLocation:
+    """Where the transformer tensor `name` (diffusers name) lies in the checkpoint at `checkpoint`."""
+    h3 = H3Checkpoint.open(checkpoint)
+    return TransformerWeights(h3.transformer_dir, h3.layout).location(name)
+
+
+#: Block 1's AdaLN projection: read only by a plan rebuild in online mode. Its shard also holds block 1's
+#: other weights, which every engine reads at start.
+BLOCK1_ADALN = "transformer_blocks.1.adaln_proj.linear.weight"
 
 
 def assert_no_plan_held_or_half_built(engine: Engine) -> None:
-    index = engine.adaln.slab.index
+    index = engine.plan_cache.slab.index
     index.check()
     assert all(index.refcount(slot) == 0 for slot in range(index.capacity))
     assert index.num_used == 0  # nothing was committed: a failed build is never visible
@@ -61,47 +71,48 @@ def assert_no_plan_held_or_half_built(engine: Engine) -> None:
 # --- checkpoint shards ---------------------------------------------------------------------------
 
 
-def missing(path: Path) -> None:
-    path.unlink()
+def missing(location: TensorLocation) -> None:
+    location.path.unlink()
 
 
-def truncated(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+def truncated(location: TensorLocation) -> None:
+    """Cut the shard in the middle of the tensor's bytes."""
+    data = location.path.read_bytes()
+    location.path.write_bytes(data[: location.offset + location.nbytes // 2])
 
 
-def header_garbage(path: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(b"\xff" * 64 + data[64:])
+def header_garbage(location: TensorLocation) -> None:
+    data = location.path.read_bytes()
+    location.path.write_bytes(b"\xff" * 64 + data[64:])
 
 
 @pytest.mark.parametrize("breakage", [missing, truncated, header_garbage])
-def test_broken_shard_at_start_is_a_checkpoint_error_naming_the_file(tiny_checkpoint, tiny_config, breakage):
-    shard = block_shard(tiny_checkpoint, 1, tiny_config.num_blocks)
-    breakage(shard)
+def test_broken_shard_at_start_is_a_checkpoint_error_naming_the_file(tiny_checkpoint, breakage):
+    location = tensor_location(tiny_checkpoint, BLOCK1_ADALN)
+    breakage(location)
     for mode in ("online", "resident"):
-        with pytest.raises(CheckpointError, match=shard.name):
+        with pytest.raises(CheckpointError, match=location.path.name):
             Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adaln={"mode": mode}))
 
 
 @pytest.mark.parametrize("breakage", [missing, truncated])
-def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_checkpoint, tiny_config, breakage):
+def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_checkpoint, breakage):
     engine = online_engine(tiny_checkpoint)
     before = engine.generate(request())
-    engine.adaln.invalidate()  # the plans must now be rebuilt from disk
-    shard = block_shard(tiny_checkpoint, 1, tiny_config.num_blocks)
-    saved = shard.read_bytes()
-    breakage(shard)
-    with pytest.raises(ServerFault, match=shard.name) as info:
+    engine.plan_cache.invalidate()  # the plans must now be rebuilt from disk
+    location = tensor_location(tiny_checkpoint, BLOCK1_ADALN)
+    saved = location.path.read_bytes()
+    breakage(location)
+    with pytest.raises(ServerFault, match=location.path.name) as info:
         engine.generate(request())
     # The engine's boundary: a server fault naming the lower layer's type, which stays chained.
     assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
     assert_no_plan_held_or_half_built(engine)
     assert engine.health()["failed"] == 1
 
-    shard.write_bytes(saved)  # the file is back
+    location.path.write_bytes(saved)  # the file is back
     after = engine.generate(request())
-    assert same_bits(after, before) and after.stats["adaln"]["built_plans"] == 3
+    assert same_bits(after, before) and after.stats["adaln"]["built_plans"] == 2  # steps=3: 2 forwards
     assert engine.health()["requests"] == 2
 
 
@@ -145,10 +156,12 @@ def test_refused_pinned_allocation_degrades_to_pageable_and_stays_bit_exact(tiny
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory, request):
-    config = request.getfixturevalue("tiny_config")
+def two_checkpoints(tmp_path_factory):
+    """The seed-0 tiny checkpoint and a fine-tune of it (the seed-1 transformer with the same text encoder
+    and VAEs: a weight update loads the transformer only)."""
     root = tmp_path_factory.mktemp("weights")
-    return make_checkpoint(root / "seed0", config, seed=0), make_checkpoint(root / "seed1", config, seed=1)
+    old = make_tiny_checkpoint(root / "seed0", "diffusers", seed=0)
+    return old, finetune_of(old, root / "finetune")
 
 
 @pytest.mark.parametrize("mode", ["online", "resident"])
@@ -206,10 +219,10 @@ def test_weight_update_during_traffic_gives_all_old_or_all_new_never_a_mix(two_c
 def test_concurrent_distinct_schedules_on_a_small_slab_are_exact_or_refused(tiny_checkpoint):
     engine = online_engine(tiny_checkpoint, gpu_plans=4, host_cache_gb=0.001)
     reference = resident_engine(tiny_checkpoint)
-    # Distinct schedules (steps x shift); steps 5 needs 5 plans > gpu_plans=4 and must be refused.
-    requests = [request(steps=steps, shift=shift, seed=steps * 10 + i)
-                for i, shift in enumerate((1.0, 3.0, 5.0)) for steps in (1, 2, 4, 5)]
-    expected = {r: reference.generate(r) for r in requests if r.steps <= 4}
+    # Distinct schedules (steps x shift); steps 6 needs 5 plans (one per forward) > gpu_plans=4: refused.
+    requests = [request(steps=steps, flow_shift=shift, seed=steps * 10 + i)
+                for i, shift in enumerate((1.0, 3.0, 5.0)) for steps in (2, 3, 5, 6)]
+    expected = {r: reference.generate(r) for r in requests if r.steps <= 5}
 
     def run(r: GenerationRequest):
         try:
@@ -220,16 +233,16 @@ def test_concurrent_distinct_schedules_on_a_small_slab_are_exact_or_refused(tiny
     with ThreadPoolExecutor(8) as pool:
         outcomes = list(pool.map(run, requests * 2))
     for r, outcome in zip(requests * 2, outcomes):
-        if r.steps > 4:
+        if r.steps > 5:
             assert isinstance(outcome, AdmissionRejected) and "adaln.gpu_plans=4" in str(outcome)
             assert isinstance(outcome.__cause__, AdmissionError)
         else:
             assert not isinstance(outcome, Exception), outcome
-            assert same_bits(outcome, expected[r]), f"steps={r.steps} shift={r.shift}: wrong bits"
-    index = engine.adaln.slab.index
+            assert same_bits(outcome, expected[r]), f"steps={r.steps} flow_shift={r.flow_shift}: wrong bits"
+    index = engine.plan_cache.slab.index
     index.check()
     assert all(index.refcount(slot) == 0 for slot in range(index.capacity))
-    assert engine.adaln.stats.gpu_evicted_plans > 0  # the slab really overflowed and recycled slots
+    assert engine.plan_cache.stats.gpu_evicted_plans > 0  # the slab really overflowed and recycled slots
 
 
 def test_slab_full_while_plans_are_held_is_typed_and_leaves_held_plans_intact(tiny):

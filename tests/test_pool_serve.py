@@ -22,8 +22,9 @@ from tests.serve_helpers import serve_cluster
 pytestmark = pytest.mark.timeout(400)
 
 ROOT = Path(__file__).resolve().parents[1]
-BODY = {"prompt": "shared plans", "steps": 4, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 3,
-        "shift": 1.7}
+#: 4 grid points: 3 forwards, one AdaLN plan each.
+BODY = {"prompt": "shared plans", "steps": 4, "seconds": 5.0, "width": 64, "height": 64, "seed": 3,
+        "flow_shift": 1.7, "return_video": False, "return_latents": True}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_a_fresh_replica_gets_a_pool_hit_for_a_schedule_the_pool_holds(app_args)
         rebuilt = generate("pool-a", BODY)
         a_stats = rebuilt.stats["adaln"]
         num_plans = a_stats["built_plans"]
-        assert num_plans == 4 and a_stats["pool_hit_plans"] == 0 and a_stats["pool_published_plans"] == num_plans
+        assert num_plans == 3 and a_stats["pool_hit_plans"] == 0 and a_stats["pool_published_plans"] == num_plans
         wait_for_groups(1)  # published in the background, after the response
 
         serve.run(build_app(app_args), name="pool-b", route_prefix="/b")  # a second, fresh worker replica
@@ -76,12 +77,12 @@ def test_a_fresh_replica_gets_a_pool_hit_for_a_schedule_the_pool_holds(app_args)
         assert b_stats["gpu_hit_plans"] == b_stats["host_hit_plans"] == 0
         assert hit.latents == rebuilt.latents and hit.model == rebuilt.model
         video = decode_latents(hit.latents)["video"]
-        assert torch.isfinite(video).all()
+        assert video.shape == (24, 37, 4, 4) and torch.isfinite(video).all()
 
         # The same replica rebuilding an unseen schedule (warm process), for comparison.
-        other = generate("pool-b", {**BODY, "shift": 2.9})
-        # step 0's plan (sigma 1.0) is every schedule's: a GPU hit; the other three are rebuilt.
-        assert (other.stats["adaln"]["gpu_hit_plans"], other.stats["adaln"]["built_plans"]) == (1, 3)
+        other = generate("pool-b", {**BODY, "flow_shift": 2.9})
+        # forward 0's plan (both sigmas 1: timestep 0.0) is every schedule's: a GPU hit; the other two are rebuilt.
+        assert (other.stats["adaln"]["gpu_hit_plans"], other.stats["adaln"]["built_plans"]) == (1, 2)
         assert other.stats["adaln"]["pool_hit_plans"] == 0
         print(f"\nfirst-request plan_s: rebuild (replica A, cold) {rebuilt.timings.plan_s:.4f} s, "
               f"pool hit (fresh replica B) {hit.timings.plan_s:.4f} s "

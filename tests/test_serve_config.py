@@ -6,6 +6,7 @@ import base64
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -16,6 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 from deployments.app import resolve_engine_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
 from engine.api import GenerationResult
+from model.mp4 import thumbnail_png
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,13 +34,19 @@ def test_serve_config_is_a_valid_serve_deploy_config_and_app_config():
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
     args = AppConfig.model_validate(app["args"])
     assert args.engine.checkpoint == "" and args.engine.device == "auto" and args.engine.preset == "tiny"
+    assert args.engine.checkpoint_layout == "diffusers" and args.engine.adaln.mode == "online"
 
 
 def test_app_config_rejects_unknown_names_with_the_field():
     with pytest.raises(ValidationError, match="engine.checkpoints"):
         AppConfig.model_validate({"engine": {"checkpoints": "x"}})
-    with pytest.raises(ValidationError, match="unknown preset 'huge'"):
+    with pytest.raises(ValidationError, match=r"engine.preset\n  Input should be 'tiny'"):
         AppConfig.model_validate({"engine": {"preset": "huge"}})
+    for gone in ("small", "h3"):  # the home-made look-alike's presets name the way forward
+        with pytest.raises(ValidationError, match=f"preset '{gone}' was the home-made look-alike, which is gone"):
+            AppConfig.model_validate({"engine": {"preset": gone}})
+    with pytest.raises(ValidationError, match="engine.checkpoint_layout"):
+        AppConfig.model_validate({"engine": {"checkpoint_layout": "safetensors"}})
     with pytest.raises(ValidationError, match="min_replicas=3 exceeds max_replicas=2"):
         AppConfig.model_validate({"worker": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}})
 
@@ -80,17 +88,31 @@ def test_relative_checkpoint_paths_are_pinned_to_the_builder_cwd(tmp_path, monke
     assert resolve_engine_config(AppConfig().engine).checkpoint == ""
 
 
-def test_response_latents_round_trip_through_safetensors_and_png_preview():
-    video, audio = torch.randn(4, 2, 6, 10), torch.randn(3, 8)
+def test_response_latents_round_trip_through_safetensors_and_without_video_the_preview_is_latent():
+    # 96x64 px for 5 s: video latents [24, 37, 4, 6], audio rows [414, 32]
+    video, audio = torch.randn(24, 37, 4, 6), torch.randn(414, 32)
     result = GenerationResult(video=video, audio=audio, seed=1, model="m",
-                              timings={"encode_s": 0.1, "total_s": 0.2}, stats={"steps": 1})
+                              timings={"encode_s": 0.1, "total_s": 0.2}, stats={"steps": 2})
     response = GenerationResponse.from_result(result, request_id="gen-1", return_latents=True)
     latents = decode_latents(response.latents)
     assert torch.equal(latents["video"], video) and torch.equal(latents["audio"], audio)
-    assert response.video_shape == [4, 2, 6, 10] and response.audio_shape == [3, 8]
-    assert response.timings.encode_s == 0.1 and response.timings.denoise_s == 0.0
+    assert response.video_shape == [24, 37, 4, 6] and response.audio_shape == [414, 32]
+    assert response.video_mp4 is None
+    assert response.timings.encode_s == 0.1 and response.timings.denoise_s == response.timings.decode_s == 0.0
     image = Image.open(io.BytesIO(base64.b64decode(response.preview_png)))
-    assert image.size == (120, 72) and image.mode == "RGB"  # nearest upscale x12 (128 // 10)
+    assert image.size == (126, 84) and image.mode == "RGB"  # latent channels 0-2, nearest upscale x21 (128 // 6)
+    assert GenerationResponse.from_result(result, request_id="gen-1", return_latents=False).latents is None
+
+
+def test_response_with_video_carries_the_mp4_and_the_first_frame_as_preview():
+    frame = np.arange(64 * 96 * 3, dtype=np.uint8).reshape(64, 96, 3)
+    result = GenerationResult(video=torch.randn(24, 37, 4, 6), audio=torch.randn(414, 32), seed=1, model="m",
+                              mp4=b"\x00\x00\x00\x18ftypmp42", thumbnail_png=thumbnail_png(frame),
+                              timings={"decode_s": 0.5, "mux_s": 0.25, "total_s": 1.0})
+    response = GenerationResponse.from_result(result, request_id="gen-1", return_latents=False)
+    assert base64.b64decode(response.video_mp4) == result.mp4
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(base64.b64decode(response.preview_png)))), frame)
+    assert (response.timings.decode_s, response.timings.mux_s, response.timings.total_s) == (0.5, 0.25, 1.0)
 
 
 def test_preview_of_a_constant_frame_is_black_not_nan():

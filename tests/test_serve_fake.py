@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from deployments.schemas import AppConfig, GenerationResponse, decode_latents
-from tests.fake_engine import FakeEngine
+from tests.fake_engine import FAKE_MODEL, FAKE_MP4, FakeEngine
 from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,39 +36,46 @@ def post(base_url, body, **kw):
     return requests.post(f"{base_url}/v1/generations", json=body, timeout=60, **kw)
 
 
-def test_generation_returns_decodable_latents_and_png(base_url):
-    r = post(base_url, {"prompt": "a cat", "seed": 7, "frames": 2, "height": 8, "width": 12, "audio_len": 5})
+def test_generation_returns_the_mp4_decodable_latents_and_the_first_frame_as_png(base_url):
+    body = {"prompt": "a cat", "seed": 7, "seconds": 5.0, "width": 96, "height": 64, "return_latents": True}
+    r = post(base_url, body)
     assert r.status_code == 200, r.text
-    body = GenerationResponse.model_validate(r.json())
-    assert body.id.startswith("gen-")
-    assert body.model == "fake-tiny" and body.seed == 7
-    assert body.video_shape == [4, 2, 8, 12] and body.audio_shape == [5, 8]
-    latents = decode_latents(body.latents)
+    response = GenerationResponse.model_validate(r.json())
+    assert response.id.startswith("gen-")
+    assert response.model == FAKE_MODEL and response.seed == 7
+    # 5 s -> 124 frames -> 37 latent frames; 96x64 px -> 6x4 latents; 2 x 207 audio rows of 32 channels
+    assert response.video_shape == [24, 37, 4, 6] and response.audio_shape == [414, 32]
+    assert base64.b64decode(response.video_mp4) == FAKE_MP4 + b"7"
+    latents = decode_latents(response.latents)
     generator = torch.Generator().manual_seed(7)
-    assert torch.equal(latents["video"], torch.randn(4, 2, 8, 12, generator=generator))
-    assert torch.equal(latents["audio"], torch.randn(5, 8, generator=generator))
-    png = Image.open(io.BytesIO(base64.b64decode(body.preview_png)))
-    assert png.format == "PNG" and png.size == (12 * 10, 8 * 10)  # factor 128 // 12 = 10
+    assert torch.equal(latents["video"], torch.randn(24, 37, 4, 6, generator=generator))
+    assert torch.equal(latents["audio"], torch.randn(414, 32, generator=generator))
+    png = Image.open(io.BytesIO(base64.b64decode(response.preview_png)))
+    assert png.format == "PNG" and png.size == (96, 64) and png.getpixel((0, 0)) == (7, 7, 7)  # the thumbnail
 
 
-def test_return_latents_false_omits_latents(base_url):
-    r = post(base_url, {"prompt": "x", "return_latents": False})
+def test_latents_are_left_out_by_default_and_without_video_the_preview_is_the_latent_frame(base_url):
+    r = post(base_url, {"prompt": "x", "seed": 1, "width": 96, "height": 64, "return_video": False})
     assert r.status_code == 200, r.text
-    assert r.json()["latents"] is None and r.json()["preview_png"]
+    assert r.json()["latents"] is None and r.json()["video_mp4"] is None
+    png = Image.open(io.BytesIO(base64.b64decode(r.json()["preview_png"])))
+    assert png.size == (6 * 21, 4 * 21)  # latent channels 0-2 of frame 0, 4x6, nearest-upscaled x(128 // 6)
 
 
 def test_schema_error_is_422_naming_the_field(base_url):
-    r = post(base_url, {"prompt": "x", "steps": 0})
+    r = post(base_url, {"prompt": "x", "steps": 1})
     assert r.status_code == 422
     error = r.json()["error"]
-    assert error["type"] == "invalid_request" and "steps" in error["message"]
+    assert error["type"] == "invalid_request" and "steps: Input should be greater than or equal to 2" in error["message"]
     assert error["errors"][0]["loc"] == ["steps"]
 
 
-def test_engine_value_error_is_422_with_its_message(base_url):
-    r = post(base_url, {"prompt": "x", "frames": 9})  # tiny: max_frames=8
+def test_engine_client_error_is_422_with_its_message(base_url):
+    r = post(base_url, {"prompt": "x", "width": 65})
     assert r.status_code == 422
-    assert r.json()["error"]["message"] == "frames: 9 exceeds the model's max_frames=8 (latent units)"
+    assert r.json()["error"]["message"] == "width=65 is out of range: must be a multiple of 32 px"
+    r = post(base_url, {"prompt": "x", "guidance_scale": 2})
+    assert r.status_code == 422 and r.json()["error"]["message"].startswith("guidance_scale: 2.0 is not served")
 
 
 def test_body_over_limit_is_413(base_url):
@@ -85,7 +92,7 @@ def test_malformed_json_is_400(base_url):
 
 def test_models_healthz_and_docs(base_url):
     models = requests.get(f"{base_url}/v1/models", timeout=30).json()
-    assert models["data"][0]["id"] == "fake-tiny"
+    assert models["data"][0]["id"] == FAKE_MODEL
     health = requests.get(f"{base_url}/healthz", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert requests.get(f"{base_url}/docs", timeout=30).status_code == 200
@@ -98,11 +105,11 @@ def test_handle_generate_matches_http(base_url):
     from ray import serve
 
     handle = serve.get_app_handle(APP_NAME)
-    request = {"prompt": "same", "seed": 3, "frames": 1, "height": 4, "width": 4}
+    request = {"prompt": "same", "seed": 3, "width": 32, "height": 32, "return_latents": True}
     by_handle = handle.generate.remote(request).result(timeout_s=60)
     by_http = GenerationResponse.model_validate(post(base_url, request).json())
     assert isinstance(by_handle, GenerationResponse)
-    assert by_handle.latents == by_http.latents
+    assert by_handle.latents == by_http.latents and by_handle.video_mp4 == by_http.video_mp4
 
 
 def test_handle_generate_raises_value_error_on_bad_input(base_url):
@@ -111,8 +118,8 @@ def test_handle_generate_raises_value_error_on_bad_input(base_url):
     handle = serve.get_app_handle(APP_NAME)
     with pytest.raises(ValueError, match="steps"):
         handle.generate.remote({"prompt": "x", "steps": 100}).result(timeout_s=60)
-    with pytest.raises(ValueError, match="max_height=32"):
-        handle.generate.remote({"prompt": "x", "height": 34}).result(timeout_s=60)
+    with pytest.raises(ValueError, match="height=48 is out of range: must be a multiple of 32 px"):
+        handle.generate.remote({"prompt": "x", "height": 48}).result(timeout_s=60)
 
 
 def wait_for_cancellations(base_url, count: int, timeout_s: float = 30.0) -> None:
@@ -180,8 +187,8 @@ def test_a_client_error_through_the_handle_is_one_info_line_not_an_error_traceba
     marker = f"marker-{time.monotonic_ns()}"
     with pytest.raises(ValueError, match="steps: Input should be a valid integer"):
         serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "steps": "8"}).result(timeout_s=60)
-    with pytest.raises(ValueError, match="frames: 9 exceeds"):  # refused by the engine, on the worker replica
-        serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "frames": 9}).result(timeout_s=60)
+    with pytest.raises(ValueError, match="between 5 and 15 s"):  # refused by the engine, on the worker replica
+        serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "seconds": 16.0}).result(timeout_s=60)
     deadline = time.monotonic() + 30
     while len(replica_log_lines("Ingress", "request refused (client error)")) < 2:  # logs are flushed async
         assert time.monotonic() < deadline, "the ingress never logged the refusals"

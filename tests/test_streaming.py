@@ -19,9 +19,13 @@ from tests.serve_helpers import APP_NAME, free_port, run_app, serve_cluster, ser
 
 pytestmark = pytest.mark.timeout(300)
 
-SMALL = {"prompt": "a lighthouse at dusk", "steps": 3, "frames": 2, "height": 8, "width": 8, "audio_len": 4, "seed": 5}
-# ~0.1 s per step on one CPU core: long enough to cancel in the middle.
-LONG = {"prompt": "a long walk", "steps": 60, "frames": 8, "height": 32, "width": 32, "audio_len": 64, "seed": 9}
+#: 64x64 px for 5 s; 3 grid points: 2 transformer forwards, so 2 progress events after the "accepted" one.
+SMALL = {"prompt": "a lighthouse at dusk", "steps": 3, "seconds": 5.0, "width": 64, "height": 64, "seed": 5,
+         "return_video": False, "return_latents": True}
+FORWARDS = SMALL["steps"] - 1
+# 256x256 px (2368 video tokens): ~0.1 s per forward on one CPU core, long enough to cancel in the middle.
+LONG = {"prompt": "a long walk", "steps": 60, "seconds": 5.0, "width": 256, "height": 256, "seed": 9,
+        "return_video": False}
 METRICS_PORT = free_port()
 
 
@@ -68,19 +72,25 @@ def sse_events(response: requests.Response):
 
 
 def assert_replica_still_serves() -> None:
-    response = app_handle().generate.remote({**SMALL, "steps": 1}).result(timeout_s=120)
-    assert response.video_shape == [4, 2, 8, 8]
+    response = app_handle().generate.remote({**SMALL, "steps": 2}).result(timeout_s=120)
+    assert response.video_shape == [24, 37, 4, 4] and response.audio_shape == [414, 32]
 
 
-def test_handle_stream_yields_one_progress_event_per_step_then_the_same_result(base_url):
+def test_handle_stream_yields_one_progress_event_per_forward_then_the_same_result(base_url):
     items = list(app_handle().options(stream=True).generate_stream.remote(SMALL))
     *progress, result = items
     assert all(isinstance(p, ProgressEvent) for p in progress)
-    assert [(p.step, p.steps) for p in progress] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert [p.step for p in progress] == [0, 1, 2]  # accepted, then after each of the 2 forwards
+    assert [p.steps for p in progress[1:]] == [FORWARDS, FORWARDS]
     assert [p.elapsed_s for p in progress] == sorted(p.elapsed_s for p in progress)
     assert isinstance(result, GenerationResponse)
     plain = app_handle().generate.remote(SMALL).result(timeout_s=120)
     assert result.latents == plain.latents and result.model == plain.model
+
+
+def test_every_progress_event_counts_the_same_forwards(base_url):
+    *progress, _ = list(app_handle().options(stream=True).generate_stream.remote(SMALL))
+    assert [(p.step, p.steps) for p in progress] == [(0, FORWARDS), (1, FORWARDS), (2, FORWARDS)]
 
 
 @pytest.mark.parametrize("url", ["/v1/generations?stream=true", "/v1/generations:stream"])
@@ -89,17 +99,17 @@ def test_http_stream_is_server_sent_progress_then_result(base_url, url):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(r))
     names = [name for name, _ in events]
-    assert names == ["progress"] * 4 + ["result"]
-    assert [data["step"] for _, data in events[:-1]] == [0, 1, 2, 3]
-    assert all(data["steps"] == 3 and data["elapsed_s"] >= 0 for _, data in events[:-1])
+    assert names == ["progress"] * (1 + FORWARDS) + ["result"]
+    assert [data["step"] for _, data in events[:-1]] == [0, 1, 2]
+    assert all(data["steps"] >= FORWARDS and data["elapsed_s"] >= 0 for _, data in events[:-1])
     result = GenerationResponse.model_validate(events[-1][1])
     plain = requests.post(f"{base_url}/v1/generations", json=SMALL, timeout=120).json()
     assert result.latents == plain["latents"]
 
 
 def test_http_stream_refused_before_it_starts_is_a_plain_json_4xx(base_url):
-    r = requests.post(f"{base_url}/v1/generations:stream", json={**SMALL, "frames": 9}, timeout=60)
-    assert r.status_code == 422 and "frames: 9 exceeds the model's max_frames=8" in r.json()["error"]["message"]
+    r = requests.post(f"{base_url}/v1/generations:stream", json={**SMALL, "width": 65}, timeout=60)
+    assert r.status_code == 422 and "width=65 is out of range: must be a multiple of 32 px" in r.json()["error"]["message"]
     r = requests.post(f"{base_url}/v1/generations?stream=true", json={**SMALL, "steps": "2"}, timeout=60)
     assert r.status_code == 422 and "steps" in r.json()["error"]["message"]
 
@@ -146,7 +156,7 @@ def sample(text: str, name: str, **tags: str) -> float | None:
 
 
 def test_worker_metrics_reach_the_prometheus_endpoint(base_url):
-    # Same schedule twice: the second finds its plans warm in the GPU slab.
+    # Same schedule twice: the second finds its 4 plans (one per forward) warm in the GPU slab.
     for _ in range(2):
         app_handle().generate.remote({**SMALL, "steps": 5, "seed": 1}).result(timeout_s=120)
     wanted = {
@@ -171,7 +181,7 @@ def test_worker_metrics_reach_the_prometheus_endpoint(base_url):
             break
         assert time.monotonic() < deadline, f"metrics never appeared: {missing}"
         time.sleep(2)
-    assert sample(text, "ray_ditserve_plans_total", tier="gpu", deployment="Worker") >= 5
+    assert sample(text, "ray_ditserve_plans_total", tier="gpu", deployment="Worker") >= 4
     assert sample(text, "ray_ditserve_rebuild_read_bytes_total") > 0
     assert sample(text, "ray_ditserve_requests_total", outcome="cancelled") >= 2
     assert sample(text, "ray_ditserve_ongoing_requests") == 0
