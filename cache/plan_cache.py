@@ -13,6 +13,10 @@ The engine calls, per request (both modes have the same interface, so it treats 
 and around a weight update: `provider.validate_weight_update_source(path)` before writing any weight,
 `provider.refresh_weight_derived_caches(path)` after.
 
+In a multi-device replica every rank holds a `PlanCache` and sees the same requests in the same order; with
+`shards` (`RebuildShards`) a miss is rebuilt 1/N per rank (each rank streams and projects only its share of the
+AdaLN units, then the rows are exchanged), so the ranks together read the checkpoint once.
+
 `model` is what the cache asks about the AdaLN projections (`model.adaln.AdalnModel`: shapes, unit names
 `transformer_blocks.{i}.adaln_proj.linear` and `norm_out.linear`, the projection input, the resident projection):
 diffusers' `MiniMaxH3Transformer3DModel`, seen through `model.adaln.H3Adaln`. `reader` locates the projections'
@@ -37,7 +41,7 @@ from cache.host_tier import HostTier, PageAllocator
 from cache.plan_key import PlanKey, check_plan, plan_key
 from cache.projection import prepare_weight, project, projection_guard
 from cache.rebuild import (
-    AdalnRebuilder, AdalnUnit, RebuildError, RebuildTarget, TensorLocator, resolve_adaln_units,
+    AdalnRebuilder, AdalnUnit, RebuildError, RebuildReport, RebuildTarget, TensorLocator, resolve_adaln_units,
 )
 from cache.slab import PlanSlab, SlabFullError
 from cache.streams import Streams
@@ -45,7 +49,7 @@ from model.adaln import AdalnModel, H3Adaln, Modulation
 
 __all__ = [
     "AdalnStats", "AdalnWeights", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
-    "PlanCache", "PreparedPlans", "ResidentModulation", "ResidentPlans", "make_adaln_provider",
+    "PlanCache", "PreparedPlans", "RebuildShards", "ResidentModulation", "ResidentPlans", "make_adaln_provider",
 ]
 
 
@@ -107,6 +111,24 @@ class RemoteTier(Protocol):
     def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
 
     def publish(self, key: PlanKey, rows: PlanRows) -> None: ...
+
+
+class RebuildShards(Protocol):
+    """Splits rebuilds over the ranks of a multi-device replica (`engine.engine.RankShardedRebuild`, over
+    `parallel.adaln`). Its methods are collectives: every rank's cache calls them at the same points, which
+    holds while every rank sees the same requests in the same order (the caches then decide alike)."""
+
+    def agree(self, rest: Sequence[PlanKey], missed: Sequence[bool]) -> list[bool]:
+        """Called once per `prepare`. `rest`: the plans neither the slab nor the host tier had (the same on
+        every rank, or this raises); `missed[i]`: this rank's remote tier lacks `rest[i]`. Returns, per plan of
+        `rest`, whether any rank lacks it (then every rank rebuilds it)."""
+
+    def select(self, units: Sequence[AdalnUnit]) -> list[AdalnUnit]:
+        """This rank's share of the units (every block, then the final layer)."""
+
+    def exchange_(self, blocks: torch.Tensor, final: torch.Tensor) -> None:
+        """In place, one plan's slab rows (blocks [num_blocks, M, adaln_width], final [M, final_width]): from
+        this rank's units' rows to every unit's rows."""
 
 
 class AdalnWeights(TensorLocator, Protocol):
@@ -219,7 +241,8 @@ class PlanCache:
     def __init__(self, config: AdalnConfig, checkpoint_reader: AdalnWeights, model: AdalnModel | nn.Module,
                  device: torch.device | str, *, remote: RemoteTier | None = None,
                  reader_factory: Callable[[str], AdalnWeights] | None = None,
-                 streams: Streams | None = None, host_allocator: PageAllocator | None = None):
+                 streams: Streams | None = None, host_allocator: PageAllocator | None = None,
+                 shards: RebuildShards | None = None):
         if config.mode != "online":
             raise ValueError("PlanCache serves adaln.mode=online; use ResidentModulation for resident")
         self.config = config
@@ -229,6 +252,7 @@ class PlanCache:
         self._adaln_input = self.model.adaln_input
         self._reader_factory = reader_factory or open_h3_transformer
         self.remote = remote
+        self.shards = shards
         self.streams = streams if streams is not None else Streams(self.device)
         dims = self.model  # the slab and host pages are shaped like the served model's projections
         self.slab = PlanSlab(
@@ -363,6 +387,13 @@ class PlanCache:
                 remote_hits = self.remote.lookup(rest)
                 stats.pool_lookup_s = time.perf_counter() - t_remote
             to_build = [k for k in rest if k not in remote_hits]
+            if self.shards is not None:
+                # Every rank rebuilds the same plans (the rebuild's exchange is a collective): those any rank's
+                # remote tier lacked; a remote hit here is then rebuilt like the others.
+                must_build = self.shards.agree(rest, [k not in remote_hits for k in rest])
+                to_build = [k for k, build in zip(rest, must_build) if build]
+                rebuilt = frozenset(to_build)
+                remote_hits = {k: v for k, v in remote_hits.items() if k not in rebuilt}
             # 3. Slots for every missing plan (evicting LRU plans), invisible until committed.
             for key in missing:
                 slot = index.allocate(key)
@@ -462,7 +493,18 @@ class PlanCache:
             # [M, time_embed_dim] with the same M as resident (the model may live elsewhere under offload).
             x = self._adaln_input(timesteps.to(self.device)).to(self.device)
             targets.append(RebuildTarget(x, first_row))
-        return self.rebuilder.rebuild(self._units, targets, self.slab.blocks, self.slab.final)
+        if self.shards is None:
+            return self.rebuilder.rebuild(self._units, targets, self.slab.blocks, self.slab.final)
+        start = time.perf_counter()
+        units = self.shards.select(self._units)
+        # A rank may own no unit (more ranks than blocks): it only receives.
+        report = self.rebuilder.rebuild(units, targets, self.slab.blocks, self.slab.final) if units else \
+            RebuildReport(bytes_read=0, seconds=0.0, num_units=0, num_plans=len(targets))
+        for target in targets:  # every rank ends with every unit's rows
+            rows = slice(target.first_row, target.first_row + target.adaln_input.shape[0])
+            self.shards.exchange_(self.slab.blocks[:, rows], self.slab.final[rows])
+        report.seconds = time.perf_counter() - start
+        return report
 
 
 # ---------------------------------------------------------------------------------------------------------

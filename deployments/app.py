@@ -35,13 +35,28 @@ def cluster_num_gpus() -> float:
     return float(torch.cuda.device_count())
 
 
-def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float) -> dict[str, Any]:
+def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float,
+                              engine: EngineConfig | None = None) -> dict[str, Any]:
     num_gpus = options.num_gpus if options.num_gpus is not None else (1.0 if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
         "max_ongoing_requests": options.max_ongoing_requests,
         **shutdown_options(options.graceful_shutdown_timeout_s),
     }
+    sp = engine.parallel.sp if engine is not None else 1
+    if sp > 1:
+        # The replica is a coordinator (CPU only) owning `sp` GPU worker actors, one per device, in its own
+        # placement group (STRICT_PACK: one node); a bad degree or more GPUs than a node has fails the build.
+        from actors.gpu_worker import largest_node_num_gpus, rank_num_gpus, replica_bundles
+        from engine.engine import check_parallel_config
+
+        gpus_per_rank = rank_num_gpus(engine, num_gpus_in_cluster)
+        node_gpus = (largest_node_num_gpus() if ray.is_initialized() else torch.cuda.device_count()) if gpus_per_rank else 0
+        check_parallel_config(engine, node_gpus)
+        deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus}
+        deployment["placement_group_bundles"] = replica_bundles(sp, gpus_per_rank, options.num_cpus)
+        deployment["placement_group_strategy"] = "STRICT_PACK"
+        num_gpus = float(sp * gpus_per_rank)
     if options.router == "schedule_affinity":
         deployment["request_router_config"] = RequestRouterConfig(
             request_router_class=ScheduleAffinityRouter, request_router_kwargs={"load_factor": options.load_factor}
@@ -85,7 +100,7 @@ def resolve_jobs_config(jobs: JobsConfig, checkpoint_root: str) -> JobsConfig:
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
     """Ingress bound to a Worker. `engine_factory` (default: the real `engine.engine.Engine`) lets tests pass a fake engine."""
     engine = resolve_engine_config(config.engine)
-    options = worker_deployment_options(config.worker, cluster_num_gpus())
+    options = worker_deployment_options(config.worker, cluster_num_gpus(), engine)
     logger.info("ditserve: worker options %s, engine %s", options, engine.model_dump())
     worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
     admin = config.admin.model_copy(

@@ -43,6 +43,11 @@ def default_engine_factory(config: EngineConfig) -> EngineProtocol:
     from actors.host_cache_pool import make_pool_client
     from engine.engine import Engine, resolve_device
 
+    if config.parallel.sp > 1:  # the replica coordinates `sp` rank actors in its own placement group
+        from actors.gpu_worker import ParallelEngine, ReplicaBundles
+
+        return ParallelEngine(config, ReplicaBundles.current())
+
     # The node-shared AdaLN plan pool (auto: on inside Ray with adaln.mode=online); None when off.
     remote = make_pool_client(config.pool, resolve_device(config.device), config.adaln.mode)
     return Engine(config, remote=remote)
@@ -117,8 +122,9 @@ class Worker(ScheduleAffinityReporter):
     async def validate(self, request: GenerationRequest) -> None:
         """ClientError naming the field and the limit if the loaded model cannot take `request` (the video
         API's check before it queues a job: prompt tokens, snapped duration, sizes). Cheap, runs on the event
-        loop like `generate_stream`'s own check, beside a running generation."""
-        self._engine.validate(request)
+        loop's thread pool (a multi-GPU engine asks its rank 0 actor: a bounded Ray round trip), beside a running
+        generation."""
+        await asyncio.to_thread(self._engine.validate, request)
 
     async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
         """Run one generation off the event loop. Raises ClientError for requests the model cannot take.
@@ -203,7 +209,7 @@ class Worker(ScheduleAffinityReporter):
             "weights_version": self._weights.applied_version,
             "outcomes": dict(self._outcomes),
             "last_request": dict(self._last_request),
-            **self._debug_state(),
+            **(await asyncio.to_thread(self._debug_state)),
         }
 
     def _shutdown(self) -> None:

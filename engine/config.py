@@ -85,6 +85,36 @@ class GeometryConfig(BaseModel):
     max_seconds: float = Field(15.0, gt=0, description="Longest clip, checked on the snapped frame count.")
 
 
+class ParallelConfig(BaseModel):
+    """One replica over several devices: `sp` GPU worker actors (`actors.gpu_worker`), one per device, in one
+    torch.distributed group, denoising each request together with Ulysses sequence parallelism
+    (`parallel.sequence`). GPUs per replica = `sp`; the replica's ranks share a node."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sp: int = Field(
+        1, ge=1,
+        description="Sequence-parallel degree: rank actors (one device each) per replica. 1: the engine runs "
+        "inside the Serve replica on one device, no actors, no process group. Must divide the model's attention "
+        "heads (MiniMax-H3's 56: 1, 2, 4, 7, 8, 14, 28, 56) and fit on one node.",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0,
+        description="Bound on the ranks' rendezvous, on every collective between them, and on every coordinator "
+        "call to a rank that is not a load or a generation: a dead or stuck rank fails the request within it "
+        "(and the replica reports unhealthy).",
+    )
+    load_timeout_s: float = Field(
+        1800.0, gt=0,
+        description="Bound on starting the rank actors (placement, checkpoint load) and on a weight update.",
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0,
+        description="Longest one generation may run before it fails as a server fault and the replica reports "
+        "unhealthy; null: no limit (a dead or stuck rank is still caught within timeout_s by the collectives).",
+    )
+
+
 class EngineConfig(BaseModel):
     """One GPU worker's engine: which checkpoint, which device, which memory/caching features."""
 
@@ -125,6 +155,10 @@ class EngineConfig(BaseModel):
     pool: PoolConfig = Field(
         default_factory=PoolConfig,
         description="Node-shared AdaLN plan pool (Ray object store) between the host tier and the rebuild.",
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="Devices per replica (sequence parallel); sp: 1 is one device inside the Serve replica.",
     )
 
     @field_validator("preset", mode="before")

@@ -20,6 +20,15 @@ text encoder ~51.5 GB (the 50 layers that feed hidden_states[50]), video VAE 10.
 On a smaller card: `offload.enabled` streams the blocks, `text_encoder.device: cpu` / `decode.device: cpu`
 keep the encoder and decoders off the GPU.
 
+Several devices (`engine.parallel.sp` > 1): one process per device, each holding an `Engine` built with its
+rank's `parallel.group.SpGroup` (`actors.gpu_worker` starts them). Every rank runs every request whole (same
+seed, the noise is drawn on the CPU, so the same latents), with `parallel.sequence.SequenceParallel` sharding
+each forward over the group and `parallel.cache_decision` making Cache-DiT decide alike on every rank; only
+rank 0 holds the VAEs, decodes and muxes. What must not differ between ranks is agreed on through the group:
+cancellation (rank 0's answer, at every step boundary) and the AdaLN plan cache's admission and eviction (a
+deterministic function of the request sequence, so identical when every rank sees the same requests in the
+same order; checked per request by comparing a digest of the slab rows every rank prepared).
+
 Errors: the public methods raise `engine.errors` types (the lower layers' errors are translated here, with
 their messages, chained as `__cause__`), so the Serve layer sorts them without importing `cache/` or
 `model/`. The constructor is the exception: a checkpoint that cannot be loaded at start raises the
@@ -30,6 +39,7 @@ and the replica does not start.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 import os
@@ -42,12 +52,13 @@ from typing import Any
 import torch
 
 from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
-from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
-from cache.rebuild import RebuildError
+from cache.plan_cache import AdmissionError, PlanCache, PreparedPlans, RemoteTier, make_adaln_provider
+from cache.plan_key import PlanKey
+from cache.rebuild import AdalnUnit, RebuildError
 from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
-from model.adaln import ExternalModulation
+from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
@@ -56,9 +67,13 @@ from model.loading import load_transformer
 from model.mp4 import thumbnail_png, write_mp4
 from model.schedule import H3Schedule, Task
 from model.text_encoder import PromptEmbeddingCache, PromptEncoder
-from model.tiny import make_tiny_checkpoint
-from model.weights import TransformerWeights, is_adaln_param
+from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
+from model.weights import CONFIG_FILE, H3TransformerConfig, TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
+from parallel.adaln import AdalnShard, exchange_modulation_
+from parallel.cache_decision import install_rank_consistent_similarity
+from parallel.group import CollectiveError, SpGroup
+from parallel.sequence import SequenceParallel, check_degree
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +122,39 @@ def ensure_checkpoint(config: EngineConfig) -> Path:
     return target
 
 
+def checkpoint_num_heads(config: EngineConfig) -> int:
+    """Attention heads of the transformer `config` serves, from its config.json alone (no weights are read);
+    an auto-made checkpoint has its preset's."""
+    if not config.checkpoint:
+        return TINY_TRANSFORMER.num_attention_heads
+    checkpoint = H3Checkpoint.open(config.checkpoint)
+    path = checkpoint.transformer_dir / CONFIG_FILE
+    return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
+
+
+def check_parallel_config(config: EngineConfig, num_gpus_on_node: int) -> None:
+    """Refuse a parallel config before anything starts (the app builder calls it): a degree that does not
+    divide the checkpoint's attention heads (`parallel.sequence.SequenceParallelError`, a ValueError naming the
+    valid degrees) or more GPUs than one node has. `num_gpus_on_node`: GPUs of the largest node; 0 when the
+    ranks run on CPU (gloo), where any number of rank processes share the node's cores."""
+    check_degree(config.parallel.sp, checkpoint_num_heads(config), num_gpus_on_node or None)
+
+
+def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | None:
+    """The group a multi-device engine runs in (None: one device). ValueError naming the mismatch."""
+    sp = config.parallel.sp
+    if group is None:
+        if sp > 1:
+            raise ValueError(f"engine.parallel.sp={sp} runs one process per device: start the replica through "
+                             "actors.gpu_worker.ParallelEngine, which builds each rank's Engine with its group")
+        return None
+    if group.world_size != sp:
+        raise ValueError(f"the group has {group.world_size} ranks but engine.parallel.sp={sp}")
+    if group.device.type != resolve_device(config.device).type:
+        raise ValueError(f"the group's device {group.device} is not engine.device={config.device!r}")
+    return group if group.world_size > 1 else None
+
+
 def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> GeometryLimits:
     if config is None:
         config = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
@@ -115,13 +163,17 @@ def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> Geometry
 
 
 class Engine:
-    """MiniMax-H3 on one device. Thread-safe: generations (and weight updates) are serialized by a lock."""
+    """MiniMax-H3 on one device (or one rank of a multi-device replica). Thread-safe: generations (and weight
+    updates) are serialized by a lock."""
 
-    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None):
+    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None, *, group: SpGroup | None = None):
         """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, the pool client in
-        `actors/`, built by the Serve worker); used in adaln.mode=online only."""
+        `actors/`, built by the Serve worker); used in adaln.mode=online only. `group`: this process's rank of
+        a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.group = _checked_group(config, group)
+        self.rank = self.group.rank if self.group is not None else 0
+        self.device = self.group.device if self.group is not None else resolve_device(config.device)
         self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
@@ -132,6 +184,11 @@ class Engine:
                                             skip=is_adaln_param if online else None)
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
         self.modulation = ExternalModulation.install(self.transformer) if online else None
+        # Sequence parallel hooks the transformer's own forward and attention processors; installed before the
+        # offloader and Cache-DiT wrap the blocks (so its input and output hooks stay outermost).
+        self.sequence_parallel: SequenceParallel | None = None
+        if self.group is not None:
+            self.sequence_parallel = SequenceParallel.install(self.transformer, self.group)
         self.offloader: LayerwiseOffloader | None = None
         if offload:
             self.offloader = LayerwiseOffloader(
@@ -140,11 +197,20 @@ class Engine:
         self.cache_dit: CacheDit | None = None
         if config.cache_dit.enabled:
             self.cache_dit = CacheDit(self.transformer, config.cache_dit, stack=find_block_stack(self.transformer))
+            if self.sequence_parallel is not None:  # a rank that skips while another computes would deadlock
+                install_rank_consistent_similarity(self.transformer._context_manager, self.group,
+                                                   self._num_local_real_rows)
         self.plan_cache: PlanCache | None = None
-        if online:
+        #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
+        self.sharded_rebuild: RankShardedRebuild | None = None
+        if online and self.group is None:
             provider = make_adaln_provider(config.adaln, self.transformer, self.weights, self.device, remote=remote)
             assert isinstance(provider, PlanCache)
             self.plan_cache = provider
+        elif online:
+            self.sharded_rebuild = RankShardedRebuild(self.group, self.model_config.num_blocks)
+            self.plan_cache = PlanCache(config.adaln, self.weights, self.transformer, self.device, remote=remote,
+                                        shards=self.sharded_rebuild)
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
@@ -153,14 +219,20 @@ class Engine:
                                             text_device, hidden_state_index=config.text_encoder.hidden_state_index)
         self.prompt_cache = PromptEmbeddingCache(int(config.text_encoder.prompt_cache_mb * 2**20))
         decode_device = resolve_device(config.decode.device, self.device)
-        self.video_decoder = VideoDecoder(self.checkpoint.video_vae_dir, decode_device)
-        self.audio_decoder = AudioDecoder(self.checkpoint.audio_vae_dir, decode_device)
+        # Only rank 0 decodes and muxes; the other ranks do not hold the VAEs (11 GB for H3).
+        self.video_decoder: VideoDecoder | None = None
+        self.audio_decoder: AudioDecoder | None = None
+        if self.rank == 0:
+            self.video_decoder = VideoDecoder(self.checkpoint.video_vae_dir, decode_device)
+            self.audio_decoder = AudioDecoder(self.checkpoint.audio_vae_dir, decode_device)
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         self._lock = threading.Lock()
         self._busy = False
         self._num_requests = 0
         self._num_failed = 0
+        #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
+        self._fault: str | None = None
         logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s)", self.model_name,
                     self.checkpoint.layout.value, self.device, config.adaln.mode, offload, config.cache_dit.enabled)
 
@@ -223,6 +295,9 @@ class Engine:
         cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
         or GenerationCancelled (`cancelled()` turned true between two steps)."""
         geometry, schedule, cache_dit = self._checked(request)
+        if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
+            raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
+                             "noise); the coordinator (actors.gpu_worker.ParallelEngine) draws it")
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
             self._busy = True
@@ -269,10 +344,15 @@ class Engine:
         # every other parameter (device-resident ones included) is overwritten in place. Online AdaLN has
         # no projection parameters left in the model: their plans are rebuilt from the new files.
         params = dict(self.transformer.named_parameters())
+        stored = set(weights.names())
         for index in range(self.model_config.num_blocks if self.offloader is not None else 0):
             prefix = f"transformer_blocks.{index}."
             streamed = list(self.offloader.block_state(index))
-            self.offloader.load_block_state_(index, {n: weights.tensor(prefix + n) for n in streamed})
+            # Only checkpoint tensors: a streamed non-persistent buffer (ExternalModulation's dtype marker) keeps
+            # its value.
+            self.offloader.load_block_state_(
+                index, {n: weights.tensor(prefix + n) for n in streamed if prefix + n in stored}, strict=False
+            )
             for n in streamed:
                 params.pop(prefix + n, None)
         for name, param in params.items():
@@ -319,7 +399,14 @@ class Engine:
                 "model": self.model_name, "fingerprint": self.weights.fingerprint}
 
     def health(self) -> dict[str, Any]:
-        """Cheap, never waits for a generation."""
+        """Cheap, never waits for a generation. A rank whose group failed (or whose plan cache diverged from
+        the other ranks') raises ServerFault: it cannot serve again, its replica must be rebuilt."""
+        if self.group is not None:
+            divergence = self.sharded_rebuild.divergence if self.sharded_rebuild is not None else None
+            failure = self.group.failure or self._fault or divergence
+            if failure is not None:
+                raise ServerFault(f"rank {self.rank} of {self.group.world_size} is unusable: {failure}",
+                                  "RankFailure")
         return {"status": "ok", "device": str(self.device), "busy": self._busy,
                 "requests": self._num_requests, "failed": self._num_failed}
 
@@ -348,15 +435,21 @@ class Engine:
         self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
         cache_dit: CacheDitConfig, seed: int, progress: ProgressFn | None, cancelled: CancelledFn | None,
     ) -> GenerationResult:
-        def check_cancelled() -> None:
-            if cancelled is not None and cancelled():
+        def check_cancelled(agreed: bool = True) -> None:
+            stop = cancelled is not None and cancelled()
+            if agreed and self.group is not None:
+                stop = self._rank_0_says(stop)  # every rank stops at the same step boundary
+            if stop:
                 raise GenerationCancelled("generation cancelled by the caller")
 
         check_cancelled()
         num_forwards = schedule.num_forwards
         t0 = time.perf_counter()
         # plan first: the plan cache rejects requests it can never serve before any other work
-        prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
+        if self.group is None:
+            prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
+        else:
+            prepared = self._prepare_on_every_rank(schedule)
         try:
             self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()
@@ -383,8 +476,8 @@ class Engine:
                 prepared.release()
         mp4 = thumbnail = None
         t4 = t5 = t3
-        if request.return_video:
-            check_cancelled()
+        if request.return_video and self.rank == 0:  # the other ranks are done: rank 0 alone decodes
+            check_cancelled(agreed=False)
             frames = self.video_decoder.decode(video)  # uint8 [frames, height, width, 3]
             waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
             t4 = time.perf_counter()
@@ -409,6 +502,8 @@ class Engine:
             stats["cache_dit"] = {"config": cache_stats.config, "cached_steps": cache_stats.cached_steps}
         if self.offloader is not None:
             stats["offload"] = {k: v for k, v in self.offloader.stats.as_dict().items() if k != "h2d_bytes_per_step"}
+        if self.group is not None:
+            stats["parallel"] = {"sp": self.group.world_size, "rank": self.rank}
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=self.model_name, mp4=mp4, thumbnail_png=thumbnail,
             timings={"plan_s": t1 - t0, "encode_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
@@ -433,10 +528,96 @@ class Engine:
             will = self.cache_dit.predict_middle() if self.cache_dit is not None else True
             self.offloader.begin_step(will)
 
+    # --- What the ranks of a multi-device replica agree on -----------------------------------------------
+
+    def _num_local_real_rows(self) -> int:
+        assert self.sequence_parallel is not None
+        return self.sequence_parallel.num_local_real_rows
+
+    def _rank_0_says(self, local: bool) -> bool:
+        """Rank 0's `local` on every rank (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
+        self.group.broadcast(flag, src=0, host_wait=True)
+        return bool(flag.item())
+
+    def _prepare_on_every_rank(self, schedule: H3Schedule) -> PreparedPlans | None:
+        """The request's plans, prepared on every rank, and the ranks' agreement that it worked and that they
+        admitted and evicted alike (a collective).
+
+        Admission and eviction are deterministic functions of the request sequence, which every rank sees
+        in the same order, so every rank's slab holds the request's plans in the same rows. One all-gather
+        of (prepared?, digest of the slab rows) checks it: a rank that could not prepare (an unreadable
+        shard) fails the request on every rank with the group intact; differing rows (a bug, or ranks fed
+        different requests) fail it loudly and leave this rank unhealthy."""
+        prepared, error = None, None
+        try:
+            prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            error = exc
+        digest = _digest(repr(prepared.row_index.tolist())) if prepared is not None else 0
+        world_size = self.group.world_size
+        local = torch.tensor([int(error is None), digest], dtype=torch.int64, device=self.device)
+        gathered = torch.empty(2 * world_size, dtype=torch.int64, device=self.device)
+        try:
+            self.group.all_gather(gathered, local, host_wait=True)
+        except BaseException:
+            if prepared is not None:
+                prepared.release()
+            raise
+        if error is not None:
+            raise error
+        ok, digests = (list(column) for column in zip(*gathered.view(world_size, 2).tolist()))
+        if all(ok) and len(set(digests)) == 1:
+            return prepared
+        if prepared is not None:
+            prepared.release()
+        if not all(ok):
+            failed = [rank for rank, flag in enumerate(ok) if not flag]
+            raise ServerFault(f"rank(s) {failed} of {world_size} could not prepare the request's AdaLN plans "
+                              "(see their log); no rank ran it", "RankFailure")
+        self._fault = f"the AdaLN plan caches of the ranks diverged: slab row digests {digests}"
+        raise ServerFault(f"rank {self.rank}: {self._fault}", "RankDivergence")
+
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+class RankShardedRebuild:
+    """`cache.plan_cache.RebuildShards` over this replica's group: rank r streams and projects only its
+    `parallel.adaln.AdalnShard` of the AdaLN units (a contiguous run of blocks; the last rank also the final
+    layer), then `exchange_modulation_` gives every rank every row, bit-identical to one rank projecting all
+    of them. Before that, once per request, the ranks check that their plan caches missed the same plans
+    (a digest of the keys): caches that diverged fail the request on every rank (ServerFault) instead of
+    pairing mismatched collectives, and leave `divergence` set (the engine then reports unhealthy)."""
+
+    def __init__(self, group: SpGroup, num_blocks: int):
+        self.group = group
+        self.shard = AdalnShard.of(num_blocks, group.rank, group.world_size)
+        self.divergence: str | None = None
+
+    def agree(self, rest: list[PlanKey], missed: list[bool]) -> list[bool]:
+        world_size, device = self.group.world_size, self.group.device
+        local = torch.tensor([len(rest), _digest(repr(rest))], dtype=torch.int64, device=device)
+        gathered = torch.empty(2 * world_size, dtype=torch.int64, device=device)
+        self.group.all_gather(gathered, local, host_wait=True)
+        if len({tuple(row) for row in gathered.view(world_size, 2).tolist()}) > 1:
+            counts = gathered.view(world_size, 2)[:, 0].tolist()
+            self.divergence = f"the AdaLN plan caches of the ranks diverged: plans to rebuild per rank {counts}"
+            raise ServerFault(f"rank {self.group.rank}: {self.divergence}", "RankDivergence")
+        if not rest:
+            return []
+        flags = torch.tensor(missed, dtype=torch.int32, device=device)
+        every_ranks = torch.empty(world_size * len(rest), dtype=torch.int32, device=device)
+        self.group.all_gather(every_ranks, flags, host_wait=True)
+        return every_ranks.view(world_size, len(rest)).amax(dim=0).bool().tolist()
+
+    def select(self, units: list[AdalnUnit]) -> list[AdalnUnit]:
+        return self.shard.select(units)
+
+    def exchange_(self, blocks: torch.Tensor, final: torch.Tensor) -> None:
+        exchange_modulation_(Modulation(blocks=blocks, final=final), self.shard, self.group)
 
 
 def _translated(exc: BaseException) -> BaseException:
@@ -448,4 +629,11 @@ def _translated(exc: BaseException) -> BaseException:
         return AdmissionRejected(str(exc))
     if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
         return ServerFault(str(exc), type(exc).__name__)
+    if isinstance(exc, CollectiveError):  # a peer rank died or stopped answering: the replica is broken
+        return ServerFault(str(exc), type(exc).__name__)
     return exc
+
+
+def _digest(text: str) -> int:
+    """A 63-bit digest of `text` (non-negative, so it fits an int64 tensor)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1

@@ -1,7 +1,7 @@
 """The engine's error types: what a caller (the HTTP layer) needs to pick a status, and nothing more.
 
 The engine raises only these (plus bugs) from its public methods; it translates the lower layers' errors
-(`cache.rebuild.RebuildError`, `model.checkpoint.CheckpointError`, `cache.plan_cache.AdmissionError`,
+(`cache.rebuild.RebuildError`, `model.layout.CheckpointError`, `cache.plan_cache.AdmissionError`,
 `WeightUpdateError`, plain `ValueError`s from validation) at its boundary, keeping their messages and
 chaining them as `__cause__`. So `deployments/` sorts errors by these classes and never imports `cache/`
 or `model/`:

@@ -149,7 +149,7 @@ class VideoGeometry:
             snapped = snap_num_frames(num_frames, spec)
             raise GeometryError(
                 "seconds", seconds,
-                f"{num_frames} frames snap to {snapped} = {snapped / spec.fps:g} s at {spec.fps} fps; "
+                f"snaps to {snapped} frames = {snapped / spec.fps:g} s at {spec.fps} fps; "
                 f"must be between {limits.min_seconds:g} and {limits.max_seconds:g} s",
             ) from None
 
