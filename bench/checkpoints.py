@@ -33,9 +33,7 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import struct
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +45,7 @@ from accelerate import init_empty_weights
 from diffusers import MiniMaxH3Transformer3DModel
 
 from model.layout import H3Checkpoint, Layout
-from model.tiny import TINY_TRANSFORMER, write_index_files
+from model.tiny import TINY_TRANSFORMER, atomic_directory, write_index_files
 from model.weights import (CONFIG_FILE, INDEX_FILE, NATIVE_ROPE_INV_FREQ, H3TransformerConfig, ParamSpec,
                            Transform, is_adaln_param, native_source, parameter_specs)
 
@@ -231,12 +229,8 @@ def make_random_checkpoint(out: str | os.PathLike, config: H3TransformerConfig, 
         raise RandomCheckpointError(f"only={only!r} must be None or 'adaln'")
     if workers < 1:
         raise RandomCheckpointError(f"workers={workers} must be >= 1")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device(device)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         transformer_dir = write_index_files(tmp, layout)
         groups: dict[int, list[StoredTensor]] = {}
         for tensor in stored_tensors(config, layout, only):
@@ -252,13 +246,6 @@ def make_random_checkpoint(out: str | os.PathLike, config: H3TransformerConfig, 
         _write_json(transformer_dir / INDEX_FILE[layout],
                     {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
         _write_json(transformer_dir / CONFIG_FILE, transformer_config_json(config, layout))
-        _make_readable(tmp)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -281,16 +268,6 @@ def checkpoint_nbytes(config: H3TransformerConfig, layout: Layout | str = Layout
 def _write_json(path: Path, value: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
-def _make_readable(root: Path) -> None:
-    """mkdtemp makes owner-only directories; a checkpoint is read by other processes (Serve replicas)."""
-    root.chmod(0o755)
-    for directory, subdirs, files in os.walk(root):
-        for name in subdirs:
-            Path(directory, name).chmod(0o755)
-        for name in files:
-            Path(directory, name).chmod(0o644)
 
 
 # ---------------------------------------------------------------------------------------------------------

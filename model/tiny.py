@@ -23,10 +23,12 @@ CLI:  python -m model.tiny --layout diffusers|native --out DIR [--seed N] [--tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import diffusers
@@ -113,11 +115,7 @@ def make_tiny_checkpoint(out: str | os.PathLike, layout: Layout | str, seed: int
     else); otherwise `model.tiny_components.write_tiny_components` adds the rest and the result must open as a
     complete H3Checkpoint."""
     out, layout = Path(out), Layout(layout)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         model = tiny_transformer(seed)
         if layout is Layout.DIFFUSERS:
             component_root = tmp
@@ -129,6 +127,20 @@ def make_tiny_checkpoint(out: str | os.PathLike, layout: Layout | str, seed: int
             from model.tiny_components import write_tiny_components  # helper B's module: text encoder, VAEs
             write_tiny_components(component_root, layout, seed)
             H3Checkpoint.open(tmp, require_components=True)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Write a checkpoint directory all at once: yield a temporary sibling of `out` (which must not exist, or be
+    empty); when the block ends it is made world-readable and renamed to `out`, so a reader (another replica)
+    never sees a half-written checkpoint; if the block raises it is removed."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
         _make_readable(tmp)
         if out.exists():
             out.rmdir()
@@ -136,7 +148,6 @@ def make_tiny_checkpoint(out: str | os.PathLike, layout: Layout | str, seed: int
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _make_readable(root: Path) -> None:

@@ -42,3 +42,27 @@ def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
     """A private copy of the complete seed-0 tiny checkpoint (diffusers layout: transformer, text encoder,
     tokenizer, VAEs) in tmp_path, safe to corrupt."""
     return Path(shutil.copytree(_tiny_checkpoint_master, tmp_path / "tiny"))
+
+
+# --- job store databases (tests/test_jobs_*.py) --------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A throwaway PostgreSQL server for the session (scripts/postgres; installs the Debian package if missing)."""
+    from jobs.testing import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    """Each job-store test on SQLite and on PostgreSQL (emptied before the test)."""
+    from jobs.testing import reset_postgres
+
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
+    url = request.getfixturevalue("postgres_url")
+    reset_postgres(url)
+    return url

@@ -24,7 +24,7 @@ from jobs.outputs import OutputStore, VideoVariant
 from jobs.records import JobError, JobRecord, JobStatus
 from jobs.service import JobService, open_job_service
 from jobs.store import open_job_store
-from jobs.testing import FakeClock, FakeVideoBackend, fake_mp4, fake_png, postgres_server, reset_postgres
+from jobs.testing import FakeClock, FakeVideoBackend, fake_mp4, fake_png
 
 # 600: the first PostgreSQL test may install Debian's postgresql package (scripts/postgres) on a fresh machine.
 pytestmark = pytest.mark.timeout(600)
@@ -49,21 +49,6 @@ def make_spec(prompt: str = "a lighthouse", steps: int = 4) -> VideoSpec:
         model="tiny", prompt=prompt, seconds=1.0, width=64, height=32, num_inference_steps=steps, seed=5,
         flow_shift=12.0, audio_flow_shift=3.0, quality="lossless",
     )
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    with postgres_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
-    url = request.getfixturevalue("postgres_url")
-    reset_postgres(url)
-    return url
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from jobs.postgres_store import PostgresJobStore
 from jobs.records import JobError, JobStatus, LeaseStatus
 from jobs.sqlite_store import SqliteJobStore
 from jobs.store import open_job_store
-from jobs.testing import FakeClock, postgres_server, reset_postgres
+from jobs.testing import FakeClock, reset_postgres
 
 # 600: the first PostgreSQL test may install Debian's postgresql package (scripts/postgres) on a fresh machine.
 pytestmark = pytest.mark.timeout(600)
@@ -38,21 +38,6 @@ def make_spec(model: str = "m1", prompt: str = "a lighthouse", steps: int = 4) -
         model=model, prompt=prompt, seconds=5.0, width=64, height=32, num_inference_steps=steps, seed=7,
         flow_shift=12.0, audio_flow_shift=3.0, quality="lossless",
     )
-
-
-@pytest.fixture(scope="module")
-def postgres_url():
-    with postgres_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
-    url = request.getfixturevalue("postgres_url")
-    reset_postgres(url)
-    return url
 
 
 @pytest.fixture
