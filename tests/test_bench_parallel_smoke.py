@@ -1,0 +1,51 @@
+"""`python -m bench.parallel --smoke`: SP1 and SP2 (gloo, two spawned ranks, the tiny checkpoint) through the engine
+path write the table the GPU run writes. Timings are not checked (CPU smoke timings mean nothing); what is
+deterministic is: SP2's velocity equals SP1's bit for bit on CPU, both degrees rebuild all 49 plans of a 50-step
+schedule, and the all-to-all bytes follow from the shape (4 x rows/2 x inner x 2 B x 1/2 per block)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import parallel
+from model.tiny import TINY_TRANSFORMER
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("out")
+    code = parallel.main(["--smoke", "--shapes", "s", "--out", str(out),
+                          "--workdir", str(tmp_path_factory.mktemp("work"))])
+    assert code == 0
+    return json.loads((out / "parallel-smoke-cpu.json").read_text())
+
+
+def test_provenance_is_recorded(report):
+    assert report["commit"] and report["device"] == "smoke-cpu"
+    assert report["command"].startswith("python -m bench.parallel --smoke")
+
+
+def test_sp2_step_matches_sp1_bit_for_bit_with_speedup_and_comm_floor(report):
+    steps = {row["sp"]: row for row in report["rows"] if row["what"] == "step s"}
+    assert sorted(steps) == [1, 2]
+    one, two = steps[1], steps[2]
+    assert one["tokens"] == two["tokens"] > 0
+    assert one["max_abs_diff_vs_sp1"] == 0.0 and two["max_abs_diff_vs_sp1"] == 0.0
+    assert one["max_abs_v"] > 0
+    assert one["speedup"] == 1.0 and two["speedup"] > 0
+    blocks = TINY_TRANSFORMER.num_layers
+    expected_mb = 4 * two["tokens"] / 2 * TINY_TRANSFORMER.inner_dim * 2 * 0.5 * blocks / 1e6
+    assert two["a2a_MB_per_rank_per_forward"] == pytest.approx(expected_mb)
+    assert two["comm_floor_ms"] > 0 and "a2a_MB_per_rank_per_forward" not in one
+
+
+def test_plan_miss_rebuilds_every_plan_of_a_50_step_schedule_on_both_degrees(report):
+    misses = {row["sp"]: row for row in report["rows"] if row["what"].startswith("plan miss")}
+    assert sorted(misses) == [1, 2]
+    assert all(row["what"] == "plan miss (49 plans built)" for row in misses.values())
+    assert misses[1]["miss_vs_sp1"] == 1.0 and misses[2]["miss_s"] > 0
+    assert len(misses[2]["note"].split("/")) == 2  # one time per rank
