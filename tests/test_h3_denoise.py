@@ -106,8 +106,8 @@ def test_geometry_arithmetic_matches_the_pipeline_helpers_for_every_frame_count(
         (1344, 760, 5, GeometryLimits(), "height", "multiple of 32"),
         (1344, 704, 5, GeometryLimits(), "height", "short edge must be 768"),
         (1376, 768, 5, GeometryLimits(), "width*height", "<= 1032192"),
-        (1344, 768, 4, GeometryLimits(), "num_frames", "between 5 and 15 s"),  # 97 -> 107 frames = 4.46 s
-        (1344, 768, 15, GeometryLimits(), "num_frames", "between 5 and 15 s"),  # 361 -> 362 frames = 15.08 s
+        (1344, 768, 4, GeometryLimits(), "seconds", "between 5 and 15 s"),  # 97 -> 107 frames = 4.46 s
+        (1344, 768, 15, GeometryLimits(), "seconds", "between 5 and 15 s"),  # 361 -> 362 frames = 15.08 s
         (1344, 768, 0, GeometryLimits(), "seconds", "> 0"),
         (0, 768, 5, GeometryLimits(), "width", ">= 32"),
     ],
