@@ -318,13 +318,12 @@ class PlanCache:
         version = self.weights_version
         step_keys, distinct = [], {}
         for i, timesteps in enumerate(plans):
-            check_plan(timesteps)
+            key = plan_key(timesteps, version)  # also checks the plan: 1-D fp32, finite
             if timesteps.numel() > self.config.plan_width:
                 raise AdmissionError(
                     f"step {i} has {timesteps.numel()} distinct timesteps but adaln.plan_width is "
                     f"{self.config.plan_width}; raise adaln.plan_width"
                 )
-            key = plan_key(timesteps, version)
             step_keys.append(key)
             distinct.setdefault(key, timesteps)
         if len(distinct) > self.config.gpu_plans:

@@ -15,6 +15,12 @@ PlanKey = tuple[object, tuple[int, ...]]
 
 def check_plan(timesteps: torch.Tensor) -> None:
     """Raise ValueError unless `timesteps` is a non-empty 1-D fp32 tensor of finite values."""
+    _check_form(timesteps)
+    if not bool(torch.isfinite(timesteps).all()):
+        raise ValueError(f"plan timesteps must be finite, got {timesteps.tolist()}")
+
+
+def _check_form(timesteps: torch.Tensor) -> None:
     if not isinstance(timesteps, torch.Tensor):
         raise ValueError(f"a plan must be a torch.Tensor of fp32 timesteps, got {type(timesteps).__name__}")
     if timesteps.dtype != torch.float32 or timesteps.dim() != 1 or timesteps.numel() == 0:
@@ -22,14 +28,17 @@ def check_plan(timesteps: torch.Tensor) -> None:
             f"a plan must be a non-empty 1-D float32 tensor, got dtype={timesteps.dtype} "
             f"shape={tuple(timesteps.shape)}"
         )
-    if not bool(torch.isfinite(timesteps).all()):
-        raise ValueError(f"plan timesteps must be finite, got {timesteps.tolist()}")
 
 
 def plan_key(timesteps: torch.Tensor, weights_version: object) -> PlanKey:
-    """Key of the plan `timesteps` (fp32 [M], host or device) under `weights_version` (hashable)."""
-    check_plan(timesteps)
+    """Key of the plan `timesteps` (fp32 [M], host or device) under `weights_version` (hashable); ValueError
+    as `check_plan` for a plan that is not a non-empty 1-D fp32 tensor of finite values."""
+    _check_form(timesteps)
     bits = timesteps.detach().to("cpu").contiguous().view(torch.int32).tolist()
+    # Finite <=> exponent bits not all ones; read off the ints already in hand (a torch.isfinite per plan was
+    # most of a 50-step request's GPU-slab hit on the host).
+    if any((b >> 23) & 0xFF == 0xFF for b in bits):
+        raise ValueError(f"plan timesteps must be finite, got {timesteps.tolist()}")
     return (weights_version, tuple(bits))
 
 

@@ -217,8 +217,12 @@ def test_invalid_plans_are_value_errors(tiny):
     cache = online_cache(tiny)
     with pytest.raises(ValueError, match="float32"):
         cache.prepare([torch.tensor([0.5], dtype=torch.float64)])
-    with pytest.raises(ValueError, match="finite"):
-        cache.prepare([plan(float("nan"))])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match="finite"):
+            cache.prepare([plan(0.5), plan(0.25, bad)])
+    # the largest finite fp32 and a subnormal are plans like any other
+    big, tiny_value = torch.finfo(torch.float32).max, torch.finfo(torch.float32).smallest_normal / 2
+    cache.prepare([plan(big), plan(tiny_value)]).release()
     with pytest.raises(ValueError, match="at least one plan"):
         cache.prepare([])
 
