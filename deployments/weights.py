@@ -148,12 +148,18 @@ class WeightFollower:
     def start(self, timeout_s: float = 30.0) -> None:
         """Apply the fleet target now (constructor: no request yet), then heartbeat in the background."""
         try:
-            version, path = ray.get(self._heartbeat_ref(), timeout=timeout_s)
+            # Read the target without a heartbeat: a replica is listed (GET /admin/weights) only once it has
+            # applied it, never with the version it had before.
+            if self._coordinator is None:
+                self._coordinator = get_coordinator(self.app_name)
+            version, path = ray.get(self._coordinator.target.remote(), timeout=timeout_s)
         except Exception:  # noqa: BLE001 - no coordinator yet: the thread retries
             logger.warning("weights coordinator unreachable at startup; retrying in the background", exc_info=True)
+            self._coordinator = None
             version, path = 0, None
         if version > 0 and path is not None:
             self._apply(version, path)
+        self._applied(None)  # first heartbeat, with the state after the startup apply
         self._thread = threading.Thread(target=self._loop, name="weights-follower", daemon=True)
         self._thread.start()
 
