@@ -27,6 +27,10 @@ How "a dead rank is an error, never a hang" is achieved, and what each piece cov
 4. After a failed collective the group is unusable (an NCCL communicator is left in an undefined state, the
    ranks disagree on what ran): `SpGroup` remembers the failure and refuses every later collective with it, so
    a caught error cannot turn into a hang at the next collective. The replica must be torn down and rebuilt.
+   A failed group is abandoned, not destroyed: a process that must exit after a failure leaves with
+   `os._exit` (or is killed by its coordinator). Seen on CPU: in 2 of ~10 full-suite runs on a loaded 2-core
+   machine, a survivor whose gloo peer had been SIGKILLed died of SIGABRT after reporting the error, in
+   process-group teardown or interpreter exit, instead of exiting cleanly.
 5. Not covered here: a rank stuck outside any collective (in host code or a kernel that never ends) makes its
    peers fail at their next collective, but it stays stuck itself. The coordinator that owns the rank actors
    must bound its own wait (`ray.get(..., timeout=)`) and kill such an actor.
