@@ -131,6 +131,18 @@ def test_invalidate_by_weights_version(tier):
     assert tier.lookup_arrays([("p", "v2")], timeout_s=10) == {}
 
 
+def test_pinned_hits_stay_locked_until_the_next_lookup(ray_cluster):
+    # On CPU the client pins through the fake device (the same path as cudaHostRegister on a GPU).
+    tier = new_client(pin_memory=True)
+    publish_and_wait(tier, make_group_key([("a",), ("b",)], "v1"), {("a",): page(1), ("b",): page(2, 2 * MiB)})
+    found = tier.lookup_arrays([("a",), ("b",)], timeout_s=10)
+    assert set(found) == {("a",), ("b",)} and tier.stats()["pinned_bytes"] == 3 * MiB
+    assert np.array_equal(found[("b",)], page(2, 2 * MiB))  # locked in place: still the same bytes
+    tier.unpin()  # what the next lookup does first
+    assert tier.stats()["pinned_bytes"] == 0
+    tier.close()
+
+
 def test_keys_spread_over_several_pools_per_node(ray_cluster):
     tier = new_client(8 * MiB, pools_per_node=2)
     keys = [(i,) for i in range(8)]
