@@ -2,8 +2,8 @@
 
 Layout:
 
-- :class:`GroupLRU` - plain bookkeeping (no Ray): objects keyed by plan key, grouped by request schedule,
-  evicted a whole group at a time, least recently used first, under a byte capacity.
+- bookkeeping is ``cache.group_lru.GroupLRU`` (the host tier's too; pure python): objects keyed by entry key,
+  grouped by request, evicted a whole group at a time, least recently used first, under a byte capacity.
 - :class:`HostCachePool` - the Ray actor (``num_cpus=0``; ``pools_per_node`` of them per node, named
   ``ditserve-host-cache-pool:<node id>:<index>`` in namespace ``ditserve``). It owns every stored object
   (it ``ray.put``s the arrays itself), so entries outlive the worker that published them, and hands out
@@ -11,8 +11,8 @@ Layout:
 - :class:`PoolClient` - the one client, a worker's plan cache's remote tier (``cache.plan_cache.RemoteTier``):
   ``lookup(plan_keys)`` never raises and answers within ``lookup_timeout_s`` (a dead, slow or missing pool
   is a miss); ``publish_group(plans, ready)`` never blocks (one bounded queue, one background thread; when
-  it is busy the group is dropped); with ``pin_memory`` a hit's pages are registered with CUDA
-  (cudaHostRegister) until the next lookup (one pin path).
+  it is busy the group is dropped); with ``pin_memory`` a hit's pages are page-locked in place
+  (``device.pinned.PinnedMemory.lock``: cudaHostRegister) until the next lookup.
 
 Keys: per plan key (``cache.plan_key.plan_key(timesteps, weights_version)``; hashable, with a ``repr`` stable
 across processes) two entries, ``(plan_key, "blocks")`` and ``(plan_key, "final")``. A request's built plans
@@ -34,18 +34,19 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cache.group_lru import GroupLRU  # pure python: no torch in the pool actor's process
+
 if TYPE_CHECKING:  # torch, the plan cache and the engine config stay out of the pool actor's process
     from cache.plan_cache import PlanRows
+    from device.pinned import PinnedMemory
     from engine.config import PoolConfig
 
 logger = logging.getLogger(__name__)
@@ -118,125 +119,6 @@ def numpy_to_tensor(array: np.ndarray, dtype: Any = None) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Bookkeeping (pure python)
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Object:
-    value: Any
-    nbytes: int
-    groups: Set[GroupKey] = field(default_factory=set)
-
-
-class GroupLRU:
-    """Objects by key, held by groups; whole groups are evicted, least recently used first.
-
-    Invariants (checked by :meth:`check`):
-    - ``used_bytes == sum(nbytes of stored objects) <= capacity_bytes``; an object shared by several groups
-      is stored and counted once.
-    - every stored object belongs to at least one group, and ``obj.groups`` is exactly the set of groups that
-      list its key.
-    - a lookup hit or a publish makes the touched groups the most recently used.
-    """
-
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 0.")
-        self.capacity_bytes = int(capacity_bytes)
-        self.used_bytes = 0
-        self._objects: Dict[Key, _Object] = {}
-        self._groups: "OrderedDict[GroupKey, Set[Key]]" = OrderedDict()
-        self.evicted_groups = 0
-
-    def __contains__(self, key: Key) -> bool:
-        return key in self._objects
-
-    @property
-    def num_groups(self) -> int:
-        return len(self._groups)
-
-    @property
-    def num_objects(self) -> int:
-        return len(self._objects)
-
-    def group_keys(self) -> List[GroupKey]:
-        """Groups from least to most recently used."""
-        return list(self._groups)
-
-    def lookup(self, keys: Iterable[Key]) -> Dict[Key, Any]:
-        found: Dict[Key, Any] = {}
-        touched: Set[GroupKey] = set()
-        for key in keys:
-            obj = self._objects.get(key)
-            if obj is not None:
-                found[key] = obj.value
-                touched |= obj.groups
-        for group_key in touched:
-            self._groups.move_to_end(group_key)
-        return found
-
-    def admit(
-        self,
-        group_key: GroupKey,
-        entries: Mapping[Key, Tuple[Any, int]],
-        shared: Iterable[Key] = (),
-    ) -> bool:
-        """Add (or extend) group ``group_key`` with new objects ``{key: (value, nbytes)}`` and with the
-        already-stored ``shared`` keys. A key that is already stored is shared, never replaced. Evicts other
-        groups, least recently used first, to make room; returns False (changing nothing) when the new bytes
-        exceed the whole capacity (or the group itself would)."""
-        if self._new_bytes(entries) > self.capacity_bytes:
-            return False
-        while self.used_bytes + self._new_bytes(entries) > self.capacity_bytes:
-            victim = next((g for g in self._groups if g != group_key), None)
-            if victim is None:  # only the group being extended is left and it cannot grow this much
-                return False
-            self._drop_group(victim)
-            self.evicted_groups += 1
-        members = self._groups.setdefault(group_key, set())
-        self._groups.move_to_end(group_key)
-        for key, (value, nbytes) in entries.items():
-            obj = self._objects.get(key)
-            if obj is None:
-                obj = self._objects[key] = _Object(value, int(nbytes))
-                self.used_bytes += obj.nbytes
-            obj.groups.add(group_key)
-            members.add(key)
-        for key in shared:
-            obj = self._objects.get(key)
-            if obj is not None:  # it may have been evicted to make room
-                obj.groups.add(group_key)
-                members.add(key)
-        return True
-
-    def _new_bytes(self, entries: Mapping[Key, Tuple[Any, int]]) -> int:
-        return sum(nbytes for key, (_, nbytes) in entries.items() if key not in self._objects)
-
-    def invalidate(self, weights_version: Any = None) -> int:
-        """Drop every group of ``weights_version`` (group_key[1]); all groups when None."""
-        victims = [g for g in self._groups if weights_version is None or g[1] == weights_version]
-        for group_key in victims:
-            self._drop_group(group_key)
-        return len(victims)
-
-    def _drop_group(self, group_key: GroupKey) -> None:
-        for key in self._groups.pop(group_key):
-            obj = self._objects[key]
-            obj.groups.discard(group_key)
-            if not obj.groups:
-                del self._objects[key]
-                self.used_bytes -= obj.nbytes
-
-    def check(self) -> None:
-        assert self.used_bytes == sum(o.nbytes for o in self._objects.values())
-        assert self.used_bytes <= self.capacity_bytes
-        for key, obj in self._objects.items():
-            assert obj.groups, f"object {key!r} belongs to no group"
-            assert obj.groups == {g for g, members in self._groups.items() if key in members}
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The pool actor
 # ---------------------------------------------------------------------------------------------------------
 
@@ -252,7 +134,7 @@ class HostCachePool:
     """
 
     def __init__(self, capacity_bytes: int):
-        self._lru = GroupLRU(capacity_bytes)
+        self._lru: GroupLRU[Key, GroupKey, ray.ObjectRef] = GroupLRU(capacity_bytes)
         self._counts = {
             "lookups": 0,
             "hits": 0,
@@ -288,15 +170,14 @@ class HostCachePool:
                     "(tensor_to_numpy(t) for torch tensors)."
                 )
             arrays[key] = value
-        if sum(a.nbytes for a in arrays.values()) > self._lru.capacity_bytes:
+        if sum(a.nbytes for a in arrays.values()) > self._lru.capacity:  # refused before any ray.put
             self._counts["rejected_groups"] += 1
             return False
         # ray.put copies into memory this actor owns; off the event loop so lookups are not held up.
         loop = asyncio.get_running_loop()
         refs = await loop.run_in_executor(None, _put_all, arrays)
-        new = {k: (refs[k], arrays[k].nbytes) for k in arrays}
-        shared = [k for k in entries if k not in new]
-        admitted = self._lru.admit(group_key, new, shared)
+        shared = [k for k in entries if k not in arrays]
+        admitted = self._lru.admit(group_key, {k: a.nbytes for k, a in arrays.items()}, refs.__getitem__, shared)
         if admitted:
             self._counts["publishes"] += 1
             self._counts["published_bytes"] += sum(a.nbytes for a in arrays.values())
@@ -306,17 +187,17 @@ class HostCachePool:
 
     async def invalidate(self, weights_version: Any = None) -> int:
         """Drop the groups of ``weights_version`` (every group when None); returns how many."""
-        dropped = self._lru.invalidate(weights_version)
+        dropped = self._lru.invalidate(None if weights_version is None else lambda g: g[1] == weights_version)
         self._counts["invalidated_groups"] += dropped
         return dropped
 
     async def stats(self) -> Dict[str, Any]:
         return {
-            "capacity_bytes": self._lru.capacity_bytes,
-            "used_bytes": self._lru.used_bytes,
+            "capacity_bytes": self._lru.capacity,
+            "used_bytes": self._lru.used,
             "num_groups": self._lru.num_groups,
             "num_objects": self._lru.num_objects,
-            "evicted_groups": self._lru.evicted_groups,
+            "evicted_groups": self._lru.num_evicted_groups,
             **self._counts,
         }
 
@@ -375,7 +256,8 @@ class PoolClient:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-publish")
         self._pending = 0
-        self._pinned: Dict[Key, np.ndarray] = {}
+        self._pins: Optional[PinnedMemory] = None  # made on the first pinned lookup (torch stays lazy)
+        self._pinned: Dict[Key, Any] = {}  # entry key -> locked tensor (a view keeping its array alive)
         self.counts = {
             "lookups": 0, "hit_plans": 0, "miss_plans": 0, "bad_entries": 0, "lookup_failures": 0,
             "published_groups": 0, "dropped_groups": 0, "publish_failures": 0, "invalidate_errors": 0,
@@ -590,34 +472,35 @@ class PoolClient:
 
     def stats(self) -> Dict[str, Any]:
         """This client's counters (no pool round trip)."""
-        return {**self.counts, "lookup_timeout_s": self.lookup_timeout_s, "pin_memory": self.pin_memory}
+        pinned_bytes = self._pins.pinned_bytes if self._pins is not None else 0
+        return {**self.counts, "lookup_timeout_s": self.lookup_timeout_s, "pin_memory": self.pin_memory,
+                "pinned_bytes": pinned_bytes}
 
-    # -- pinned (cudaHostRegister) pages: the one pin path --------------------------------------------------
+    # -- pinned pages: page-locked in place through the device layer --------------------------------------
 
     def _pin(self, found: Dict[Key, np.ndarray]) -> Dict[Key, np.ndarray]:
-        import torch
+        if self._pins is None:
+            from device.pinned import PinnedMemory
+            from device.streams import make_device
 
-        if not torch.cuda.is_available():
-            return found
-        cudart = torch.cuda.cudart()
+            self._pins = PinnedMemory(make_device(None), owner="node pool hits")
         for key, array in found.items():
-            if key in self._pinned:
+            if key in self._pinned or array.nbytes == 0:
                 continue
-            if int(cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)) == 0:
-                # Keep the array (and with it the shared-memory mapping) alive while registered.
-                self._pinned[key] = array
+            tensor = numpy_to_tensor(array)  # shares the array's memory and keeps its mapping alive
+            try:
+                self._pins.lock(tensor)
+            except RuntimeError as e:  # PinError: refused; the hit is still good, copied at pageable speed
+                logger.debug("pool hit %r not pinned: %s", key, e)
+                continue
+            self._pinned[key] = tensor
         return found
 
     def unpin(self) -> None:
-        """Unregister every page pinned by the last lookup."""
-        if not self._pinned:
-            return
-        import torch
-
-        cudart = torch.cuda.cudart()
+        """Unlock every page pinned by the last lookup (its rows were copied into the slab synchronously)."""
         pinned, self._pinned = self._pinned, {}
-        for array in pinned.values():
-            cudart.cudaHostUnregister(array.ctypes.data)
+        for tensor in pinned.values():
+            self._pins.unlock(tensor)
 
     def close(self) -> None:
         self.unpin()

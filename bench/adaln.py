@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.smoke or args.quick):
         sweep += [(r, c) for r in (8, 16, 32) for c in (4, 8, 32) if (r, c) != sweep[0]]
     for readers, chunk_mb in sweep:
-        rb = AdalnRebuilder(streams=cache.streams, readers=readers, chunk_bytes=chunk_mb << 20, direct_io="never")
+        rb = AdalnRebuilder(gpu=cache.gpu, readers=readers, chunk_bytes=chunk_mb << 20, direct_io="never")
         add(f"readers only: {readers} x {chunk_mb} MiB chunks", read_only_pass(rb, units), adaln_bytes / 1e9,
             LIMITS["page_cache_read_gbps"], "page cache -> pinned staging, no H2D/GEMM")
         rb.close()
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     some = units[: min(8, len(units))]
     some_bytes = sum(u.nbytes for u in some)
     for readers, chunk_mb in ([(16, 32)] if args.smoke or args.quick else [(16, 8), (16, 32), (16, 128), (4, 32)]):
-        rb = AdalnRebuilder(streams=cache.streams, readers=readers, direct_chunk_bytes=chunk_mb << 20,
+        rb = AdalnRebuilder(gpu=cache.gpu, readers=readers, direct_chunk_bytes=chunk_mb << 20,
                             direct_io="always")
         add(f"readers only, O_DIRECT: {readers} x {chunk_mb} MiB ({len(some)} units)", read_only_pass(rb, some),
             some_bytes / 1e9, LIMITS["cold_disk_gbps"], "disk -> pinned staging")

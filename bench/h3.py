@@ -618,7 +618,8 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
     # offload, then offload + Cache-DiT, then Cache-DiT alone (the offloader removed)
     from bench.offload import parse_cache
     from cache.cache_dit import CacheDit, find_block_stack
-    from offload import FakeDevice, LayerwiseOffloader, OffloadConfig
+    from device.streams import FakeDevice
+    from offload import LayerwiseOffloader, OffloadConfig
 
     cache_config = parse_cache(args.cache)
     cache_schedule = H3Schedule.build(args.cache_steps)

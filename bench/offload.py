@@ -34,11 +34,12 @@ import torch
 from bench.checkpoints import PRESETS, random_transformer
 from bench.common import device_description, git_commit
 from cache.cache_dit import CacheDitConfig, CacheDitOverrides
+from device.streams import FakeDevice, make_device
 from model.adaln import ExternalModulation, Modulation, adaln_input, resident_modulation
 from model.denoise import Denoiser
 from model.geometry import GeometryLimits, VideoGeometry
 from model.schedule import H3Schedule
-from offload import FakeDevice, LayerwiseOffloader, OffloadConfig, make_device
+from offload import LayerwiseOffloader, OffloadConfig
 
 logger = logging.getLogger("bench.offload")
 

@@ -18,19 +18,19 @@ CPU never reads or writes page contents.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import torch
 
-from cache.host_memory import PinOwner, pinned_empty
+from cache.group_lru import GroupLRU
 from cache.slab import PlanSlab
-from cache.streams import Event, Stream, Streams
+from device.pinned import PinnedMemory
+from device.streams import Device, Event, Stream
 
 logger = logging.getLogger(__name__)
 
-#: `(shape, dtype, pin_memory) -> Tensor`; tests inject failing allocators to exercise the fallback.
+#: `(shape, dtype, pin) -> Tensor`, raising RuntimeError when pinned memory cannot be had.
 PageAllocator = Callable[[tuple[int, int], torch.dtype, bool], torch.Tensor]
 
 
@@ -49,7 +49,7 @@ def allocate_pages(num_pages: int, page_numel: int, dtype: torch.dtype, pin: boo
             break
         try:
             pages = allocator((n, page_numel), dtype, True)
-        except RuntimeError as e:  # CUDA raises RuntimeError ("out of memory" / "cudaHostAlloc failed")
+        except RuntimeError as e:  # PinError (over budget, cudaHostRegister refused) or CUDA out of memory
             errors.append(f"{n} pages: {e}".splitlines()[0])
             continue
         if n != num_pages:
@@ -63,12 +63,6 @@ def allocate_pages(num_pages: int, page_numel: int, dtype: torch.dtype, pin: boo
 
 
 @dataclass
-class _HostPlan:
-    pages: tuple[int, ...]   # one page per timestep row, in row order
-    refcount: int            # number of stored groups listing this plan
-
-
-@dataclass
 class StoreResult:
     stored_plans: int = 0      # plans copied D2H by this store
     evicted_groups: int = 0    # groups evicted to make room
@@ -76,39 +70,39 @@ class StoreResult:
 
 
 class HostTier:
-    """Pinned pages of built plans; group LRU; plans shared by groups are refcounted.
+    """Pinned pages of built plans; group LRU (`cache.group_lru.GroupLRU`, sizes in pages); plans shared by
+    groups are stored once and live while any group lists them.
 
     Verbs: `lookup(keys)` (present plans; touches their groups), `touch(group)`, `store_group(...)` (D2H the
     group's plans not yet stored, evicting LRU groups first; a group that cannot fit even in an empty tier
     is skipped and counted), `load(...)` (H2D into slab rows), `evict()` (the LRU group), `invalidate()`.
 
-    Invariants (`check()`): free pages + pages held by plans == num_pages; a plan's refcount equals the
-    number of stored groups listing it and is > 0 (a plan no group lists is freed at once); a stored group's
-    plans are all present (all or nothing).
+    Invariants (`check()`): free pages + pages held by plans == num_pages; the group LRU's own (a plan lives
+    while a stored group lists it; a stored group's plans are all present: all or nothing).
     """
 
     def __init__(self, *, capacity_bytes: int, num_blocks: int, adaln_width: int, final_width: int,
-                 dtype: torch.dtype, streams: Streams, allocator: PageAllocator | None = None):
+                 dtype: torch.dtype, gpu: Device):
         self.num_blocks, self.adaln_width, self.final_width = num_blocks, adaln_width, final_width
         self.block_numel = num_blocks * adaln_width
         self.page_numel = self.block_numel + final_width
         self.page_bytes = self.page_numel * torch.empty((), dtype=dtype).element_size()
         wanted = max(int(capacity_bytes), 0) // self.page_bytes
-        if allocator is None:
-            self._pins = PinOwner()
+        # Exact-size pinned pages (FakeDevice(lockable_bytes=...) simulates a host short of lockable memory).
+        self._memory = PinnedMemory(gpu, owner="AdaLN host tier")
 
-            def allocator(shape, dtype, pin):
-                return pinned_empty(shape, dtype, self._pins) if pin else torch.empty(shape, dtype=dtype)
-        self.pages, self.pinned = allocate_pages(wanted, self.page_numel, dtype, streams.can_pin, allocator)
+        def allocator(shape: tuple[int, int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+            return self._memory.pinned(shape, dtype) if pin else torch.empty(shape, dtype=dtype)
+
+        self.pages, self.pinned = allocate_pages(wanted, self.page_numel, dtype, self._memory.pin, allocator)
         self.num_pages = self.pages.shape[0]
-        self._streams = streams
-        self._stream: Stream | None = streams.new_stream("host") if self.num_pages else None
+        self._gpu = gpu
+        self._stream: Stream | None = gpu.new_stream("host") if self.num_pages else None
         self._last_d2h: Event | None = None
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
-        self._plans: dict[Hashable, _HostPlan] = {}
-        self._groups: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()  # LRU first
-        self._groups_of: dict[Hashable, set[Hashable]] = {}
-        self.num_evicted_groups = 0
+        # Plan key -> its pages (one per timestep row, in row order); dropped plans give their pages back.
+        self._lru: GroupLRU[Hashable, Hashable, tuple[int, ...]] = GroupLRU(
+            self.num_pages, on_drop=lambda key, pages: self._free.extend(pages))
         self.num_pressure_skips = 0
 
     @property
@@ -119,48 +113,33 @@ class HostTier:
     def num_free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def num_evicted_groups(self) -> int:
+        return self._lru.num_evicted_groups
+
     def group_order(self) -> list[Hashable]:
         """Stored groups, next victim first."""
-        return list(self._groups)
+        return self._lru.group_keys()
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._plans
+        return key in self._lru
 
     # -- bookkeeping verbs
     def lookup(self, keys: Sequence[Hashable]) -> list[Hashable]:
         """The subset of `keys` stored here, in order; a hit refreshes the recency of its groups."""
-        hits = [k for k in keys if k in self._plans]
-        for key in hits:
-            for group in self._groups_of[key]:
-                self._groups.move_to_end(group)
-        return hits
+        return list(self._lru.lookup(keys))
 
     def touch(self, group_key: Hashable) -> bool:
         """Refresh a stored group's recency; False if it is not stored."""
-        if group_key not in self._groups:
-            return False
-        self._groups.move_to_end(group_key)
-        return True
+        return self._lru.touch(group_key)
 
     def evict(self) -> Hashable:
         """Drop the least recently used group; plans no other group lists give their pages back."""
-        group_key, keys = self._groups.popitem(last=False)
-        for key in keys:
-            self._groups_of[key].discard(group_key)
-            plan = self._plans[key]
-            plan.refcount -= 1
-            if plan.refcount == 0:
-                del self._plans[key], self._groups_of[key]
-                self._free.extend(plan.pages)
-        self.num_evicted_groups += 1
-        return group_key
+        return self._lru.evict()
 
     def invalidate(self) -> None:
         """Forget every plan. Copies already queued on the tier stream finish into pages nobody reads."""
-        self._plans.clear()
-        self._groups.clear()
-        self._groups_of.clear()
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._lru.invalidate()
 
     # -- copies
     def store_group(self, group_key: Hashable, plans: Sequence[tuple[Hashable, Sequence[int]]],
@@ -175,38 +154,27 @@ class HostTier:
             return result
         if self.touch(group_key):
             return result
-        if sum(len(rows) for _, rows in plans) > self.num_pages:
+        rows_of = dict(plans)
+        new = {key: len(rows) for key, rows in plans if key not in self._lru}
+        evicted_before = self.num_evicted_groups
+        # Plans the group shares with stored groups only gain a reference (taken before anything is evicted);
+        # the new ones get pages from the free list once room is made.
+        if not self._lru.admit(group_key, {key: len(rows) for key, rows in plans},
+                               lambda key: tuple(self._free.pop() for _ in rows_of[key])):
             self.num_pressure_skips += 1
             result.skipped = True
             return result
-        # Reference the plans this group shares first, so evicting other groups cannot free them.
-        new = []
-        for key, rows in plans:
-            if key in self._plans:
-                self._plans[key].refcount += 1
-            else:
-                new.append((key, rows))
-        need = sum(len(rows) for _, rows in new)
-        evicted_before = self.num_evicted_groups
-        while len(self._free) < need:
-            self.evict()  # terminates: the group fits an empty tier, and its shared plans are referenced
         result.evicted_groups = self.num_evicted_groups - evicted_before
         if new:
             # The D2H reads slab rows the compute stream wrote (rebuild GEMMs or an earlier H2D's fence);
             # without this wait it could copy stale rows into the pages.
             self._stream.wait_stream(compute)
-            with self._streams.use(self._stream):
-                for key, rows in new:
-                    pages = tuple(self._free.pop() for _ in rows)
-                    for page, row in zip(pages, rows):
-                        self._page_blocks(page).copy_(slab.blocks[:, row], non_blocking=True)
-                        self.pages[page, self.block_numel:].copy_(slab.final[row], non_blocking=True)
-                    self._plans[key] = _HostPlan(pages=pages, refcount=1)
-                    self._groups_of[key] = set()
+            with self._gpu.use_stream(self._stream):
+                for key in new:
+                    for page, row in zip(self._lru.get(key), rows_of[key]):
+                        self._gpu.copy_(self._page_blocks(page), slab.blocks[:, row])
+                        self._gpu.copy_(self.pages[page, self.block_numel:], slab.final[row])
                 self._last_d2h = self._stream.record_event()
-        for key, _ in plans:
-            self._groups_of[key].add(group_key)
-        self._groups[group_key] = tuple(key for key, _ in plans)
         result.stored_plans = len(new)
         return result
 
@@ -218,14 +186,14 @@ class HostTier:
         # stream (released requests); without this wait the H2D overwrites rows those kernels still read.
         self._stream.wait_stream(compute)
         num_pages = 0
-        with self._streams.use(self._stream):
+        with self._gpu.use_stream(self._stream):
             for key, rows in plans:
-                pages = self._plans[key].pages
+                pages = self._lru.get(key)
                 if len(pages) != len(rows):
                     raise RuntimeError(f"plan {key!r} has {len(pages)} pages but {len(rows)} slab rows")
                 for page, row in zip(pages, rows):
-                    slab.blocks[:, row].copy_(self._page_blocks(page), non_blocking=True)
-                    slab.final[row].copy_(self.pages[page, self.block_numel:], non_blocking=True)
+                    self._gpu.copy_(slab.blocks[:, row], self._page_blocks(page))
+                    self._gpu.copy_(slab.final[row], self.pages[page, self.block_numel:])
                 num_pages += len(pages)
             loaded = self._stream.record_event()
         # The forward reads these rows on the compute stream; without this wait it could read them
@@ -249,14 +217,7 @@ class HostTier:
 
     def check(self) -> None:
         """Assert the invariants in the class docstring."""
-        held = sum(len(p.pages) for p in self._plans.values())
-        assert len(self._free) + held == self.num_pages, "free + held pages != num_pages"
-        assert len(set(self._free)) == len(self._free), "page on the free list twice"
-        counts: dict[Hashable, int] = {}
-        for group, keys in self._groups.items():
-            for key in keys:
-                assert key in self._plans, f"group {group!r} lists missing plan {key!r}"
-                assert group in self._groups_of[key]
-                counts[key] = counts.get(key, 0) + 1
-        for key, plan in self._plans.items():
-            assert plan.refcount == counts.get(key, 0) > 0, f"plan {key!r} refcount {plan.refcount}"
+        self._lru.check()
+        held = [page for key in self._lru.keys() for page in self._lru.get(key)]
+        assert len(self._free) + len(held) == self.num_pages, "free + held pages != num_pages"
+        assert len(set(self._free) | set(held)) == self.num_pages, "a page is free twice, or free and held"

@@ -37,14 +37,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from cache.config import AdalnConfig
-from cache.host_tier import HostTier, PageAllocator
+from cache.host_tier import HostTier
 from cache.plan_key import PlanKey, check_plan, plan_key
 from cache.projection import prepare_weight, project, projection_guard
 from cache.rebuild import (
     AdalnRebuilder, AdalnUnit, RebuildError, RebuildReport, RebuildTarget, TensorLocator, resolve_adaln_units,
 )
 from cache.slab import PlanSlab, SlabFullError
-from cache.streams import Streams
+from device.pinned import PinnedMemory
+from device.streams import Device, make_device
 from model.adaln import AdalnModel, H3Adaln, Modulation
 
 __all__ = [
@@ -241,8 +242,7 @@ class PlanCache:
     def __init__(self, config: AdalnConfig, checkpoint_reader: AdalnWeights, model: AdalnModel | nn.Module,
                  device: torch.device | str, *, remote: RemoteTier | None = None,
                  reader_factory: Callable[[str], AdalnWeights] | None = None,
-                 streams: Streams | None = None, host_allocator: PageAllocator | None = None,
-                 shards: RebuildShards | None = None):
+                 gpu: Device | None = None, shards: RebuildShards | None = None):
         if config.mode != "online":
             raise ValueError("PlanCache serves adaln.mode=online; use ResidentModulation for resident")
         self.config = config
@@ -253,7 +253,8 @@ class PlanCache:
         self._reader_factory = reader_factory or open_h3_transformer
         self.remote = remote
         self.shards = shards
-        self.streams = streams if streams is not None else Streams(self.device)
+        self.gpu = gpu if gpu is not None else make_device(self.device)  # streams, events, pinned memory
+        self._publish_memory = PinnedMemory(self.gpu, owner="AdaLN pool publish")
         dims = self.model  # the slab and host pages are shaped like the served model's projections
         self.slab = PlanSlab(
             num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=dims.num_blocks,
@@ -262,11 +263,10 @@ class PlanCache:
         )
         self.host = HostTier(
             capacity_bytes=config.host_cache_bytes, num_blocks=dims.num_blocks, adaln_width=dims.adaln_width,
-            final_width=dims.final_adaln_width, dtype=dims.torch_dtype, streams=self.streams,
-            allocator=host_allocator,
+            final_width=dims.final_adaln_width, dtype=dims.torch_dtype, gpu=self.gpu,
         )
         self.rebuilder = AdalnRebuilder(
-            streams=self.streams, readers=config.readers, chunk_bytes=config.read_chunk_mb << 20,
+            gpu=self.gpu, readers=config.readers, chunk_bytes=config.read_chunk_mb << 20,
             direct_chunk_bytes=config.direct_chunk_mb << 20, num_buffers=config.staging_buffers,
             projection=config.projection, direct_io=config.direct_io,
         )
@@ -349,7 +349,7 @@ class PlanCache:
         step_keys, distinct = self._admit(plans)
         stats = AdalnStats(requests=1)
         index = self.slab.index
-        compute = self.streams.current()
+        compute = self.gpu.current_stream()
         slot_of: dict[PlanKey, int] = {}
 
         def rows_of(key: PlanKey) -> list[int]:
@@ -452,27 +452,23 @@ class PlanCache:
     def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> int:
         """Offer the plans just built to the remote tier without holding up the request.
 
-        The rows are copied D2H into fresh host tensors (pinned on CUDA, `non_blocking`) on the compute
+        The rows are copied D2H into fresh host tensors (per-request pinned staging) on the compute
         stream: queued after the rebuild's writes and before the forward, so nothing here waits. The
         request holds its slots until `release()`, which comes after the engine synchronised the compute
         stream (results to the host), so the rows cannot be overwritten before the copies ran. A remote
         with `publish_group` gets the tensors and an event to wait for on its own thread; a plain one gets
-        `publish` per plan after a wait for the copies (on CUDA; on CPU the copies are already done).
+        `publish` per plan after a wait for the copies.
         """
-        pin = self.streams.can_pin
         plans: dict[PlanKey, PlanRows] = {}
         for key in keys:
             first, m = self.slab.first_row(slot_of[key]), len(key[1])
             src_blocks, src_final = self.slab.blocks[:, first: first + m], self.slab.final[first: first + m]
-            blocks = torch.empty(src_blocks.shape, dtype=src_blocks.dtype, pin_memory=pin)
-            final = torch.empty(src_final.shape, dtype=src_final.dtype, pin_memory=pin)
-            blocks.copy_(src_blocks, non_blocking=pin)
-            final.copy_(src_final, non_blocking=pin)
+            blocks = self._publish_memory.staging(tuple(src_blocks.shape), src_blocks.dtype)
+            final = self._publish_memory.staging(tuple(src_final.shape), src_final.dtype)
+            self.gpu.copy_(blocks, src_blocks)
+            self.gpu.copy_(final, src_final)
             plans[key] = PlanRows(blocks, final)
-        ready = None
-        if self.streams.is_cuda:
-            ready = self.streams.new_event()
-            ready.record(compute)
+        ready = compute.record_event()
         publish_group = getattr(self.remote, "publish_group", None)
         if publish_group is not None:
             publish_group(plans, ready)

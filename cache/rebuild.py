@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
-from cache.host_memory import PinOwner, pinned_empty
 from cache.projection import Projection, prepare_weight, project, projection_guard
-from cache.streams import Event, Streams
+from device.pinned import PinnedMemory
+from device.streams import Device, Event
 
 if TYPE_CHECKING:  # model/ is only needed for types here (the ingress imports this module for RebuildError)
     from model.adaln import AdalnDims
@@ -233,10 +233,11 @@ class AdalnRebuilder:
     its offset inside the first 4 KiB block for an O_DIRECT read) and the bias at `_align(weight) + 4 KiB`.
     """
 
-    def __init__(self, *, streams: Streams, readers: int = 16, chunk_bytes: int = 8 << 20,
+    def __init__(self, *, gpu: Device, readers: int = 16, chunk_bytes: int = 8 << 20,
                  direct_chunk_bytes: int = 32 << 20, num_buffers: int = 2, projection: Projection = "match",
                  direct_io: str = "auto"):
-        self.streams = streams
+        self.gpu = gpu
+        self._memory = PinnedMemory(gpu, owner="AdaLN rebuild staging")
         self.readers = readers
         self.chunk_bytes = chunk_bytes
         self.direct_chunk_bytes = max(_ALIGN, direct_chunk_bytes // _ALIGN * _ALIGN)
@@ -244,7 +245,8 @@ class AdalnRebuilder:
         self.projection = projection
         self.direct_io = direct_io
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="adaln-reader")
-        self._copy_stream = streams.new_stream("copy")
+        self._copy_stream = gpu.new_stream("copy")
+        self._raw: list[torch.Tensor] = []  # what `_host` views (4 KiB aligned slices of it)
         self._host: list[torch.Tensor] = []
         self._device: list[torch.Tensor] = []
         self._host_views: list[memoryview] = []
@@ -269,19 +271,17 @@ class AdalnRebuilder:
         if self._host and self._host[0].numel() >= nbytes:
             return
         nbytes = _align(nbytes)
-        self._host = []
-        self._pins = PinOwner()  # a replaced owner unpins the buffers it replaces
+        for raw in self._raw:
+            self._memory.free(raw)  # after the device finished the copies out of it
+        self._raw, self._host = [], []
         for _ in range(self.num_buffers):
             # One extra block so the buffer can start 4 KiB aligned (O_DIRECT needs aligned addresses).
-            if self.streams.can_pin:
-                raw = pinned_empty((nbytes + _ALIGN,), torch.uint8, self._pins)
-            else:
-                raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+            raw, _ = self._memory.allocate((nbytes + _ALIGN,), torch.uint8)
             skip = -raw.data_ptr() % _ALIGN
+            self._raw.append(raw)
             self._host.append(raw[skip: skip + nbytes])
         self._host_views = [memoryview(h.numpy()) for h in self._host]
-        self._device = [torch.empty(nbytes, dtype=torch.uint8, device=self.streams.device)
-                        for _ in range(self.num_buffers)]
+        self._device = [self.gpu.empty(nbytes, torch.uint8) for _ in range(self.num_buffers)]
         self._copied = [None] * self.num_buffers
         self._computed = [None] * self.num_buffers
 
@@ -325,7 +325,7 @@ class AdalnRebuilder:
         if not targets:
             return RebuildReport(0, 0.0, 0, 0)
         self._ensure_buffers(max(u.staging_bytes for u in units))
-        compute = self.streams.current()
+        compute = self.gpu.current_stream()
         copy = self._copy_stream
         S = self.num_buffers
         files = _Files(self.direct_io)
@@ -348,10 +348,9 @@ class AdalnRebuilder:
                         copy.wait_event(self._computed[k])
                     w_src, w_n, b_n = self._weight_src[k], unit.weight.nbytes, unit.bias.nbytes
                     b_src, b_dst = self._bias_src(unit), _align(w_n)
-                    with self.streams.use(copy):
-                        self._device[k][:w_n].copy_(self._host[k][w_src: w_src + w_n], non_blocking=True)
-                        self._device[k][b_dst: b_dst + b_n].copy_(self._host[k][b_src: b_src + b_n],
-                                                                  non_blocking=True)
+                    with self.gpu.use_stream(copy):
+                        self.gpu.copy_(self._device[k][:w_n], self._host[k][w_src: w_src + w_n])
+                        self.gpu.copy_(self._device[k][b_dst: b_dst + b_n], self._host[k][b_src: b_src + b_n])
                         self._copied[k] = copy.record_event()
                     # The GEMMs must not read device[k] before the copy lands (stale previous unit).
                     compute.wait_event(self._copied[k])

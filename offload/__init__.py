@@ -2,26 +2,19 @@
 
 `LayerwiseOffloader(blocks, OffloadConfig(...), device, root=model).apply()` streams any
 `nn.ModuleList` of blocks through forward hooks; `set_cache_blocks(Fn, Bn)` and
-`begin_step(will_compute_middle)` make it skip-predictive under cache-dit's DBCache.
+`begin_step(will_compute_middle)` make it skip-predictive under cache-dit's DBCache. Streams, events and
+pinned memory come from the device layer (`device/`: `make_device`, `FakeDevice` for CPU tests).
 """
 
-from .device import CudaDevice, Device, Event, FakeDevice, Stream, make_device
 from .layerwise import HOOK_NAME, LayerwiseOffloader, OffloadConfig, OffloadStats, plan_residency
-from .pinned import BlockLayout, HostMemory, TensorSlot
+from .pinned import BlockLayout, TensorSlot
 
 __all__ = [
     "HOOK_NAME",
     "BlockLayout",
-    "CudaDevice",
-    "Device",
-    "Event",
-    "FakeDevice",
-    "HostMemory",
     "LayerwiseOffloader",
     "OffloadConfig",
     "OffloadStats",
-    "Stream",
     "TensorSlot",
-    "make_device",
     "plan_residency",
 ]

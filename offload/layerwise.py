@@ -45,8 +45,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from .device import Device, Event, Stream, make_device
-from .pinned import BlockHostBuffers, BlockLayout, HostMemory, TensorSlot, slot_view
+from device.pinned import PinnedMemory
+from device.streams import Device, Event, Stream, make_device
+
+from .pinned import BlockHostBuffers, BlockLayout, TensorSlot, slot_view
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +242,7 @@ class LayerwiseOffloader:
         self._resident: frozenset[int] = frozenset()
         self._streamed: list[int] = []
         self._middle: range | None = None  # gated middle blocks (skip prediction on)
-        self._memory: HostMemory | None = None
+        self._memory: PinnedMemory | None = None
         self._copy_stream: Stream | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.device_bytes = 0
@@ -271,8 +273,9 @@ class LayerwiseOffloader:
             for name, t, _ in tensors:
                 if owner.setdefault(id(t), i) != i:
                     raise ValueError(f"block {i} tensor {name!r} is shared with block {owner[id(t)]}; cannot offload")
-        self._memory = HostMemory(self.device, pin=self.config.pin_memory, budget_bytes=self.config.pinned_budget_bytes)
-        self._copy_stream = self.device.new_stream()
+        self._memory = PinnedMemory(self.device, pin=self.config.pin_memory,
+                                    budget_bytes=self.config.pinned_budget_bytes, owner="offload")
+        self._copy_stream = self.device.new_stream("copy")
         entries: list[_Entry | None] = [None] * self.num_blocks
         # Streamed blocks get pinned memory first: resident ones are copied only on weight updates/replans.
         order = sorted(range(self.num_blocks), key=lambda i: (i in self._resident, i))

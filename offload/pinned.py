@@ -1,4 +1,4 @@
-"""Consolidated host buffers for offloaded blocks, and the pinned-memory budget.
+"""Consolidated host buffers for offloaded blocks (pinned through `device.pinned.PinnedMemory`, its budget).
 
 A block's parameters and buffers are packed into one flat host tensor per dtype. Every tensor gets a
 slot at an aligned offset and keeps its strides, so the device copy of the block is one copy per dtype
@@ -8,14 +8,11 @@ and each parameter is a strided view of the device buffer with the same layout i
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from .device import Device
-
-logger = logging.getLogger(__name__)
+from device.pinned import PinnedMemory
 
 
 @dataclass(frozen=True)
@@ -88,49 +85,15 @@ def slot_view(flat: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return flat.as_strided(slot.shape, slot.stride, slot.offset)
 
 
-class HostMemory:
-    """Allocates host buffers: pinned while the budget lasts, pageable after that (one warning)."""
-
-    def __init__(self, device: Device, *, pin: bool, budget_bytes: int | None):
-        self.device = device
-        self.pin = pin
-        self.budget_bytes = budget_bytes
-        self.pinned_bytes = 0
-        self.pageable_bytes = 0
-        self._warned = False
-
-    def _warn_once(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning("offload: %s; further block buffers use pageable host memory (slower copies)", why)
-
-    def allocate(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-        """A 1-D host tensor and whether it is pinned."""
-        nbytes = numel * dtype.itemsize
-        if self.pin and self.device.pin_supported:
-            if self.budget_bytes is None or self.pinned_bytes + nbytes <= self.budget_bytes:
-                try:
-                    t = self.device.alloc_host(numel, dtype, pinned=True)
-                    self.pinned_bytes += nbytes
-                    return t, True
-                except RuntimeError as e:  # the OS refused to lock more pages
-                    self._warn_once(f"pinning {nbytes} bytes failed ({e})")
-            else:
-                self._warn_once(f"pinned budget of {self.budget_bytes} bytes reached")
-        t = self.device.alloc_host(numel, dtype, pinned=False)
-        self.pageable_bytes += nbytes
-        return t, False
-
-
 class BlockHostBuffers:
     """The host copy of one block: its layout and one flat host tensor per dtype."""
 
-    def __init__(self, layout: BlockLayout, memory: HostMemory):
+    def __init__(self, layout: BlockLayout, memory: PinnedMemory):
         self.layout = layout
         self.flat: dict[torch.dtype, torch.Tensor] = {}
         self.pinned = True
         for dtype, numel in layout.numel_per_dtype.items():
-            self.flat[dtype], pinned = memory.allocate(numel, dtype)
+            self.flat[dtype], pinned = memory.allocate((numel,), dtype)
             self.pinned &= pinned
         self.slots = {s.name: s for s in layout.slots}
 

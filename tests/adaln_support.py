@@ -17,7 +17,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 
 from cache.config import GB, AdalnConfig
 from cache.plan_cache import PlanCache, ResidentModulation
-from cache.streams import Streams
+from device.streams import Device
 from model.adaln import ExternalModulation, Modulation, adaln_input, resident_modulation
 from model.layout import CheckpointError, H3Checkpoint, Layout
 from model.loading import load_transformer
@@ -84,11 +84,11 @@ def models_for(layout: Layout, tmp_path_factory) -> Models:
     return _MADE[layout]
 
 
-def online_cache(models: Models, *, reader=None, streams: Streams | None = None, **overrides) -> PlanCache:
+def online_cache(models: Models, *, reader=None, gpu: Device | None = None, **overrides) -> PlanCache:
     """A CPU PlanCache over `models` (4 slab plans of width 2, no host tier, 2 readers unless overridden)."""
     settings = dict(gpu_plans=4, plan_width=2, host_cache_gb=0.0, readers=2, read_chunk_mb=1)
     settings.update(overrides)
-    return PlanCache(AdalnConfig(**settings), reader or models.reader, models.online, "cpu", streams=streams)
+    return PlanCache(AdalnConfig(**settings), reader or models.reader, models.online, "cpu", gpu=gpu)
 
 
 def resident(models: Models, projection: str = "match") -> ResidentModulation:

@@ -13,10 +13,11 @@ from diffusers import MiniMaxH3Transformer3DModel
 from torch import Tensor
 
 from cache.cache_dit import CacheDit, CacheDitOverrides
+from device.streams import FakeDevice
 from model.geometry import GeometryLimits, VideoGeometry
 from model.packing import PackedLayout
 from model.schedule import H3Schedule, euler_update
-from offload import FakeDevice, LayerwiseOffloader, OffloadConfig
+from offload import LayerwiseOffloader, OffloadConfig
 
 NUM_TEXT_TOKENS = 5
 TEXT_DIM = 32  # the tiny transformer's text_dim

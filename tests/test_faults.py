@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache.host_tier import HostTier
 from cache.plan_cache import AdmissionError, SlabFullError
 from cache.rebuild import RebuildError
-from cache.streams import Streams
+from device.streams import FakeDevice
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -119,31 +118,13 @@ def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_che
 # --- pinned memory refused -----------------------------------------------------------------------
 
 
-class PinnableStreams(Streams):
-    """CPU streams that claim pinned memory exists, so the host tier asks its allocator to pin."""
-
-    @property
-    def can_pin(self) -> bool:
-        return True
-
-
 def test_refused_pinned_allocation_degrades_to_pageable_and_stays_bit_exact(tiny):
-    asked = []
-
-    def refuse_pinning(shape, dtype, pin):
-        asked.append((shape[0], pin))
-        if pin:
-            raise RuntimeError("cudaHostRegister failed: locked memory limit")
-        return torch.empty(shape, dtype=dtype)
-
     a, b = schedule(0.9, 2), schedule(0.5, 2)
-    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(16))  # half of it holds both groups
-    # The host tier as a host short of lockable memory builds it (CPU streams claiming pinning exists).
-    cfg = tiny.reader.config
-    cache.host = HostTier(capacity_bytes=cache.config.host_cache_bytes, num_blocks=cfg.num_blocks,
-                          adaln_width=cfg.adaln_width, final_width=cfg.final_adaln_width, dtype=cfg.torch_dtype,
-                          streams=PinnableStreams("cpu"), allocator=refuse_pinning)
-    assert asked == [(16, True), (8, True), (8, False)] and not cache.host.pinned and cache.host.enabled
+    # A host that cannot lock a single page: the host tier's 16 pinned pages are refused, then 8, then it
+    # settles for 8 pageable ones (half of it still holds both groups); rebuild staging goes pageable too.
+    gpu = FakeDevice(lockable_bytes=0)
+    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(16), gpu=gpu)
+    assert not cache.host.pinned and cache.host.enabled and cache.host.num_pages == 8 and gpu.locked_bytes == 0
     reference = resident(tiny)
     for plans in (a, b, a, b):  # the slab holds one schedule: every repeat restores from the (pageable) tier
         prepared = cache.prepare(plans)

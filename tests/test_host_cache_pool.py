@@ -16,7 +16,6 @@ import ray
 import torch
 
 from actors.host_cache_pool import (
-    GroupLRU,
     PoolClient,
     make_group_key,
     numpy_to_tensor,
@@ -56,44 +55,7 @@ def publish_and_wait(tier: PoolClient, group_key, entries) -> None:
     assert tier.publish_arrays(group_key, entries)
 
 
-# -- bookkeeping (no Ray) ----------------------------------------------------------------------------------
-
-
-def test_group_lru_evicts_least_recently_used_group():
-    lru = GroupLRU(capacity_bytes=300)
-    for name in "abc":
-        assert lru.admit(((name,), 0), {name: (name.upper(), 100)})
-    assert lru.lookup(["a"]) == {"a": "A"}  # a becomes most recent: order is b, c, a
-    assert lru.admit((("d",), 0), {"d": ("D", 100)})
-    assert lru.group_keys() == [(("c",), 0), (("a",), 0), (("d",), 0)]  # b was least recently used
-    assert "b" not in lru and lru.used_bytes == 300 and lru.evicted_groups == 1
-    lru.check()
-
-
-def test_group_lru_shares_objects_between_groups_and_counts_them_once():
-    lru = GroupLRU(capacity_bytes=300)
-    assert lru.admit((("x", "y"), 0), {"x": (1, 100), "y": (2, 100)})
-    assert lru.admit((("y", "z"), 0), {"z": (3, 100)}, shared=["y"])
-    assert lru.used_bytes == 300
-    lru.check()
-    assert lru.invalidate() == 2 and lru.used_bytes == 0 and lru.num_objects == 0
-
-
-def test_group_lru_rejects_group_larger_than_capacity():
-    lru = GroupLRU(capacity_bytes=100)
-    assert lru.admit((("a",), 0), {"a": (1, 60)})
-    assert not lru.admit((("big",), 0), {"big": (2, 101)})
-    assert lru.group_keys() == [(("a",), 0)]  # nothing evicted for a group that can never fit
-    lru.check()
-
-
-def test_group_lru_invalidates_one_weights_version():
-    lru = GroupLRU(capacity_bytes=1000)
-    lru.admit((("a",), "v1"), {"a": (1, 10)})
-    lru.admit((("b",), "v2"), {"b": (2, 10)})
-    assert lru.invalidate("v1") == 1
-    assert lru.group_keys() == [(("b",), "v2")]
-    lru.check()
+# -- keys and values (no Ray) ----------------------------------------------------------------------------------
 
 
 def test_pool_index_is_stable_and_spreads_keys():
@@ -167,6 +129,18 @@ def test_invalidate_by_weights_version(tier):
     assert set(tier.lookup_arrays([("p", "v1"), ("p", "v2")], timeout_s=10)) == {("p", "v2")}
     assert tier.invalidate() == 1
     assert tier.lookup_arrays([("p", "v2")], timeout_s=10) == {}
+
+
+def test_pinned_hits_stay_locked_until_the_next_lookup(ray_cluster):
+    # On CPU the client pins through the fake device (the same path as cudaHostRegister on a GPU).
+    tier = new_client(pin_memory=True)
+    publish_and_wait(tier, make_group_key([("a",), ("b",)], "v1"), {("a",): page(1), ("b",): page(2, 2 * MiB)})
+    found = tier.lookup_arrays([("a",), ("b",)], timeout_s=10)
+    assert set(found) == {("a",), ("b",)} and tier.stats()["pinned_bytes"] == 3 * MiB
+    assert np.array_equal(found[("b",)], page(2, 2 * MiB))  # locked in place: still the same bytes
+    tier.unpin()  # what the next lookup does first
+    assert tier.stats()["pinned_bytes"] == 0
+    tier.close()
 
 
 def test_keys_spread_over_several_pools_per_node(ray_cluster):

@@ -3,8 +3,9 @@
     deployments/  Serve: ingress, worker shim, router          engine, actors (not cache/model/offload); Ray
     actors/       Ray actors (the node's plan pool)            engine, cache, model, offload; Ray
     engine/       plain torch: one device, one model           cache, offload, model; no Ray
-    cache/, offload/  plan cache, layerwise offload            model (and each other); no Ray
+    cache/, offload/  plan cache, layerwise offload            model, device (and each other); no Ray
     model/        the model                                    nothing of ours; no Ray
+    device/       streams, events, pinned memory               nothing of ours; no Ray, no torch.distributed
 
 Nothing imports `deployments/` except `deployments/` itself, `tests/` and `bench/` (they drive the app);
 `tests/` and `bench/` may import Ray. Any other top-level folder (a new one included) gets the strict
@@ -23,6 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: What each library package must not import (first component of the module name).
 FORBIDDEN: dict[str, frozenset[str]] = {
+    # The bottom of the graph: streams, events and pinned memory for every package above it.
+    "device": frozenset({"model", "cache", "offload", "engine", "parallel", "jobs", "actors", "deployments",
+                         "bench", "tests"}),
     "model": frozenset({"cache", "offload", "engine", "actors", "deployments", "bench", "tests"}),
     "cache": frozenset({"engine", "actors", "deployments", "bench", "tests"}),
     "offload": frozenset({"engine", "actors", "deployments", "bench", "tests"}),
@@ -31,6 +35,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     # The Serve layer talks to the engine (its types and errors) and to actors, never to the layers below.
     "deployments": frozenset({"cache", "model", "offload", "bench", "tests"}),
 }
+#: Modules (and their submodules) a package must not import, beyond the first-component rules above.
+FORBIDDEN_MODULES: dict[str, tuple[str, ...]] = {"device": ("torch.distributed",)}
 #: Top-level folders whose files may import Ray.
 RAY_ALLOWED = frozenset({"actors", "deployments", "tests", "bench"})
 #: Top-level folders whose files may import `deployments`.
@@ -84,6 +90,8 @@ def layering_violations(root: Path) -> list[str]:
                 violations.append(f"{rel}:{line}: imports {module} (nothing imports the Serve layer)")
             elif first in forbidden:
                 violations.append(f"{rel}:{line}: imports {module} ({top}/ must not import {first}/)")
+            elif any(module == m or module.startswith(m + ".") for m in FORBIDDEN_MODULES.get(top, ())):
+                violations.append(f"{rel}:{line}: imports {module} ({top}/ must not need it)")
     return violations
 
 
@@ -94,10 +102,10 @@ def test_the_tree_follows_the_layering_rules():
 def test_the_checker_reads_the_real_tree():
     # Guards against a checker that passes because it looks at nothing.
     tops = {path.relative_to(REPO).parts[0] for path in source_files(REPO)}
-    assert {"model", "cache", "offload", "engine", "actors", "deployments", "tests"} <= tops
+    assert {"device", "model", "cache", "offload", "engine", "actors", "deployments", "tests"} <= tops
     assert not any(".venv" in path.parts for path in source_files(REPO))
     modules = {m for m in (module for p in source_files(REPO) for _, module in imported_modules(p, REPO))}
-    assert {"ray", "engine.engine", "cache.plan_cache"} <= modules
+    assert {"ray", "engine.engine", "cache.plan_cache", "device.streams", "device.pinned"} <= modules
 
 
 # --- the checker itself, on synthetic trees ------------------------------------------------------
@@ -110,9 +118,15 @@ def write(root: Path, relpath: str, source: str) -> None:
 
 
 @pytest.mark.parametrize("relpath, source, expected", [
-    ("cache/streams.py", "import ray\n", "cache/streams.py:1: imports ray (Ray belongs"),
-    ("cache/streams.py", "from ray.util import get_node_ip_address\n", "cache/streams.py:1: imports ray.util"),
-    ("cache/streams.py", "def f():\n    import ray\n", "cache/streams.py:2: imports ray"),  # lazy imports count
+    ("device/streams.py", "import ray\n", "device/streams.py:1: imports ray (Ray belongs"),
+    ("cache/slab.py", "from ray.util import get_node_ip_address\n", "cache/slab.py:1: imports ray.util"),
+    ("cache/slab.py", "def f():\n    import ray\n", "cache/slab.py:2: imports ray"),  # lazy imports count
+    ("device/pinned.py", "from cache.slab import PlanSlab\n", "(device/ must not import cache/)"),
+    ("device/streams.py", "from offload.pinned import BlockLayout\n", "(device/ must not import offload/)"),
+    ("device/streams.py", "from model.adaln import Modulation\n", "(device/ must not import model/)"),
+    ("device/streams.py", "from ..engine import errors\n", "(device/ must not import engine/)"),
+    ("device/pinned.py", "import torch.distributed as dist\n", "imports torch.distributed (device/ must not"),
+    ("device/pinned.py", "from torch.distributed import ProcessGroup\n", "imports torch.distributed (device/"),
     ("offload/pinned.py", "import ray.serve\n", "offload/pinned.py:1: imports ray.serve"),
     ("engine/engine.py", "import ray\n", "engine/engine.py:1: imports ray"),
     ("model/dit.py", "from cache.plan_key import plan_key\n", "model/dit.py:1: imports cache.plan_key (model/ must"),
@@ -137,7 +151,10 @@ def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected)
     ("actors/host_cache_pool.py", "import ray\nfrom engine.config import PoolConfig\nfrom cache.plan_cache import PlanRows\n"),
     ("deployments/worker.py", "import ray\nfrom actors.host_cache_pool import make_pool_client\nfrom engine.engine import Engine\n"),
     ("engine/engine.py", "from cache.plan_cache import make_adaln_provider\nfrom model.checkpoint import load_model\n"),
-    ("cache/plan_cache.py", "from model.sampler import FlowMatchSchedule\nfrom offload.device import make_device\n"),
+    ("cache/plan_cache.py", "from model.sampler import FlowMatchSchedule\nfrom offload.pinned import BlockLayout\n"),
+    ("cache/host_tier.py", "from device.streams import Device\nfrom device.pinned import PinnedMemory\n"),
+    ("offload/layerwise.py", "from device.streams import make_device\n"),
+    ("device/pinned.py", "import torch\nfrom .streams import Device\n"),
     ("tests/test_x.py", "import ray\nfrom deployments.app import build_app\n"),
     ("bench/app.py", "import ray\nfrom deployments.app import build_app\n"),
     ("model/sub/x.py", "from .. import config\nfrom ..sampler import euler_step\n"),  # relative, inside model/

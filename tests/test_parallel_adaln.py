@@ -51,7 +51,7 @@ def open_weights(root: Path) -> TransformerWeights:
 def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path, checkpoint: Path) -> None:
     torch.set_num_threads(1)
     from cache.rebuild import AdalnRebuilder, RebuildTarget, resolve_adaln_units
-    from cache.streams import Streams
+    from device.streams import FakeDevice
     from model.adaln import H3Adaln
     from model.weights import is_adaln_param
     from parallel.adaln import exchange_modulation_, sharded_modulation
@@ -86,7 +86,7 @@ def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path, c
         nan = float("nan")
         slab = Modulation(torch.full((dims.num_blocks, SLAB_ROWS, dims.adaln_width), nan, dtype=dims.torch_dtype),
                           torch.full((SLAB_ROWS, dims.final_adaln_width), nan, dtype=dims.torch_dtype))
-        rebuilder = AdalnRebuilder(streams=Streams("cpu"))
+        rebuilder = AdalnRebuilder(gpu=FakeDevice())
         rebuilt = rebuilder.rebuild(units, [RebuildTarget(x, FIRST_ROW)], slab.blocks, slab.final)
         rebuilder.close()
         report["online/units"] = [unit.block for unit in units]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from cache.plan_cache import AdmissionError, PlanRows, SlabFullError, WeightUpdateError
 from cache.plan_key import plan_key
 from cache.rebuild import RebuildError
-from cache.streams import Streams
+from device.streams import FakeDevice
 from model.layout import H3Checkpoint, Layout
 from model.loading import load_transformer
 from model.tiny import make_tiny_checkpoint
@@ -268,7 +268,7 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
 
 def test_walk_fences_host_restores_before_the_forward(tiny):
     log: list[str] = []
-    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(8), streams=Streams("cpu", log=log))
+    cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(8), gpu=FakeDevice(log=log))
     cache.prepare(A).release()
     cache.prepare(B).release()
     log.clear()

@@ -7,29 +7,30 @@ import torch
 
 from cache.host_tier import HostTier, allocate_pages
 from cache.slab import PlanSlab
-from cache.streams import Streams
+from device.streams import FakeDevice
 
 NUM_BLOCKS, WIDTH, FINAL = 3, 16, 4
 PAGE_BYTES = (NUM_BLOCKS * WIDTH + FINAL) * 2  # bf16
 
 
 def make(pages: int, log: list | None = None):
-    streams = Streams("cpu", log=log)
+    gpu = FakeDevice(log=log)
     slab = PlanSlab(num_plans=8, plan_width=2, num_blocks=NUM_BLOCKS, adaln_width=WIDTH, final_width=FINAL,
                     dtype=torch.bfloat16, device="cpu")
     gen = torch.Generator().manual_seed(0)
     slab.blocks.copy_(torch.randn(slab.blocks.shape, generator=gen))
     slab.final.copy_(torch.randn(slab.final.shape, generator=gen))
     tier = HostTier(capacity_bytes=pages * PAGE_BYTES, num_blocks=NUM_BLOCKS, adaln_width=WIDTH,
-                    final_width=FINAL, dtype=torch.bfloat16, streams=streams)
-    return tier, slab, streams
+                    final_width=FINAL, dtype=torch.bfloat16, gpu=gpu)
+    return tier, slab, gpu
 
 
 def test_host_round_trip_is_bit_exact():
-    tier, slab, streams = make(pages=4)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=4)
+    compute = gpu.current_stream()
     before_blocks, before_final = slab.blocks[:, [0, 1, 4]].clone(), slab.final[[0, 1, 4]].clone()
     tier.store_group("g", [("a", [0, 1]), ("b", [4])], slab, compute)
+    tier.fence_slab_writes(compute)  # a slab writer waits for the D2H (on the fake it is still queued)
     slab.blocks.zero_()
     slab.final.zero_()
     # Restore into other slots: a -> rows 10, 11 and b -> row 6.
@@ -40,8 +41,8 @@ def test_host_round_trip_is_bit_exact():
 
 
 def test_group_lru_evicts_whole_groups_and_lookup_refreshes_recency():
-    tier, slab, streams = make(pages=4)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=4)
+    compute = gpu.current_stream()
     tier.store_group("g1", [("a", [0]), ("b", [2])], slab, compute)
     tier.store_group("g2", [("c", [4]), ("d", [6])], slab, compute)
     assert tier.group_order() == ["g1", "g2"]
@@ -56,8 +57,8 @@ def test_group_lru_evicts_whole_groups_and_lookup_refreshes_recency():
 
 
 def test_plans_shared_by_groups_are_refcounted():
-    tier, slab, streams = make(pages=3)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=3)
+    compute = gpu.current_stream()
     tier.store_group("g1", [("a", [0]), ("b", [2])], slab, compute)
     result = tier.store_group("g2", [("b", [2]), ("c", [4])], slab, compute)
     assert result.stored_plans == 1          # "b" is shared: only "c" is copied
@@ -68,8 +69,8 @@ def test_plans_shared_by_groups_are_refcounted():
 
 
 def test_storing_a_group_keeps_its_shared_plans_while_evicting():
-    tier, slab, streams = make(pages=3)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=3)
+    compute = gpu.current_stream()
     tier.store_group("g1", [("a", [0]), ("b", [2])], slab, compute)
     tier.store_group("g2", [("c", [4])], slab, compute)
     # g3 = {b, d, e} needs 2 new pages: evict g1 (LRU) then g2; "b" survives because g3 references it.
@@ -80,8 +81,8 @@ def test_storing_a_group_keeps_its_shared_plans_while_evicting():
 
 
 def test_group_larger_than_the_tier_is_skipped_and_counted():
-    tier, slab, streams = make(pages=2)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=2)
+    compute = gpu.current_stream()
     tier.store_group("small", [("a", [0])], slab, compute)
     result = tier.store_group("big", [("b", [2, 3]), ("c", [4])], slab, compute)  # 3 pages > 2
     assert result.skipped and tier.num_pressure_skips == 1
@@ -90,9 +91,9 @@ def test_group_larger_than_the_tier_is_skipped_and_counted():
 
 
 def test_zero_capacity_turns_the_tier_off():
-    tier, slab, streams = make(pages=0)
+    tier, slab, gpu = make(pages=0)
     assert not tier.enabled
-    assert tier.store_group("g", [("a", [0])], slab, streams.current()).stored_plans == 0
+    assert tier.store_group("g", [("a", [0])], slab, gpu.current_stream()).stored_plans == 0
     assert tier.lookup(["a"]) == []
 
 
@@ -125,8 +126,8 @@ def test_pinned_allocation_at_half_size_warns_once(caplog):
 
 def test_copies_are_fenced_both_ways():
     log: list[str] = []
-    tier, slab, streams = make(pages=4, log=log)
-    compute = streams.current()
+    tier, slab, gpu = make(pages=4, log=log)
+    compute = gpu.current_stream()
     tier.store_group("g", [("a", [0])], slab, compute)
     # D2H waits for the compute stream that wrote the rows, then records its completion event.
     assert log == ["host.wait_stream(compute)", "host.record(e1)"]
@@ -137,3 +138,18 @@ def test_copies_are_fenced_both_ways():
     tier.load([("a", [2])], slab, compute)
     # H2D waits for forwards queued on the compute stream; the compute stream waits for the H2D.
     assert log == ["host.wait_stream(compute)", "host.record(e2)", "compute.wait_event(e2)"]
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_a_slab_write_that_skips_the_fence_corrupts_the_pages_on_the_fake(fenced):
+    # The deferring fake runs the D2H only once something waits for it, as a GPU may: a rebuild writing the
+    # recycled rows without `fence_slab_writes` lands before the D2H read them, and the pages get the new rows.
+    tier, slab, gpu = make(pages=4)
+    compute = gpu.current_stream()
+    stored = slab.blocks[:, 0].clone()
+    tier.store_group("g", [("a", [0])], slab, compute)
+    if fenced:
+        tier.fence_slab_writes(compute)
+    slab.blocks[:, 0] = 0.0  # the rebuild of another plan into the released slot
+    tier.load([("a", [5])], slab, compute)
+    assert torch.equal(slab.blocks[:, 5], stored if fenced else torch.zeros_like(stored))
