@@ -148,8 +148,8 @@ class Worker(ScheduleAffinityReporter):
     ) -> AsyncIterator[ProgressEvent | GenerationResult]:
         """Streaming generation (`handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
         request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
-        errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating stops the engine at
-        its next step; the plan references are released there."""
+        errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
+        stops the engine at its next step; the plan references are released there."""
         self._engine.validate(request)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ProgressEvent] = asyncio.Queue()
