@@ -45,7 +45,7 @@ from ray.util.placement_group import (PlacementGroup, get_current_placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.host_cache_pool import make_pool_client
-from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn
+from engine.api import CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn
 from engine.config import EngineConfig
 from engine.engine import Engine, check_parallel_config, resolve_device
 from engine.errors import EngineError, ServerFault, WeightsRejected
@@ -318,7 +318,7 @@ class ParallelEngine:
 
     def generate(self, request: GenerationRequest, progress: ProgressFn | None = None,
                  cancelled: CancelledFn | None = None) -> GenerationResult:
-        """Run `request` on every rank; rank 0's result (the MP4 when asked) with `stats["parallel"]`: `sp`,
+        """Run `request` on every rank; rank 0's result (the MP4 when asked) with `stats.parallel`: `sp`,
         whether every rank ended with rank 0's latents (`ranks_agree`), every rank's cached steps
         (`cached_steps_by_rank`, with Cache-DiT) and plan cache counters (`adaln_by_rank`, online AdaLN).
         Raises what the ranks raised alike, or ServerFault (see the module)."""
@@ -345,7 +345,7 @@ class ParallelEngine:
             self._num_requests += 1
             result = results[0]
             if progress is not None:  # forwards that finished after the last poll
-                forwards = result.stats["forwards"]
+                forwards = result.stats.forwards
                 for done in range(reported + 1, forwards + 1):
                     progress(done, forwards)
         ranks_agree = all(torch.equal(other.video, result.video) and torch.equal(other.audio, result.audio)
@@ -353,12 +353,12 @@ class ParallelEngine:
         if not ranks_agree:
             logger.error("the ranks ended request %d with different latents (a bug: they run the same "
                          "computation on the same inputs)", request_id)
-        parallel: dict[str, Any] = {"sp": self.sp, "ranks_agree": ranks_agree}
-        if "cache_dit" in result.stats:
-            parallel["cached_steps_by_rank"] = [other.stats["cache_dit"]["cached_steps"] for other in results]
-        if result.stats["adaln"]:  # online AdaLN: each rank's plan cache counters (hits, builds, evictions)
-            parallel["adaln_by_rank"] = [other.stats["adaln"] for other in results]
-        result.stats["parallel"] = parallel
+        parallel = ParallelStats(sp=self.sp, ranks_agree=ranks_agree)
+        if result.stats.cache_dit is not None:
+            parallel.cached_steps_by_rank = [other.stats.cache_dit.cached_steps for other in results]
+        if result.stats.adaln is not None:  # online AdaLN: each rank's plan cache counters
+            parallel.adaln_by_rank = [other.stats.adaln for other in results]
+        result.stats.parallel = parallel
         return result
 
     def validate_weight_update(self, path: str) -> str:

@@ -96,15 +96,15 @@ def run_one(args: argparse.Namespace) -> list[dict]:
         step_ms, denoise = [], []
         for _ in range(args.repeats):
             result = engine.generate(request)
-            denoise.append(result.timings["denoise_s"])
-            step_ms.append(1000 * result.timings["denoise_s"] / result.stats["forwards"])
+            denoise.append(result.timings.denoise_s)
+            step_ms.append(1000 * result.timings.denoise_s / result.stats.forwards)
         if cuda:
             peak = torch.cuda.max_memory_allocated()
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; process-wide
         rows.append({
             "model": args.model if not args.checkpoint else str(ckpt), "blocks": config.num_blocks,
-            "hidden": config.hidden_size, "adaln": mode, "video": size, "tokens": result.stats["tokens"],
+            "hidden": config.hidden_size, "adaln": mode, "video": size, "tokens": result.stats.tokens,
             "steps": args.steps, "step_ms": statistics.median(step_ms), "step_ms_min": min(step_ms),
             "denoise_s": statistics.median(denoise), "load_s": load_s,
             "peak_mem_gib": peak / 2**30, "weights_gib": weights / 2**30,

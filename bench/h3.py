@@ -526,8 +526,8 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
     with Peak(device) as generate_peak:
         result = engine.generate(request)
     report.stages.append({"stage": "engine.generate, 2 forwards (first call; decode + mux included)",
-                          "measured_s": round(result.timings["total_s"], 3),
-                          "note": ", ".join(f"{k} {v:.3f}" for k, v in result.timings.items()),
+                          "measured_s": round(result.timings.total_s, 3),
+                          "note": ", ".join(f"{k} {v:.3f}" for k, v in result.timings.model_dump().items()),
                           "peak_GiB": generate_peak.peak_gib})
     video_latents, audio_latents = result.video, result.audio
     with Peak(device) as peak:

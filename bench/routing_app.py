@@ -236,8 +236,8 @@ async def run_mode(args, mode: str, checkpoint: Path, replicas: int, schedules: 
             records.append({
                 "index": index, "shift": shift, "latency_s": time.perf_counter() - t,
                 "plan_s": out.timings.plan_s, "denoise_s": out.timings.denoise_s,
-                **{k: adaln.get(k, 0) for k in ("gpu_hit_plans", "host_hit_plans", "remote_hit_plans",
-                                                 "pool_hit_plans", "built_plans", "rebuild_s")},
+                **{k: adaln.get(k, 0) for k in ("gpu_hit_plans", "host_hit_plans", "pool_hit_plans",
+                                                 "built_plans", "rebuild_s")},
             })
 
     t0 = time.perf_counter()
@@ -261,7 +261,7 @@ def summarize(mode: str, records: List[Dict[str, Any]], phases: Dict[str, float]
               error: Optional[str]) -> Dict[str, Any]:
     row: Dict[str, Any] = {"mode": mode, "requests": len(records)}
     if records:
-        plans = sum(r["gpu_hit_plans"] + r["host_hit_plans"] + r["remote_hit_plans"] + r["built_plans"]
+        plans = sum(r["gpu_hit_plans"] + r["host_hit_plans"] + r["pool_hit_plans"] + r["built_plans"]
                     for r in records)
         latencies = [r["latency_s"] for r in records]
         row.update(

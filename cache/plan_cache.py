@@ -70,10 +70,8 @@ class AdalnStats(BaseModel):
     requests: int = Field(0, description="Requests prepared.")
     gpu_hit_plans: int = Field(0, description="Distinct plans found ready in the GPU slab.")
     host_hit_plans: int = Field(0, description="Plans restored from the pinned host tier (H2D).")
-    remote_hit_plans: int = Field(0, description="Plans restored from the remote tier (if any).")
     pool_hit_plans: int = Field(
-        0, description="Plans restored from the node-shared host-cache pool (the remote tier when it is the "
-        "pool: equals remote_hit_plans then).")
+        0, description="Plans restored from the remote tier: the node-shared host-cache pool when serving.")
     pool_published_plans: int = Field(0, description="Built plans offered to the remote tier/pool (background).")
     pool_lookup_s: float = Field(0.0, description="Wall seconds spent asking the remote tier/pool.")
     built_plans: int = Field(0, description="Plans projected by a streaming rebuild from the checkpoint.")
@@ -223,6 +221,26 @@ class PreparedPlans:
         self.release()
 
 
+@dataclasses.dataclass
+class _Request:
+    """One `PlanCache.prepare` in progress: its distinct plans, the slab slots it holds and its counters."""
+
+    distinct: dict[PlanKey, torch.Tensor]  # plan key -> fp32 [M] timesteps, in first-appearance order
+    stats: AdalnStats
+    slot_of: dict[PlanKey, int] = dataclasses.field(default_factory=dict)
+    held: list[int] = dataclasses.field(default_factory=list)  # references taken (hits and allocations)
+    building: list[int] = dataclasses.field(default_factory=list)  # allocated, not yet committed
+
+
+@dataclasses.dataclass
+class _Found:
+    """Where the plans the slab lacked were found: the host tier, the remote tier, or nowhere (to rebuild)."""
+
+    host: list[PlanKey]
+    remote: dict[PlanKey, PlanRows]
+    to_build: list[PlanKey]
+
+
 class PlanCache:
     """Online AdaLN: plans from the GPU slab, else the pinned host tier, else the remote seam, else one
     streaming rebuild pass over the checkpoint for all of the request's missing plans.
@@ -340,6 +358,10 @@ class PlanCache:
         `plans`: one fp32 [M] tensor per forward (`model.schedule.H3Schedule.plans`). `weights_version`, if
         given, must be the current one (an engine that loaded weights under another version would get stale
         plans).
+
+        Stages: admit -> lookup (slab) -> lookup_tiers (host, remote) -> allocate -> restore -> rebuild ->
+        commit -> store (host tier) -> index. Until `commit` a failure aborts the request's new slots and drops
+        its hits' references; after it (plans visible) a failure drops every reference it took.
         """
         if weights_version is not None and weights_version != self.weights_version:
             raise WeightUpdateError(
@@ -347,107 +369,145 @@ class PlanCache:
                 "call refresh_weight_derived_caches after a weight update"
             )
         step_keys, distinct = self._admit(plans)
-        stats = AdalnStats(requests=1)
-        index = self.slab.index
+        request = _Request(distinct, AdalnStats(requests=1))
         compute = self.gpu.current_stream()
-        slot_of: dict[PlanKey, int] = {}
-
-        def rows_of(key: PlanKey) -> list[int]:
-            return self.slab.row_ids([(slot_of[key], len(key[1]))])
-
-        held: list[int] = []          # references taken (hits and allocations)
-        building: list[int] = []      # allocated, not yet committed
-        evicted_before = index.num_evicted
+        evicted_before = self.slab.index.num_evicted
         try:
-            # 1. GPU slab: a hit takes a reference (refreshing its recency on release).
-            missing = []
-            for key in distinct:
-                slot = index.lookup(key)
-                if slot is None:
-                    missing.append(key)
-                else:
-                    index.touch(slot)
-                    held.append(slot)
-                    slot_of[key] = slot
-            stats.gpu_hit_plans = len(distinct) - len(missing)
-            if len(missing) > index.num_free + index.num_evictable:
-                raise SlabFullError(
-                    f"request needs {len(missing)} new slab slots but only "
-                    f"{index.num_free + index.num_evictable} of adaln.gpu_plans={self.config.gpu_plans} are "
-                    "not held by in-flight requests; retry when they finish"
-                )
-            # 2. Host tier, then the remote seam; the rest is rebuilt.
-            host_hits = self.host.lookup(missing)
-            host_hit_set = set(host_hits)
-            rest = [k for k in missing if k not in host_hit_set]
-            remote_hits: dict[PlanKey, PlanRows] = {}
-            if self.remote is not None and rest:
-                t_remote = time.perf_counter()
-                remote_hits = self.remote.lookup(rest)
-                stats.pool_lookup_s = time.perf_counter() - t_remote
-            to_build = [k for k in rest if k not in remote_hits]
-            if self.shards is not None:
-                # Every rank rebuilds the same plans (the rebuild's exchange is a collective): those any rank's
-                # remote tier lacked; a remote hit here is then rebuilt like the others.
-                must_build = self.shards.agree(rest, [k not in remote_hits for k in rest])
-                to_build = [k for k, build in zip(rest, must_build) if build]
-                rebuilt = frozenset(to_build)
-                remote_hits = {k: v for k, v in remote_hits.items() if k not in rebuilt}
-            # 3. Slots for every missing plan (evicting LRU plans), invisible until committed.
-            for key in missing:
-                slot = index.allocate(key)
-                held.append(slot)
-                building.append(slot)
-                slot_of[key] = slot
-            # Slab writes below must not overtake a D2H still reading a recycled slot.
-            self.host.fence_slab_writes(compute)
-            stats.h2d_bytes = self.host.load([(k, rows_of(k)) for k in host_hits], self.slab, compute)
-            stats.host_hit_plans = len(host_hits)
-            for key, rows in remote_hits.items():
-                first = self.slab.first_row(slot_of[key])
-                m = len(key[1])
-                self.slab.blocks[:, first: first + m].copy_(rows.blocks)
-                self.slab.final[first: first + m].copy_(rows.final)
-            stats.remote_hit_plans = stats.pool_hit_plans = len(remote_hits)
-            if to_build:
-                report = self._rebuild([(k, distinct[k], self.slab.first_row(slot_of[k])) for k in to_build])
-                stats.built_plans = len(to_build)
-                stats.rebuild_s = report.seconds
-                stats.rebuild_bytes_read = report.bytes_read
-                if self.remote is not None:
-                    stats.pool_published_plans = self._publish_built(to_build, slot_of, compute)
-            # 4. Every row is written (or queued before the forward on the compute stream): publish.
-            for slot in building:
-                index.commit(slot)
-            building.clear()
+            missing = self._lookup(request)
+            found = self._lookup_tiers(request, missing)
+            self._allocate(request, missing)
+            self._restore(request, found, compute)
+            self._rebuild_missing(request, found.to_build, compute)
+            self._commit(request)
         except BaseException:
-            for slot in building:
-                index.abort(slot)
-            building_set = set(building)
-            for slot in held:
-                if slot not in building_set:
-                    index.free(slot)
+            self._abort(request)
             raise
-        stats.gpu_evicted_plans = index.num_evicted - evicted_before
+        request.stats.gpu_evicted_plans = self.slab.index.num_evicted - evicted_before
         try:
-            # 5. Keep the request's group in the host tier (D2H only for plans it does not have yet).
-            stored = self.host.store_group(tuple(distinct), [(k, rows_of(k)) for k in distinct], self.slab,
-                                           compute)
-            stats.host_stored_plans = stored.stored_plans
-            stats.host_evicted_groups = stored.evicted_groups
-            stats.host_pressure_skips = int(stored.skipped)
-            # 6. Per-step slab rows as one device index tensor (one small H2D per request).
-            rows, spans = [], []
-            for key in step_keys:
-                spans.append((len(rows), len(key[1])))
-                rows.extend(rows_of(key))
-            row_index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            self._store(request, compute)
+            row_index, spans = self._index(request, step_keys)
         except BaseException:
-            for slot in held:
-                index.free(slot)
+            self._free(request.held)
             raise
-        self.stats.add_(stats)
-        return PreparedPlans(self, held, row_index, spans, stats)
+        self.stats.add_(request.stats)
+        return PreparedPlans(self, request.held, row_index, spans, request.stats)
+
+    def _rows_of(self, request: _Request, key: PlanKey) -> list[int]:
+        """Slab rows of `key`'s slot in `request`."""
+        return self.slab.row_ids([(request.slot_of[key], len(key[1]))])
+
+    def _lookup(self, request: _Request) -> list[PlanKey]:
+        """GPU slab: a hit takes a reference (refreshing its recency on release). Returns the plans it lacks;
+        SlabFullError if in-flight requests hold too many slots to make room for them."""
+        index = self.slab.index
+        missing = []
+        for key in request.distinct:
+            slot = index.lookup(key)
+            if slot is None:
+                missing.append(key)
+            else:
+                index.touch(slot)
+                request.held.append(slot)
+                request.slot_of[key] = slot
+        request.stats.gpu_hit_plans = len(request.distinct) - len(missing)
+        if len(missing) > index.num_free + index.num_evictable:
+            raise SlabFullError(
+                f"request needs {len(missing)} new slab slots but only "
+                f"{index.num_free + index.num_evictable} of adaln.gpu_plans={self.config.gpu_plans} are "
+                "not held by in-flight requests; retry when they finish"
+            )
+        return missing
+
+    def _lookup_tiers(self, request: _Request, missing: list[PlanKey]) -> _Found:
+        """Host tier, then the remote seam, for the plans the slab lacks; the rest is to be rebuilt."""
+        host_hits = self.host.lookup(missing)
+        host_hit_set = set(host_hits)
+        rest = [k for k in missing if k not in host_hit_set]
+        remote_hits: dict[PlanKey, PlanRows] = {}
+        if self.remote is not None and rest:
+            t_remote = time.perf_counter()
+            remote_hits = self.remote.lookup(rest)
+            request.stats.pool_lookup_s = time.perf_counter() - t_remote
+        to_build = [k for k in rest if k not in remote_hits]
+        if self.shards is not None:
+            # Every rank rebuilds the same plans (the rebuild's exchange is a collective): those any rank's
+            # remote tier lacked; a remote hit here is then rebuilt like the others.
+            must_build = self.shards.agree(rest, [k not in remote_hits for k in rest])
+            to_build = [k for k, build in zip(rest, must_build) if build]
+            rebuilt = frozenset(to_build)
+            remote_hits = {k: v for k, v in remote_hits.items() if k not in rebuilt}
+        return _Found(host=host_hits, remote=remote_hits, to_build=to_build)
+
+    def _allocate(self, request: _Request, missing: list[PlanKey]) -> None:
+        """Slots for every missing plan (evicting LRU plans), invisible until committed."""
+        index = self.slab.index
+        for key in missing:
+            slot = index.allocate(key)
+            request.held.append(slot)
+            request.building.append(slot)
+            request.slot_of[key] = slot
+
+    def _restore(self, request: _Request, found: _Found, compute: Any) -> None:
+        """Copy the host tier's and the remote tier's hits into their new slots."""
+        stats = request.stats
+        # Slab writes below must not overtake a D2H still reading a recycled slot.
+        self.host.fence_slab_writes(compute)
+        stats.h2d_bytes = self.host.load([(k, self._rows_of(request, k)) for k in found.host], self.slab, compute)
+        stats.host_hit_plans = len(found.host)
+        for key, rows in found.remote.items():
+            first = self.slab.first_row(request.slot_of[key])
+            m = len(key[1])
+            self.slab.blocks[:, first: first + m].copy_(rows.blocks)
+            self.slab.final[first: first + m].copy_(rows.final)
+        stats.pool_hit_plans = len(found.remote)
+
+    def _rebuild_missing(self, request: _Request, to_build: list[PlanKey], compute: Any) -> None:
+        """One streaming rebuild pass for every plan no tier had, then offer them to the remote tier."""
+        if not to_build:
+            return
+        stats = request.stats
+        report = self._rebuild([(k, request.distinct[k], self.slab.first_row(request.slot_of[k])) for k in to_build])
+        stats.built_plans = len(to_build)
+        stats.rebuild_s = report.seconds
+        stats.rebuild_bytes_read = report.bytes_read
+        if self.remote is not None:
+            stats.pool_published_plans = self._publish_built(to_build, request.slot_of, compute)
+
+    def _commit(self, request: _Request) -> None:
+        """Every row is written (or queued before the forward on the compute stream): make the plans visible."""
+        for slot in request.building:
+            self.slab.index.commit(slot)
+        request.building.clear()
+
+    def _abort(self, request: _Request) -> None:
+        """Undo a request that failed before `_commit`: its new slots stay invisible and free, its hits'
+        references are dropped."""
+        index = self.slab.index
+        for slot in request.building:
+            index.abort(slot)
+        building = set(request.building)
+        self._free([slot for slot in request.held if slot not in building])
+
+    def _free(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.slab.index.free(slot)
+
+    def _store(self, request: _Request, compute: Any) -> None:
+        """Keep the request's group in the host tier (D2H only for plans it does not have yet)."""
+        distinct = request.distinct
+        stored = self.host.store_group(tuple(distinct), [(k, self._rows_of(request, k)) for k in distinct],
+                                       self.slab, compute)
+        request.stats.host_stored_plans = stored.stored_plans
+        request.stats.host_evicted_groups = stored.evicted_groups
+        request.stats.host_pressure_skips = int(stored.skipped)
+
+    def _index(self, request: _Request, step_keys: list[PlanKey]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Per-step slab rows as one device index tensor (one small H2D per request), and each step's span."""
+        rows, spans = [], []
+        for key in step_keys:
+            spans.append((len(rows), len(key[1])))
+            rows.extend(self._rows_of(request, key))
+        return torch.tensor(rows, dtype=torch.int64).to(self.device), spans
 
     def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> int:
         """Offer the plans just built to the remote tier without holding up the request.

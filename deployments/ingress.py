@@ -160,11 +160,11 @@ class Ingress:
                     raise self._timeout_error() from None
                 except Exception as exc:  # noqa: BLE001 - sorted by worker_error
                     raise worker_error(exc, request_id) from None
-                if event["event"] == "progress":
-                    yield ProgressEvent(step=event["step"], steps=event["steps"], elapsed_s=event["elapsed_s"])
+                if isinstance(event, ProgressEvent):
+                    yield event
                 else:
                     yield await asyncio.to_thread(
-                        GenerationResponse.from_result, event["result"], request_id=request_id,
+                        GenerationResponse.from_result, event, request_id=request_id,
                         return_latents=request.return_latents,
                     )
         finally:

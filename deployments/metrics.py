@@ -27,10 +27,10 @@ Recorded here, in the Serve layer, from the engine's per-request stats: the engi
 from __future__ import annotations
 
 import threading
-from typing import Any
+
+from engine.api import GenerationStats
 
 OUTCOMES = ("ok", "cancelled", "invalid", "error")
-TIERS = {"gpu": "gpu_hit_plans", "host": "host_hit_plans", "pool": "remote_hit_plans", "built": "built_plans"}
 
 _SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 
@@ -85,36 +85,35 @@ class WorkerMetrics:
             self._ongoing += 1
             self.ongoing.set(self._ongoing)
 
-    def request_finished(self, outcome: str, seconds: float, stats: dict[str, Any] | None) -> None:
+    def request_finished(self, outcome: str, seconds: float, stats: GenerationStats | None) -> None:
         """One request left the engine (`stats`: `GenerationResult.stats` when it succeeded)."""
         with self._lock:
             self._ongoing -= 1
             self.ongoing.set(self._ongoing)
         self.requests.inc(1, tags={"outcome": outcome})
         self.request_seconds.observe(seconds, tags={"outcome": outcome})
-        if stats:
+        if stats is not None:
             self._record_stats(stats)
 
-    def _record_stats(self, stats: dict[str, Any]) -> None:
-        adaln = stats.get("adaln") or {}
-        num_plans = 0
-        for tier, field in TIERS.items():
-            count = int(adaln.get(field, 0) or 0)
-            num_plans += count
-            if count:
-                self.plans.inc(count, tags={"tier": tier})
-        if num_plans:  # resident mode has no plans: nothing to be warm or cold
-            warm = int(adaln.get("gpu_hit_plans", 0) or 0) == num_plans
-            self.warm_requests.inc(1, tags={"warm": "true" if warm else "false"})
-        if adaln.get("built_plans"):
-            self.rebuild_seconds.observe(float(adaln.get("rebuild_s", 0.0)))
-        if adaln.get("rebuild_bytes_read"):
-            self.rebuild_read_bytes.inc(int(adaln["rebuild_bytes_read"]))
-        if adaln.get("h2d_bytes"):
-            self.plan_copied_bytes.inc(int(adaln["h2d_bytes"]))
-        cached = (stats.get("cache_dit") or {}).get("cached_steps")
-        if cached:
-            self.cached_steps.inc(len(cached) if isinstance(cached, (list, tuple)) else int(cached))
+    def _record_stats(self, stats: GenerationStats) -> None:
+        adaln = stats.adaln
+        if adaln is not None:  # resident AdaLN has no plans: nothing to be warm or cold
+            tiers = {"gpu": adaln.gpu_hit_plans, "host": adaln.host_hit_plans, "pool": adaln.pool_hit_plans,
+                     "built": adaln.built_plans}
+            for tier, count in tiers.items():
+                if count:
+                    self.plans.inc(count, tags={"tier": tier})
+            num_plans = sum(tiers.values())
+            if num_plans:
+                self.warm_requests.inc(1, tags={"warm": "true" if adaln.gpu_hit_plans == num_plans else "false"})
+            if adaln.built_plans:
+                self.rebuild_seconds.observe(adaln.rebuild_s)
+            if adaln.rebuild_bytes_read:
+                self.rebuild_read_bytes.inc(adaln.rebuild_bytes_read)
+            if adaln.h2d_bytes:
+                self.plan_copied_bytes.inc(adaln.h2d_bytes)
+        if stats.cache_dit is not None and stats.cache_dit.cached_steps:
+            self.cached_steps.inc(stats.cache_dit.num_cached_steps)
 
 
 class RoutingMetrics:

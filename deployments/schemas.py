@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult
+from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult, GenerationTimings
 from engine.config import EngineConfig
 from jobs.config import AuthConfig, JobsConfig
 
@@ -46,15 +46,8 @@ PREVIEW_PX = 128
 # --------------------------------------------------------------------------------------------------
 
 
-class Timings(BaseModel):
-    """Seconds spent per phase inside the engine."""
-
-    plan_s: float = Field(0.0, description="AdaLN plans for the schedule (a rebuild from the checkpoint on a cache miss).")
-    encode_s: float = Field(0.0, description="Prompt encoding (Qwen3-VL, or the prompt-embedding cache) and seeded noise.")
-    denoise_s: float = Field(0.0, description="The denoising loop (steps - 1 transformer forwards).")
-    decode_s: float = Field(0.0, description="Video and audio VAE decode (0 without return_video).")
-    mux_s: float = Field(0.0, description="H.264 + AAC encode and MP4 mux (0 without return_video).")
-    total_s: float = Field(0.0, description="Whole engine call.")
+#: Seconds spent per phase inside the engine: the engine's own type, serialized as is.
+Timings = GenerationTimings
 
 
 class GenerationResponse(BaseModel):
@@ -81,7 +74,11 @@ class GenerationResponse(BaseModel):
         "channels 0-2, min-max normalized and upscaled.",
     )
     timings: Timings = Field(..., description="Engine phase timings.")
-    stats: dict[str, Any] = Field(default_factory=dict, description="Engine counters: steps, tokens, plan stats.")
+    stats: dict[str, Any] = Field(
+        default_factory=dict, description="Engine counters (`engine.api.GenerationStats`, serialized): steps, "
+        "forwards, frames, tokens, text_tokens, adaln_mode, schedule_key, adaln (plan cache), prompt_cache, and "
+        "cache_dit / offload / parallel when on.",
+    )
 
     @classmethod
     def from_result(cls, result: GenerationResult, *, request_id: str, return_latents: bool) -> "GenerationResponse":
@@ -103,8 +100,8 @@ class GenerationResponse(BaseModel):
             video_mp4=base64.b64encode(result.mp4).decode("ascii") if result.mp4 is not None else None,
             latents=latents,
             preview_png=preview,
-            timings=Timings(**{k: v for k, v in result.timings.items() if k in Timings.model_fields}),
-            stats=result.stats,
+            timings=result.timings,
+            stats=result.stats.model_dump(mode="json"),
         )
 
 

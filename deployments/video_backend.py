@@ -32,7 +32,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import unwrap
-from engine.api import CacheDitOverrides, GenerationRequest, GenerationResult
+from deployments.schemas import ProgressEvent
+from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult
 from engine.errors import ClientError, GenerationCancelled, ServerFault
 from jobs.backend import (
     CancelCheck,
@@ -203,21 +204,21 @@ def video_output(result: GenerationResult) -> VideoOutput:
         audio = container.streams.audio[0] if container.streams.audio else None
         num_frames, fps = video.frames, float(video.average_rate or 0)
         sample_rate = audio.rate if audio is not None else 0
-    stats = result.stats
-    adaln = stats.get("adaln") or {}
-    cache_dit = stats.get("cache_dit") or {}
+    stats, timings = result.stats, result.timings
+    adaln = stats.adaln if stats.adaln is not None else AdalnStats()  # resident AdaLN: no plans
     return VideoOutput(
         mp4=result.mp4,
         thumbnail_png=result.thumbnail_png,
-        timings=VideoTimings(**{k: result.timings.get(k, 0.0) for k in VideoTimings.model_fields}),
+        timings=VideoTimings(plan_s=timings.plan_s, encode_s=timings.encode_s, denoise_s=timings.denoise_s,
+                             decode_s=timings.decode_s, mux_s=timings.mux_s, total_s=timings.total_s),
         stats=VideoStats(
-            num_steps=int(stats.get("forwards", 0)),
+            num_steps=stats.forwards,
             num_frames=num_frames,
             fps=fps,
             audio_sample_rate=sample_rate,
-            plan_cache_hits=sum(int(adaln.get(k, 0)) for k in ("gpu_hit_plans", "host_hit_plans", "remote_hit_plans")),
-            plan_cache_misses=int(adaln.get("built_plans", 0)),
-            cached_steps=len(cache_dit.get("cached_steps", [])),
+            plan_cache_hits=adaln.gpu_hit_plans + adaln.host_hit_plans + adaln.pool_hit_plans,
+            plan_cache_misses=adaln.built_plans,
+            cached_steps=stats.cache_dit.num_cached_steps if stats.cache_dit is not None else 0,
         ),
     )
 
@@ -325,11 +326,11 @@ class WorkerVideoBackend:
                     raise VideoServerError("the worker's stream ended without a result") from None
                 except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - sorted by backend_error
                     raise backend_error(exc, cancelled()) from exc
-                if event["event"] == "progress":
-                    on_progress(event["step"], event["steps"])
+                if isinstance(event, ProgressEvent):
+                    on_progress(event.step, event.steps)
                 else:
                     # Reading the MP4's header is blocking work: keep it off the event loop.
-                    return await asyncio.to_thread(video_output, event["result"])
+                    return await asyncio.to_thread(video_output, event)
         finally:
             # Leaving early (cancelled, failed, the service stopping): the engine stops at its next step.
             # A no-op once the worker finished.

@@ -28,8 +28,9 @@ from ray import serve
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
+from deployments.schemas import ProgressEvent
 from deployments.weights import WeightFollower
-from engine.api import EngineProtocol, GenerationRequest, GenerationResult
+from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 
@@ -95,7 +96,8 @@ class Worker(ScheduleAffinityReporter):
 
         def run() -> GenerationResult:
             start = time.perf_counter()
-            outcome, stats = "error", None
+            outcome: str = "error"
+            stats: GenerationStats | None = None
             try:
                 result = self._engine.generate(request, progress, cancelled.is_set)
                 outcome, stats = "ok", result.stats
@@ -141,25 +143,27 @@ class Worker(ScheduleAffinityReporter):
                 logger.info("generation cancelled by the caller; the engine stops after the current step")
                 raise
 
-    async def generate_stream(self, request: GenerationRequest, schedule_key: str | None = None) -> AsyncIterator[dict]:
-        """Streaming generation (`handle.options(stream=True)`): yields `{"event": "progress", "step",
-        "steps", "elapsed_s"}` (step 0 once the request is accepted, then after every denoising step) and
-        finally `{"event": "result", "result": GenerationResult}`. Model-limit errors (ClientError) are
-        raised before anything is yielded. A caller that cancels or stops iterating stops the engine at
-        its next step; the plan references are released there."""
+    async def generate_stream(
+        self, request: GenerationRequest, schedule_key: str | None = None
+    ) -> AsyncIterator[ProgressEvent | GenerationResult]:
+        """Streaming generation (`handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
+        request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
+        errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
+        stops the engine at its next step; the plan references are released there."""
         self._engine.validate(request)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue[ProgressEvent] = asyncio.Queue()
         start = time.perf_counter()
 
         def on_progress(step: int, steps: int) -> None:  # engine thread -> event loop
-            loop.call_soon_threadsafe(events.put_nowait, (step, steps, time.perf_counter() - start))
+            event = ProgressEvent(step=step, steps=steps, elapsed_s=time.perf_counter() - start)
+            loop.call_soon_threadsafe(events.put_nowait, event)
 
         cancelled = threading.Event()
         with self.track_schedule(schedule_key):
             future = self._submit(request, cancelled, on_progress)
             try:
-                yield {"event": "progress", "step": 0, "steps": request.steps - 1, "elapsed_s": 0.0}
+                yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
                 while True:
                     getter = asyncio.ensure_future(events.get())
                     try:
@@ -167,15 +171,13 @@ class Worker(ScheduleAffinityReporter):
                     finally:
                         getter.cancel()
                     if getter.done() and not getter.cancelled():
-                        step, steps, elapsed = getter.result()
-                        yield {"event": "progress", "step": step, "steps": steps, "elapsed_s": elapsed}
+                        yield getter.result()
                         continue
                     if future.done():
                         await asyncio.sleep(0)  # let call_soon_threadsafe callbacks of the last steps land
                         while not events.empty():
-                            step, steps, elapsed = events.get_nowait()
-                            yield {"event": "progress", "step": step, "steps": steps, "elapsed_s": elapsed}
-                        yield {"event": "result", "result": future.result()}
+                            yield events.get_nowait()
+                        yield future.result()
                         return
             finally:
                 if not future.done():

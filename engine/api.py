@@ -10,15 +10,24 @@ grid and the audio length, `model.geometry`); `steps` counts sampling grid point
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from cache.cache_dit import CacheDitOverrides
+from cache.cache_dit import CacheDitOverrides, CacheDitStats
+from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
+from model.text_encoder import PromptCacheStats
+from offload.layerwise import OffloadStats
+
+__all__ = [
+    "AdalnStats", "CacheDitStats", "CancelledFn", "EngineProtocol", "GenerationRequest", "GenerationResult",
+    "GenerationStats", "GenerationTimings", "OffloadStats", "ParallelStats", "ProgressFn", "PromptCacheStats",
+    "RankStats", "request_schedule_key",
+]
 
 MAX_SEED = 2**63 - 1
 
@@ -73,6 +82,70 @@ def request_schedule_key(request: GenerationRequest) -> str:
     return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, Task.T2VA)
 
 
+class GenerationTimings(BaseModel):
+    """Seconds spent per phase inside the engine (`timings` of a response, as is)."""
+
+    plan_s: float = Field(
+        0.0, description="AdaLN plans for the schedule (a rebuild from the checkpoint on a cache miss).")
+    encode_s: float = Field(
+        0.0, description="Prompt encoding (Qwen3-VL, or the prompt-embedding cache) and seeded noise.")
+    denoise_s: float = Field(0.0, description="The denoising loop (steps - 1 transformer forwards).")
+    decode_s: float = Field(0.0, description="Video and audio VAE decode (0 without return_video).")
+    mux_s: float = Field(0.0, description="H.264 + AAC encode and MP4 mux (0 without return_video).")
+    total_s: float = Field(0.0, description="Whole engine call.")
+
+
+@dataclass
+class RankStats:
+    """Which rank of a multi-device replica produced a result (each rank's own engine reports it)."""
+
+    sp: int  # ranks of the replica
+    rank: int
+
+
+@dataclass
+class ParallelStats:
+    """A multi-device replica's request as its coordinator (`actors.gpu_worker.ParallelEngine`) reports it."""
+
+    sp: int  # ranks of the replica
+    ranks_agree: bool  # every rank ended with rank 0's latents
+    cached_steps_by_rank: list[list[int]] | None = None  # with Cache-DiT: each rank's cached forwards
+    adaln_by_rank: list[AdalnStats] | None = None  # online AdaLN: each rank's plan cache counters
+
+
+class GenerationStats(BaseModel):
+    """One generation's counters, each section typed by the module that counts it. Serialized (`model_dump`)
+    it is the response's `stats` object, whose shape clients parse: `adaln` is `{}` without a plan cache
+    (resident AdaLN), `cache_dit` carries `config` and `cached_steps`, `offload` leaves out the per-step
+    bytes, and the sections of features that are off are absent."""
+
+    steps: int = Field(..., description="Sampling grid points of the request.")
+    forwards: int = Field(..., description="Transformer forwards run: steps - 1.")
+    frames: int = Field(..., description="Video frames (snapped to 17n+5).")
+    tokens: int = Field(..., description="Packed sequence length of one forward: text, audio and video tokens.")
+    text_tokens: int = Field(..., description="Prompt tokens.")
+    adaln_mode: str = Field(..., description="engine.adaln.mode: resident or online.")
+    schedule_key: str = Field(..., description="The request's AdaLN plan group (router affinity key).")
+    adaln: AdalnStats | None = Field(None, description="This request's plan cache counters; None: resident AdaLN.")
+    prompt_cache: PromptCacheStats | None = Field(None, description="The prompt-embedding cache (cumulative).")
+    cache_dit: CacheDitStats | None = Field(None, description="Cache-DiT's decisions; None: off on the server.")
+    offload: OffloadStats | None = Field(
+        None, description="Layerwise offload counters since it was applied (cumulative); None: offload off.")
+    parallel: RankStats | ParallelStats | None = Field(None, description="Multi-device replicas only.")
+
+    @model_serializer(mode="wrap")
+    def _response_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        data["adaln"] = data["adaln"] or {}
+        if self.cache_dit is not None:
+            data["cache_dit"] = {"config": self.cache_dit.config, "cached_steps": data["cache_dit"]["cached_steps"]}
+        if self.offload is not None:
+            data["offload"].pop("h2d_bytes_per_step")  # one number per forward: too long for a response
+        if self.parallel is not None:
+            data["parallel"] = {k: v for k, v in data["parallel"].items() if v is not None}
+        return {k: v for k, v in data.items() if v is not None}
+
+
 @dataclass
 class GenerationResult:
     """What the engine returns: latents on the CPU in fp32, the MP4 when asked, phase timings and counters."""
@@ -81,10 +154,10 @@ class GenerationResult:
     audio: torch.Tensor  # [2A, Ca] fp32 audio latent rows (left channel's A rows, then the right's), cpu
     seed: int
     model: str
+    timings: GenerationTimings
+    stats: GenerationStats
     mp4: bytes | None = None  # H.264 + AAC, when the request asked for video
     thumbnail_png: bytes | None = None  # first decoded frame
-    timings: dict[str, float] = field(default_factory=dict)  # plan_s, encode_s, denoise_s, decode_s, mux_s, total_s
-    stats: dict[str, Any] = field(default_factory=dict)  # steps, tokens, plan / prompt-cache / Cache-DiT stats
 
 
 class EngineProtocol(Protocol):

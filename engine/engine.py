@@ -38,7 +38,6 @@ and the replica does not start.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import logging
@@ -55,7 +54,9 @@ from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
 from cache.plan_cache import AdmissionError, PlanCache, PreparedPlans, RemoteTier, make_adaln_provider
 from cache.plan_key import PlanKey
 from cache.rebuild import AdalnUnit, RebuildError
-from engine.api import CancelledFn, GenerationRequest, GenerationResult, ProgressFn
+from engine.api import (
+    CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
+)
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
 from model.adaln import ExternalModulation, Modulation
@@ -470,7 +471,7 @@ class Engine:
             video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
             t3 = time.perf_counter()
-            plan_stats = prepared.stats.model_dump() if prepared is not None else {}
+            plan_stats = prepared.stats if prepared is not None else None
         finally:
             if prepared is not None:
                 prepared.release()
@@ -486,28 +487,18 @@ class Engine:
             mp4, thumbnail = buffer.getvalue(), thumbnail_png(frames[0])
             t5 = time.perf_counter()
 
-        stats: dict[str, Any] = {
-            "steps": request.steps,
-            "forwards": num_forwards,
-            "frames": geometry.num_frames,
-            "tokens": geometry.num_tokens(text.shape[0]),
-            "text_tokens": text.shape[0],
-            "adaln_mode": self.config.adaln.mode,
-            "schedule_key": request.schedule_key,
-            "adaln": plan_stats,
-            "prompt_cache": dataclasses.asdict(self.prompt_cache.stats()),
-        }
-        if self.cache_dit is not None:
-            cache_stats = self.cache_dit.stats()
-            stats["cache_dit"] = {"config": cache_stats.config, "cached_steps": cache_stats.cached_steps}
-        if self.offloader is not None:
-            stats["offload"] = {k: v for k, v in self.offloader.stats.as_dict().items() if k != "h2d_bytes_per_step"}
-        if self.group is not None:
-            stats["parallel"] = {"sp": self.group.world_size, "rank": self.rank}
+        stats = GenerationStats(
+            steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
+            tokens=geometry.num_tokens(text.shape[0]), text_tokens=text.shape[0], adaln_mode=self.config.adaln.mode,
+            schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=self.prompt_cache.stats(),
+            cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
+            offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
+            parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,
+        )
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=self.model_name, mp4=mp4, thumbnail_png=thumbnail,
-            timings={"plan_s": t1 - t0, "encode_s": t2 - t1, "denoise_s": t3 - t2, "decode_s": t4 - t3,
-                     "mux_s": t5 - t4, "total_s": t5 - t0},
+            timings=GenerationTimings(plan_s=t1 - t0, encode_s=t2 - t1, denoise_s=t3 - t2, decode_s=t4 - t3,
+                                      mux_s=t5 - t4, total_s=t5 - t0),
             stats=stats,
         )
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -117,8 +117,9 @@ class OffloadStats:
     steps: int = 0
     peak_device_bytes: int = 0  # most block-weight bytes on the device at once (resident included)
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+    def snapshot(self) -> "OffloadStats":
+        """A copy later steps do not change (what a request's result carries)."""
+        return replace(self, h2d_bytes_per_step=list(self.h2d_bytes_per_step))
 
 
 class _State(enum.Enum):

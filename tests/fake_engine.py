@@ -2,7 +2,8 @@
 
 Latents are seeded noise of the request's real latent shapes (`model.geometry`, any 32-px multiple, 5-15 s):
 same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode) and the
-thumbnail a PNG of the request's size, filled with `seed % 256`. A prompt
+thumbnail a PNG of the request's size, filled with `seed % 256`. Stats are typed as the real engine's, with a
+plan cache that builds a schedule's plans on its first request and hits the GPU slab after. A prompt
 starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Importable by Ray workers
 (module-level class).
 """
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.api import GenerationRequest, GenerationResult
+from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
@@ -23,6 +24,7 @@ from model.mp4 import thumbnail_png
 
 FAKE_MP4 = b"fake-mp4:"
 FAKE_MODEL = "fake-h3"
+FAKE_TEXT_TOKENS = 8
 
 
 class FakeEngine:
@@ -31,6 +33,7 @@ class FakeEngine:
         self.limits = GeometryLimits(short_edge=None)
         self.num_requests = 0
         self.num_cancelled = 0
+        self._warm_schedules: set[str] = set()
 
     def validate(self, request: GenerationRequest) -> VideoGeometry:
         if request.guidance_scale != 1.0:
@@ -66,10 +69,24 @@ class FakeEngine:
             thumbnail = thumbnail_png(np.full((request.height, request.width, 3), seed % 256, dtype=np.uint8))
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=FAKE_MODEL, mp4=mp4, thumbnail_png=thumbnail,
-            timings={"encode_s": 0.0, "plan_s": 0.0, "denoise_s": total, "total_s": total},
-            stats={"steps": request.steps, "forwards": num_forwards, "tokens": geometry.num_tokens(8),
-                   "schedule_key": request.schedule_key},
+            timings=GenerationTimings(denoise_s=total, total_s=total),
+            stats=GenerationStats(
+                steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
+                tokens=geometry.num_tokens(FAKE_TEXT_TOKENS), text_tokens=FAKE_TEXT_TOKENS,
+                adaln_mode=self.config.adaln.mode, schedule_key=request.schedule_key, adaln=self._plans(request),
+            ),
         )
+
+    def _plans(self, request: GenerationRequest) -> AdalnStats | None:
+        """A plan cache as the fake sees it: a schedule's first request builds one plan per forward, later ones
+        find them all in the GPU slab (no eviction)."""
+        if self.config.adaln.mode != "online":
+            return None
+        num_plans = request.steps - 1
+        if request.schedule_key in self._warm_schedules:
+            return AdalnStats(requests=1, gpu_hit_plans=num_plans)
+        self._warm_schedules.add(request.schedule_key)
+        return AdalnStats(requests=1, built_plans=num_plans)
 
     def validate_weight_update(self, path: str) -> str:
         raise WeightsRejected("this engine does not support weight updates")

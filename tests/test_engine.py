@@ -138,7 +138,7 @@ def test_prompt_becomes_an_mp4_of_the_requested_frames_size_and_stereo_audio(eng
     for i in (0, 61, NUM_FRAMES - 1):
         other = decoded[(i + 40) % NUM_FRAMES]
         assert mean_abs_difference(frames[i], decoded[i]) < mean_abs_difference(frames[i], other)
-    assert result.timings["decode_s"] > 0 and result.timings["mux_s"] > 0
+    assert result.timings.decode_s > 0 and result.timings.mux_s > 0
 
 
 def test_same_seed_gives_the_same_bits_and_the_same_mp4(engine):
@@ -157,14 +157,17 @@ def test_result_shapes_dtypes_timings_and_stats(engine):
     assert result.video.dtype == result.audio.dtype == torch.float32 and result.video.device.type == "cpu"
     assert torch.isfinite(result.video).all() and torch.isfinite(result.audio).all()
     assert result.mp4 is None and result.thumbnail_png is None  # return_video=False: no decode
-    assert set(result.timings) == {"plan_s", "encode_s", "denoise_s", "decode_s", "mux_s", "total_s"}
-    assert result.timings["decode_s"] == result.timings["mux_s"] == 0.0
-    assert result.timings["total_s"] >= result.timings["denoise_s"] > 0
-    text_tokens = result.stats["text_tokens"]
-    assert text_tokens == engine.prompt_encoder.count_tokens("a red fox")
-    assert result.stats["tokens"] == text_tokens + 414 + 37 * 2 * 2  # [text | audio rows | video patches]
-    assert (result.stats["steps"], result.stats["forwards"], result.stats["frames"]) == (4, 3, NUM_FRAMES)
-    assert result.stats["schedule_key"] == small_request(steps=4).schedule_key
+    assert result.timings.decode_s == result.timings.mux_s == 0.0
+    assert result.timings.total_s >= result.timings.denoise_s > 0
+    stats = result.stats
+    assert stats.text_tokens == engine.prompt_encoder.count_tokens("a red fox")
+    assert stats.tokens == stats.text_tokens + 414 + 37 * 2 * 2  # [text | audio rows | video patches]
+    assert (stats.steps, stats.forwards, stats.frames) == (4, 3, NUM_FRAMES)
+    assert stats.schedule_key == small_request(steps=4).schedule_key
+    assert (stats.adaln_mode, stats.adaln.requests, stats.prompt_cache) == ("online", 1, engine.prompt_cache.stats())
+    # Serialized, it is the response's `stats` object: features that are off are absent.
+    assert list(stats.model_dump(mode="json")) == [
+        "steps", "forwards", "frames", "tokens", "text_tokens", "adaln_mode", "schedule_key", "adaln", "prompt_cache"]
     assert result.model == engine.model_name and result.model.startswith("minimax-h3@") and result.seed == 11
 
 
@@ -194,8 +197,8 @@ def test_the_second_request_of_a_schedule_finds_every_plan_in_the_gpu_slab(engin
     request = small_request(steps=6, flow_shift=7.5)  # a schedule no other test uses
     first, second = engine.generate(request), engine.generate(request)
     # Forward 0's plan is every schedule's: warm; the other 4 are built once, then found in the slab.
-    assert (first.stats["adaln"]["built_plans"], first.stats["adaln"]["gpu_hit_plans"]) == (4, 1)
-    assert (second.stats["adaln"]["built_plans"], second.stats["adaln"]["gpu_hit_plans"]) == (0, 5)
+    assert (first.stats.adaln.built_plans, first.stats.adaln.gpu_hit_plans) == (4, 1)
+    assert (second.stats.adaln.built_plans, second.stats.adaln.gpu_hit_plans) == (0, 5)
     assert same_bits(first, second)
 
 
@@ -221,7 +224,8 @@ def test_online_adaln_gives_the_same_bits_as_resident(engine, resident):
 def test_offload_gives_the_same_bits_as_resident(offloaded, resident):
     out = offloaded.generate(small_request(steps=4))
     assert same_bits(out, resident.generate(small_request(steps=4)))
-    assert out.stats["offload"]["steps"] == 3 and out.stats["offload"]["h2d_bytes"] > 0
+    assert out.stats.offload.steps == 3 and out.stats.offload.h2d_bytes > 0
+    assert "h2d_bytes_per_step" not in out.stats.model_dump()["offload"]  # one number per forward: left out
 
 
 def test_both_checkpoint_layouts_give_the_same_bits(native, resident):
@@ -231,23 +235,24 @@ def test_both_checkpoint_layouts_give_the_same_bits(native, resident):
 
 def test_cache_dit_caches_exactly_the_expected_forwards(cached, resident):
     out = cached.generate(small_request(steps=9))
-    assert out.stats["cache_dit"] == {"config": "F1B1 W1 R0.15 MC2", "cached_steps": CACHED_STEPS}
+    assert (out.stats.cache_dit.config, out.stats.cache_dit.cached_steps) == ("F1B1 W1 R0.15 MC2", CACHED_STEPS)
+    assert out.stats.model_dump()["cache_dit"] == {"config": "F1B1 W1 R0.15 MC2", "cached_steps": CACHED_STEPS}
     assert not torch.equal(out.video, resident.generate(small_request(steps=9)).video)
     # Nothing leaks between requests: the same request again caches the same forwards, same bits.
     again = cached.generate(small_request(steps=9))
-    assert again.stats["cache_dit"]["cached_steps"] == CACHED_STEPS and same_bits(again, out)
+    assert again.stats.cache_dit.cached_steps == CACHED_STEPS and same_bits(again, out)
 
 
 def test_a_request_turning_cache_dit_off_gets_the_resident_bits(cached, resident):
     off = cached.generate(small_request(steps=9, cache_dit={"enabled": False}))
-    assert off.stats["cache_dit"] == {"config": "off", "cached_steps": []}
+    assert (off.stats.cache_dit.config, off.stats.cache_dit.cached_steps) == ("off", [])
     assert same_bits(off, resident.generate(small_request(steps=9)))
 
 
 def test_offload_with_cache_dit_gives_the_bits_of_cache_dit_alone(checkpoint_root, cached):
     both = make_engine(checkpoint_root, cache_dit=CACHE_DIT, offload={"enabled": True})
     out = both.generate(small_request(steps=9))
-    assert out.stats["cache_dit"]["cached_steps"] == CACHED_STEPS
+    assert out.stats.cache_dit.cached_steps == CACHED_STEPS
     assert same_bits(out, cached.generate(small_request(steps=9)))
 
 
@@ -317,7 +322,7 @@ def test_update_to_a_seed1_checkpoint_serves_exactly_a_fresh_engine_on_its_trans
     assert after.model == fresh.model_name and same_bits(after, fresh.generate(small_request()))
     assert not torch.equal(after.video, before.video)
     if engine.plan_cache is not None:
-        assert after.stats["adaln"]["built_plans"] == 2  # the old weights' plans were dropped
+        assert after.stats.adaln.built_plans == 2  # the old weights' plans were dropped
         assert engine.debug_stats()["stale_plans"] == 0
 
 
@@ -352,7 +357,7 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
 
     Path(shard).write_bytes(saved)  # the file is back
     after = engine.generate(request)
-    assert after.stats["adaln"]["built_plans"] == 2
+    assert after.stats.adaln.built_plans == 2
     assert same_bits(after, resident.generate(request))
 
 

@@ -111,7 +111,7 @@ def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_che
 
     location.path.write_bytes(saved)  # the file is back
     after = engine.generate(request())
-    assert same_bits(after, before) and after.stats["adaln"]["built_plans"] == 2  # steps=3: 2 forwards
+    assert same_bits(after, before) and after.stats.adaln.built_plans == 2  # steps=3: 2 forwards
     assert engine.health()["requests"] == 2
 
 

@@ -119,7 +119,7 @@ def test_sp2_latents_equal_the_one_device_engine_bit_for_bit(parallel, single, c
     got = parallel.generate(request(cache_dit=cache_dit))
     want = single.generate(request(cache_dit=cache_dit))
     assert_same_latents(got, want)
-    assert got.stats["parallel"]["ranks_agree"] is True  # rank 1 ended with rank 0's latents too
+    assert got.stats.parallel.ranks_agree is True  # rank 1 ended with rank 0's latents too
     assert got.model == want.model
 
 
@@ -152,7 +152,7 @@ def test_sp2_mp4_is_decoded_by_rank_0_like_the_one_device_mp4(parallel, single):
 
 def test_unseeded_request_runs_one_seed_on_every_rank(parallel, single):
     got = parallel.generate(request(seed=None))
-    assert got.stats["parallel"]["ranks_agree"] is True
+    assert got.stats.parallel.ranks_agree is True
     assert_same_latents(got, single.generate(request(seed=got.seed)))
 
 
@@ -162,17 +162,17 @@ def test_unseeded_request_runs_one_seed_on_every_rank(parallel, single):
 def test_cache_dit_caches_the_same_steps_on_every_rank_as_on_one_device(parallel, single):
     got = parallel.generate(request())
     want = single.generate(request())
-    assert want.stats["cache_dit"]["cached_steps"] == CACHED_STEPS
-    assert got.stats["parallel"]["cached_steps_by_rank"] == [CACHED_STEPS, CACHED_STEPS]
+    assert want.stats.cache_dit.cached_steps == CACHED_STEPS
+    assert got.stats.parallel.cached_steps_by_rank == [CACHED_STEPS, CACHED_STEPS]
 
 
 def test_plan_caches_admit_and_evict_alike_on_every_rank(parallel):
     parallel.generate(request(steps=30))  # 29 plans
     evicting = parallel.generate(request(steps=9))  # 8 plans, 7 of them new: some of the 30-step ones go
-    rank0, rank1 = evicting.stats["parallel"]["adaln_by_rank"]
-    assert rank0["gpu_evicted_plans"] > 0
+    rank0, rank1 = evicting.stats.parallel.adaln_by_rank
+    assert rank0.gpu_evicted_plans > 0
     per_rank = {"rebuild_s", "pool_lookup_s", "rebuild_bytes_read"}  # timings; each rank reads its share
-    assert {k: v for k, v in rank0.items() if k not in per_rank} == {k: v for k, v in rank1.items() if k not in per_rank}
+    assert rank0.model_dump(exclude=per_rank) == rank1.model_dump(exclude=per_rank)
     stats = parallel.debug_stats()
     assert stats["ranks"][0] == stats["ranks"][1]
     assert stats["held_plan_refs"] == 0 and stats["resident_plans"] == GPU_PLANS
@@ -183,9 +183,9 @@ def test_a_plan_miss_reads_each_adaln_unit_once_across_the_ranks(parallel, singl
     want = single.generate(request(steps=4))
     assert_same_latents(got, want)  # the exchanged rows are the ones one device projects
     # rank 0: blocks 0-1; rank 1: blocks 2-3 and the final layer; one device: all of them
-    assert [ranks["rebuild_bytes_read"] for ranks in got.stats["parallel"]["adaln_by_rank"]] == [
+    assert [ranks.rebuild_bytes_read for ranks in got.stats.parallel.adaln_by_rank] == [
         2 * BLOCK_UNIT_BYTES, 2 * BLOCK_UNIT_BYTES + FINAL_UNIT_BYTES]
-    assert want.stats["adaln"]["rebuild_bytes_read"] == 4 * BLOCK_UNIT_BYTES + FINAL_UNIT_BYTES
+    assert want.stats.adaln.rebuild_bytes_read == 4 * BLOCK_UNIT_BYTES + FINAL_UNIT_BYTES
 
 
 # --- progress, cancel, client errors -------------------------------------------------------------------

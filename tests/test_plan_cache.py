@@ -233,7 +233,7 @@ def test_stats_per_request_and_cumulative(tiny):
     cache.prepare(B).release()            # evicts A's group from the 4-page host tier too
     last = cache.prepare(B)
     assert last.stats.model_dump() == {
-        "requests": 1, "gpu_hit_plans": 2, "host_hit_plans": 0, "remote_hit_plans": 0, "pool_hit_plans": 0,
+        "requests": 1, "gpu_hit_plans": 2, "host_hit_plans": 0, "pool_hit_plans": 0,
         "pool_published_plans": 0, "pool_lookup_s": 0.0, "built_plans": 0,
         "gpu_evicted_plans": 0, "host_stored_plans": 0, "host_evicted_groups": 0, "host_pressure_skips": 0,
         "rebuild_s": 0.0, "rebuild_bytes_read": 0, "h2d_bytes": 0,
@@ -262,7 +262,7 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
     other = online_cache(tiny)            # another worker with the same weights
     other.remote = remote
     got = other.prepare(A)
-    assert (got.stats.remote_hit_plans, got.stats.pool_hit_plans, got.stats.built_plans) == (2, 2, 0)
+    assert (got.stats.pool_hit_plans, got.stats.built_plans) == (2, 0)
     assert_equal_to_resident(got, resident(tiny), A)
 
 

@@ -92,22 +92,22 @@ def test_a_fresh_worker_gets_pool_hits_with_the_same_bits(checkpoints, namespace
     a_remote, b_remote = client(namespace), client(namespace)
     a = worker(checkpoints[0], a_remote)
     first = a.generate(GenerationRequest(**REQUEST))
-    stats = first.stats["adaln"]
-    assert stats["built_plans"] == NUM_PLANS and stats["pool_hit_plans"] == 0
-    assert stats["pool_published_plans"] == NUM_PLANS
+    stats = first.stats.adaln
+    assert stats.built_plans == NUM_PLANS and stats.pool_hit_plans == 0
+    assert stats.pool_published_plans == NUM_PLANS
     a_remote.flush()
     assert len(pool_groups(namespace)) == 1 and a_remote.counts["published_groups"] == 1
 
     b = worker(checkpoints[0], b_remote)  # fresh: empty slab and host tier
     second = b.generate(GenerationRequest(**REQUEST))
-    stats = second.stats["adaln"]
-    assert stats["pool_hit_plans"] == stats["remote_hit_plans"] == NUM_PLANS
-    assert stats["built_plans"] == 0 and stats["pool_published_plans"] == 0
+    stats = second.stats.adaln
+    assert stats.pool_hit_plans == NUM_PLANS
+    assert stats.built_plans == 0 and stats.pool_published_plans == 0
     assert same_bits(first, second)
     # ... and both equal a worker without any pool.
     assert same_bits(first, worker(checkpoints[0]).generate(GenerationRequest(**REQUEST)))
-    print(f"\nplan_s rebuild {first.timings['plan_s']:.4f} s vs pool hit {second.timings['plan_s']:.4f} s "
-          f"(pool lookup {stats['pool_lookup_s']:.4f} s)")
+    print(f"\nplan_s rebuild {first.timings.plan_s:.4f} s vs pool hit {second.timings.plan_s:.4f} s "
+          f"(pool lookup {stats.pool_lookup_s:.4f} s)")
     for r in (a_remote, b_remote):
         r.close()
 
@@ -122,8 +122,8 @@ def test_a_killed_pool_costs_speed_only(checkpoints, namespace):
     start = time.monotonic()
     second = worker(checkpoints[0], b_remote).generate(GenerationRequest(**REQUEST))
     assert time.monotonic() - start < 60
-    stats = second.stats["adaln"]
-    assert stats["pool_hit_plans"] == 0 and stats["built_plans"] == NUM_PLANS
+    stats = second.stats.adaln
+    assert stats.pool_hit_plans == 0 and stats.built_plans == NUM_PLANS
     assert same_bits(first, second)
     for r in (a_remote, b_remote):
         r.close()
@@ -136,7 +136,7 @@ def test_an_unreachable_pool_is_a_miss_within_the_budget(checkpoints, namespace)
 
     remote = Unreachable(MiB, namespace=namespace, detached=False, lookup_timeout_s=0.5)
     result = worker(checkpoints[0], remote).generate(GenerationRequest(**REQUEST))
-    assert result.stats["adaln"]["built_plans"] == NUM_PLANS and result.stats["adaln"]["pool_hit_plans"] == 0
+    assert result.stats.adaln.built_plans == NUM_PLANS and result.stats.adaln.pool_hit_plans == 0
     remote.flush()
     # One lookup (all three plans at once) and one publish (the request's group), both counted, neither raised.
     assert (remote.counts["lookup_failures"], remote.counts["publish_failures"]) == (1, 1)
@@ -154,7 +154,7 @@ def test_a_weight_update_leaves_no_stale_plan_in_the_pool(checkpoints, namespace
     a.update_weights(checkpoints[1])
     assert pool_groups(namespace) == []  # dropped, not just unreachable
     after = a.generate(GenerationRequest(**REQUEST))
-    assert after.stats["adaln"]["built_plans"] == NUM_PLANS and after.stats["adaln"]["pool_hit_plans"] == 0
+    assert after.stats.adaln.built_plans == NUM_PLANS and after.stats.adaln.pool_hit_plans == 0
     a_remote.flush()
     new_version = a.plan_cache.weights_version
     assert new_version != old_version and [g[1] for g in pool_groups(namespace)] == [new_version]
@@ -162,7 +162,7 @@ def test_a_weight_update_leaves_no_stale_plan_in_the_pool(checkpoints, namespace
     # A worker still on the old weights never sees the new plans (the version is in every key) ...
     old_remote = client(namespace)
     old = worker(checkpoints[0], old_remote).generate(GenerationRequest(**REQUEST))
-    assert old.stats["adaln"]["pool_hit_plans"] == 0 and not same_bits(old, after)
+    assert old.stats.adaln.pool_hit_plans == 0 and not same_bits(old, after)
     # ... and the updated worker's outputs are exactly the new checkpoint's.
     assert same_bits(after, worker(checkpoints[1]).generate(GenerationRequest(**REQUEST)))
     for r in (a_remote, old_remote):

@@ -16,10 +16,13 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import resolve_engine_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
-from engine.api import GenerationResult
+from engine.api import GenerationResult, GenerationStats, GenerationTimings
 from model.mp4 import thumbnail_png
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A resident-AdaLN result's counters: no plan cache, no optional feature.
+STATS = GenerationStats(steps=2, forwards=1, frames=124, tokens=1000, text_tokens=8, adaln_mode="resident",
+                        schedule_key="t2va:2")
 
 
 def serve_config() -> dict:
@@ -92,13 +95,15 @@ def test_response_latents_round_trip_through_safetensors_and_without_video_the_p
     # 96x64 px for 5 s: video latents [24, 37, 4, 6], audio rows [414, 32]
     video, audio = torch.randn(24, 37, 4, 6), torch.randn(414, 32)
     result = GenerationResult(video=video, audio=audio, seed=1, model="m",
-                              timings={"encode_s": 0.1, "total_s": 0.2}, stats={"steps": 2})
+                              timings=GenerationTimings(encode_s=0.1, total_s=0.2), stats=STATS)
     response = GenerationResponse.from_result(result, request_id="gen-1", return_latents=True)
     latents = decode_latents(response.latents)
     assert torch.equal(latents["video"], video) and torch.equal(latents["audio"], audio)
     assert response.video_shape == [24, 37, 4, 6] and response.audio_shape == [414, 32]
     assert response.video_mp4 is None
     assert response.timings.encode_s == 0.1 and response.timings.denoise_s == response.timings.decode_s == 0.0
+    assert response.stats == {"steps": 2, "forwards": 1, "frames": 124, "tokens": 1000, "text_tokens": 8,
+                              "adaln_mode": "resident", "schedule_key": "t2va:2", "adaln": {}}
     image = Image.open(io.BytesIO(base64.b64decode(response.preview_png)))
     assert image.size == (126, 84) and image.mode == "RGB"  # latent channels 0-2, nearest upscale x21 (128 // 6)
     assert GenerationResponse.from_result(result, request_id="gen-1", return_latents=False).latents is None
@@ -108,7 +113,7 @@ def test_response_with_video_carries_the_mp4_and_the_first_frame_as_preview():
     frame = np.arange(64 * 96 * 3, dtype=np.uint8).reshape(64, 96, 3)
     result = GenerationResult(video=torch.randn(24, 37, 4, 6), audio=torch.randn(414, 32), seed=1, model="m",
                               mp4=b"\x00\x00\x00\x18ftypmp42", thumbnail_png=thumbnail_png(frame),
-                              timings={"decode_s": 0.5, "mux_s": 0.25, "total_s": 1.0})
+                              timings=GenerationTimings(decode_s=0.5, mux_s=0.25, total_s=1.0), stats=STATS)
     response = GenerationResponse.from_result(result, request_id="gen-1", return_latents=False)
     assert base64.b64decode(response.video_mp4) == result.mp4
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(base64.b64decode(response.preview_png)))), frame)

@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import av
+import numpy as np
 import pytest
 import requests
+import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
@@ -36,9 +38,11 @@ from deployments.video_backend import (
     generation_request,
     invalid_request,
     video_model_limits,
+    video_output,
 )
 from deployments.videos import VideoApi, build_videos_app
-from jobs.backend import VideoSpec
+from engine.api import AdalnStats, CacheDitStats, GenerationResult, GenerationStats, GenerationTimings
+from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest
 from jobs.limits import resolve_spec
@@ -46,6 +50,7 @@ from jobs.schemas import VideoCreateRequest
 from jobs.service import open_job_service
 from jobs.store import REAP_CAUSE, RELEASE_CAUSE
 from jobs.testing import FakeVideoBackend, postgres_server
+from model.mp4 import thumbnail_png, write_mp4
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,6 +154,28 @@ def test_high_quality_is_the_measured_f1b0_w4_r004_mc1_profile():
 def test_engine_refusals_name_the_video_api_field(engine_message, field, message):
     error = invalid_request(engine_message)
     assert isinstance(error, InvalidVideoRequest) and error.field == field and str(error) == message
+
+
+def test_a_video_output_reads_the_engines_typed_timings_and_stats():
+    frames = np.zeros((24, 32, 32, 3), dtype=np.uint8)
+    mp4 = io.BytesIO()
+    write_mp4(mp4, frames, 24, np.zeros((2, 32000), dtype=np.float32), 32000)
+    adaln = AdalnStats(requests=1, gpu_hit_plans=1, host_hit_plans=2, pool_hit_plans=3, built_plans=4)
+    stats = GenerationStats(steps=11, forwards=10, frames=24, tokens=100, text_tokens=8, adaln_mode="online",
+                            schedule_key="k", adaln=adaln,
+                            cache_dit=CacheDitStats(config="F1B0", num_inference_steps=10, cached_steps=[5, 7]))
+    timings = GenerationTimings(plan_s=1.0, encode_s=2.0, denoise_s=3.0, decode_s=4.0, mux_s=5.0, total_s=15.0)
+    result = GenerationResult(video=torch.zeros(1), audio=torch.zeros(1), seed=1, model="m", timings=timings,
+                              stats=stats, mp4=mp4.getvalue(), thumbnail_png=thumbnail_png(frames[0]))
+    output = video_output(result)
+    assert output.timings == VideoTimings(plan_s=1.0, encode_s=2.0, denoise_s=3.0, decode_s=4.0, mux_s=5.0,
+                                          total_s=15.0)
+    assert output.stats == VideoStats(num_steps=10, num_frames=24, fps=24.0, audio_sample_rate=32000,
+                                      plan_cache_hits=6, plan_cache_misses=4, cached_steps=2)
+    # Resident AdaLN (no plan cache) and Cache-DiT off: nothing cached, nothing rebuilt.
+    result.stats = stats.model_copy(update={"adaln": None, "cache_dit": None})
+    resident = video_output(result).stats
+    assert (resident.plan_cache_hits, resident.plan_cache_misses, resident.cached_steps) == (0, 0, 0)
 
 
 # --------------------------------------------------------------------------------------------------
