@@ -99,3 +99,36 @@ def wait_finished(url: str, job_id: str, timeout_s: float = 300.0) -> dict:
             return r.json()
         assert time.monotonic() < deadline, f"job {job_id} did not finish: {r.json()}"
         time.sleep(0.2)
+
+
+# --- Placement and errors (no cluster) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus_in_cluster, worker, stage, worker_max", [
+    (0, 0.0, 0.0, 1),   # CPU: no GPU asked, one replica each
+    (1, 0.6, 0.2, 1),   # one H200: the three stages share it, one worker
+    (8, 0.6, 0.2, 8),   # a node: one worker per device (0.6 keeps a second one off), stages beside them
+])
+def test_split_stages_share_each_device_by_fractions(gpus_in_cluster, worker, stage, worker_max):
+    from deployments.app import stage_deployment_options, worker_deployment_options
+    from deployments.schemas import AppConfig
+
+    config = AppConfig()
+    worker_options = worker_deployment_options(config.worker, gpus_in_cluster, config.engine, split=True)
+    stage_options = stage_deployment_options(config.text_encoder, gpus_in_cluster)
+    assert worker_options["ray_actor_options"]["num_gpus"] == worker
+    assert stage_options["ray_actor_options"]["num_gpus"] == stage
+    assert worker + 2 * stage <= 1.0  # the default config fits one device
+    assert worker_options["autoscaling_config"]["max_replicas"] == worker_max
+    assert stage_options["autoscaling_config"]["max_replicas"] == max(1, gpus_in_cluster)
+
+
+@pytest.mark.parametrize("make_error", [
+    lambda: __import__("ray.exceptions", fromlist=["ActorDiedError"]).ActorDiedError(),
+    lambda: __import__("ray.exceptions", fromlist=["ActorUnavailableError"]).ActorUnavailableError("gone", None),
+])
+def test_a_replica_that_died_is_a_lost_worker_for_the_retry_rule(make_error):
+    from deployments.video_backend import backend_error
+    from jobs.backend import VideoWorkerLost
+
+    assert isinstance(backend_error(make_error(), cancel_asked=False), VideoWorkerLost)
