@@ -2,6 +2,11 @@
 
 This is the only place deployments are bound. The same config runs on a CPU laptop and on a GPU node:
 the worker asks for one GPU per replica when the cluster has GPUs at build time, else for none.
+
+`stages: split` (the default) binds three stage deployments, TextEncoder -> Worker (denoiser) -> Decoder,
+each with its own resources and autoscaling; on a GPU cluster they share each device by fractions
+(`schemas.SPLIT_WORKER_GPUS`, `SPLIT_STAGE_GPUS`). `stages: fused`, and any sequence-parallel engine, bind
+the one Worker that runs every stage.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.router import ScheduleAffinityRouter
-from deployments.schemas import AppConfig, WorkerOptions
-from deployments.worker import EngineFactory, Worker
+from deployments.schemas import SPLIT_STAGE_GPUS, SPLIT_WORKER_GPUS, AppConfig, StageOptions, WorkerOptions
+from deployments.stages import Decoder, TextEncoder
+from deployments.worker import EngineFactory, Worker, denoiser_engine_factory
 from engine.config import EngineConfig
 from jobs.config import JobsConfig
 
@@ -36,8 +42,9 @@ def cluster_num_gpus() -> float:
 
 
 def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float,
-                              engine: EngineConfig | None = None) -> dict[str, Any]:
-    num_gpus = options.num_gpus if options.num_gpus is not None else (1.0 if num_gpus_in_cluster > 0 else 0.0)
+                              engine: EngineConfig | None = None, split: bool = False) -> dict[str, Any]:
+    default_gpus = SPLIT_WORKER_GPUS if split else 1.0
+    num_gpus = options.num_gpus if options.num_gpus is not None else (default_gpus if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
         "max_ongoing_requests": options.max_ongoing_requests,
@@ -64,11 +71,44 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
     else:
-        autoscaling = options.autoscaling.model_dump()
-        if autoscaling["max_replicas"] is None:  # as many replicas as the cluster's GPUs hold; 1 on CPU
-            fit = int(num_gpus_in_cluster // num_gpus) if num_gpus > 0 else 1
-            autoscaling["max_replicas"] = max(1, fit, autoscaling["min_replicas"])
-        deployment["autoscaling_config"] = autoscaling
+        deployment["autoscaling_config"] = _autoscaling(options.autoscaling, num_gpus, num_gpus_in_cluster)
+    return deployment
+
+
+def _autoscaling(options: Any, num_gpus: float, num_gpus_in_cluster: float) -> dict[str, Any]:
+    autoscaling = options.model_dump()
+    if autoscaling["max_replicas"] is None:  # as many replicas as the cluster's GPUs hold; 1 on CPU
+        autoscaling["max_replicas"] = max(1, replicas_fit(num_gpus, num_gpus_in_cluster), autoscaling["min_replicas"])
+    return autoscaling
+
+
+def replicas_fit(num_gpus: float, num_gpus_in_cluster: float) -> int:
+    """Replicas of `num_gpus` each the cluster's devices hold: a fraction shares one device (0.6: one per device,
+    0.2: five), never spans two. 1 without GPUs."""
+    if num_gpus <= 0:
+        return 1
+    if num_gpus >= 1:
+        return int(num_gpus_in_cluster // num_gpus)
+    return int(1 // num_gpus + 1e-9) * int(num_gpus_in_cluster)
+
+
+def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) -> dict[str, Any]:
+    """Ray Serve options of a TextEncoder or Decoder deployment (stages: split)."""
+    num_gpus = options.num_gpus if options.num_gpus is not None else (
+        SPLIT_STAGE_GPUS if num_gpus_in_cluster > 0 else 0.0)
+    deployment: dict[str, Any] = {
+        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
+        "max_ongoing_requests": options.max_ongoing_requests,
+        **shutdown_options(options.graceful_shutdown_timeout_s),
+    }
+    if options.num_replicas is not None:
+        deployment["num_replicas"] = options.num_replicas
+    else:
+        scaling = options.autoscaling.model_dump()
+        if scaling["max_replicas"] is None:  # one per device (beside each worker); 1 without GPUs
+            fit = int(num_gpus_in_cluster) if num_gpus > 0 else 1
+            scaling["max_replicas"] = max(1, fit, scaling["min_replicas"])
+        deployment["autoscaling_config"] = scaling
     return deployment
 
 
@@ -100,21 +140,35 @@ def resolve_jobs_config(jobs: JobsConfig, checkpoint_root: str) -> JobsConfig:
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
     """Ingress bound to a Worker. `engine_factory` (default: the real `engine.engine.Engine`) lets tests pass a fake engine."""
     engine = resolve_engine_config(config.engine)
-    options = worker_deployment_options(config.worker, cluster_num_gpus(), engine)
-    logger.info("ditserve: worker options %s, engine %s", options, engine.model_dump())
-    worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
+    jobs = resolve_jobs_config(config.jobs, engine.checkpoint_root)
+    num_gpus = cluster_num_gpus()
+    split = config.stages == "split" and engine.parallel.sp == 1
+    if config.stages == "split" and not split:
+        logger.info("ditserve: engine.parallel.sp=%d runs the stages fused (rank 0 decodes)", engine.parallel.sp)
+    options = worker_deployment_options(config.worker, num_gpus, engine, split)
+    logger.info("ditserve: stages %s, worker options %s, engine %s", "split" if split else "fused", options,
+                engine.model_dump())
+    text_encoder = decoder = None
+    if split:
+        text_encoder = TextEncoder.options(**stage_deployment_options(config.text_encoder, num_gpus)).bind(
+            engine.model_dump())
+        decoder = Decoder.options(**stage_deployment_options(config.decoder, num_gpus)).bind(
+            engine.model_dump(), jobs.resolved_output_url)
+        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory,
+                                                text_encoder, decoder)
+    else:
+        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
     admin = config.admin.model_copy(
         update={"weight_roots": [os.path.abspath(os.path.expanduser(r)) for r in config.admin.weight_roots]
                 or [engine.checkpoint_root]}
     )
-    jobs = resolve_jobs_config(config.jobs, engine.checkpoint_root)
     ingress = Ingress.options(
         max_ongoing_requests=config.http.max_ongoing_requests,
         **shutdown_options(config.http.graceful_shutdown_timeout_s),
     )
     return ingress.bind(
         worker, config.http.model_dump(), admin.model_dump(), jobs.model_dump(), config.auth.model_dump(),
-        config.videos.model_dump(),
+        config.videos.model_dump(), text_encoder, decoder,
     )
 
 

@@ -45,6 +45,7 @@ from deployments.schemas import (
 )
 from deployments.video_jobs import VideoJobs
 from deployments.videos import VideoApiSlot, videos_router
+from deployments.worker import StageHandles
 from engine.api import GenerationRequest
 from jobs.config import AuthConfig, JobsConfig
 
@@ -96,7 +97,10 @@ class Ingress:
     async def __init__(
         self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None,
         jobs: dict[str, Any] | None = None, auth: dict[str, Any] | None = None, videos: dict[str, Any] | None = None,
+        text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None,
     ) -> None:
+        """`text_encoder` and `decoder`: the other stages of a split app (both or neither); video jobs then run
+        encode -> denoise -> decode through the three handles."""
         install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
         self._worker = worker
         self._http = HttpOptions.model_validate(http or {})
@@ -108,6 +112,7 @@ class Ingress:
             worker, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
             VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,
             describe_timeout_s=self._http.health_timeout_s,
+            stages=StageHandles(text_encoder, decoder) if text_encoder is not None and decoder is not None else None,
         )
         self._videos.start()
 

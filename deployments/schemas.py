@@ -31,6 +31,7 @@ __all__ = [
     "GenerationResponse",
     "HttpOptions",
     "ProgressEvent",
+    "StageOptions",
     "Timings",
     "VideoOptions",
     "WeightUpdateRequest",
@@ -161,6 +162,14 @@ class ErrorResponse(BaseModel):
 # --------------------------------------------------------------------------------------------------
 
 
+#: GPU shares of one device when `stages: split` puts the three stages on it: the worker's 0.6 keeps a second
+#: worker off a device (two transformers and their activations do not fit one H200 beside the encoder), the
+#: text encoder and the decoder take 0.2 each. H3 on one H200: transformer 37.4 GiB (online AdaLN) + text
+#: encoder 46.9 + video VAE 5.2 + audio VAE 0.6 = 90.1 GiB of 139, the rest for activations and the plan slab.
+SPLIT_WORKER_GPUS = 0.6
+SPLIT_STAGE_GPUS = 0.2
+
+
 class AutoscalingOptions(BaseModel):
     """Worker autoscaling (Ray Serve `autoscaling_config`)."""
 
@@ -188,7 +197,8 @@ class WorkerOptions(BaseModel):
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
     autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
     num_gpus: float | None = Field(
-        None, ge=0, description="GPUs per replica; None: 1 if the Ray cluster has GPUs at build time, else 0."
+        None, ge=0, description=f"GPUs per replica; None: 1 if the Ray cluster has GPUs at build time "
+        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0."
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
     max_ongoing_requests: int = Field(
@@ -207,6 +217,31 @@ class WorkerOptions(BaseModel):
         5.0, ge=0, description="When a replica stops (Ctrl-C on `serve run`, a redeploy, a downscale), how long it "
         "may keep running its queued and in-flight generations before they are cancelled and it is killed. "
         "Short, so `serve run` stops within seconds; raise it to let long generations finish on a downscale.",
+    )
+
+
+
+
+class StageOptions(BaseModel):
+    """How a stage deployment (TextEncoder, Decoder) of `stages: split` is replicated and placed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
+    autoscaling: AutoscalingOptions = Field(
+        default_factory=AutoscalingOptions,
+        description="Used when num_replicas is None; max_replicas None: one per GPU in the cluster (1 without GPUs).",
+    )
+    num_gpus: float | None = Field(
+        None, ge=0, description=f"GPUs per replica; None: {SPLIT_STAGE_GPUS} of a device if the Ray cluster has GPUs "
+        "at build time (it shares the device with a worker), else 0.",
+    )
+    num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
+    max_ongoing_requests: int = Field(
+        8, ge=1, description="Requests one replica holds (it runs one at a time on its device; the rest wait in order)."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        5.0, ge=0, description="How long a stopping replica may finish what it holds before it is killed.",
     )
 
 
@@ -284,6 +319,16 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine each worker replica runs.")
+    stages: Literal["split", "fused"] = Field(
+        "split",
+        description="split: the text encoder, the denoiser (Worker) and the decoder are three deployments, so the "
+        "denoiser never waits for a prompt encode or a VAE decode (a job decodes while the next one denoises); "
+        "fused: one Worker deployment runs every stage. A sequence-parallel engine (engine.parallel.sp > 1) always "
+        "runs fused (its rank 0 decodes).",
+    )
+    text_encoder: StageOptions = Field(default_factory=StageOptions,
+                                       description="The TextEncoder deployment (stages: split).")
+    decoder: StageOptions = Field(default_factory=StageOptions, description="The Decoder deployment (stages: split).")
     worker: WorkerOptions = Field(default_factory=WorkerOptions, description="Worker replication and placement.")
     http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")
     admin: AdminOptions = Field(default_factory=AdminOptions, description="Admin routes: fleet weight updates.")

@@ -11,6 +11,13 @@
 - Errors: the engine's `ClientError` -> `VideoRequestError`, a cancel the job did not ask for (the worker
   replica stopping) or any other failure -> `VideoServerError` with a message fit for the job record (no
   server paths).
+- Stages (`StagedVideoBackend`, `stages: split`): the job drives TextEncoder.encode -> Worker.denoise_stream
+  -> Decoder.decode_to_store through the three handles; the worker is free (and the service told, via
+  `VideoRun.denoised`) the moment denoising ends, while the Decoder decodes, muxes and uploads to the output
+  store. Timings: each stage's own seconds plus what each call took beyond them (`*_wait_s`: a replica's
+  queue, transfers).
+- A worker replica that died mid-run (`RayActorError`) is `VideoWorkerLost`: the service retries the job when
+  no denoising step had run.
 - Limits: `video_model_limits(card)` turns the worker's `describe()` into the job layer's
   `VideoModelLimits`, so a tiny CPU model accepts the small sizes it is configured for.
 """
@@ -21,6 +28,7 @@ import asyncio
 import io
 import logging
 import re
+import time
 from fractions import Fraction
 from typing import Any
 
@@ -33,18 +41,21 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import unwrap
 from deployments.schemas import ProgressEvent
-from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult
+from deployments.stages import StoredVideo
+from deployments.worker import StageHandles
+from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult, GenerationStats
 from engine.errors import ClientError, GenerationCancelled, ServerFault
+from engine.stages import PromptEmbedding
 from jobs.backend import (
-    CancelCheck,
-    ProgressCallback,
     VideoCancelled,
     VideoOutput,
     VideoRequestError,
+    VideoRun,
     VideoServerError,
     VideoSpec,
     VideoStats,
     VideoTimings,
+    VideoWorkerLost,
 )
 from jobs.errors import InvalidVideoRequest
 from jobs.limits import VideoModelLimits
@@ -54,6 +65,7 @@ __all__ = [
     "LOSSLESS_CACHE_DIT",
     "ModelCard",
     "ServedModelLimits",
+    "StagedVideoBackend",
     "WorkerVideoBackend",
     "generation_request",
     "video_model_limits",
@@ -205,21 +217,26 @@ def video_output(result: GenerationResult) -> VideoOutput:
         num_frames, fps = video.frames, float(video.average_rate or 0)
         sample_rate = audio.rate if audio is not None else 0
     stats, timings = result.stats, result.timings
-    adaln = stats.adaln if stats.adaln is not None else AdalnStats()  # resident AdaLN: no plans
     return VideoOutput(
         mp4=result.mp4,
         thumbnail_png=result.thumbnail_png,
         timings=VideoTimings(plan_s=timings.plan_s, encode_s=timings.encode_s, denoise_s=timings.denoise_s,
                              decode_s=timings.decode_s, mux_s=timings.mux_s, total_s=timings.total_s),
-        stats=VideoStats(
-            num_steps=stats.forwards,
-            num_frames=num_frames,
-            fps=fps,
-            audio_sample_rate=sample_rate,
-            plan_cache_hits=adaln.gpu_hit_plans + adaln.host_hit_plans + adaln.pool_hit_plans,
-            plan_cache_misses=adaln.built_plans,
-            cached_steps=stats.cache_dit.num_cached_steps if stats.cache_dit is not None else 0,
-        ),
+        stats=video_stats(stats, num_frames, fps, sample_rate),
+    )
+
+
+def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate: int) -> VideoStats:
+    """A job's stats: the engine's counters and what the MP4 holds."""
+    adaln = stats.adaln if stats.adaln is not None else AdalnStats()  # resident AdaLN: no plans
+    return VideoStats(
+        num_steps=stats.forwards,
+        num_frames=num_frames,
+        fps=fps,
+        audio_sample_rate=sample_rate,
+        plan_cache_hits=adaln.gpu_hit_plans + adaln.host_hit_plans + adaln.pool_hit_plans,
+        plan_cache_misses=adaln.built_plans,
+        cached_steps=stats.cache_dit.num_cached_steps if stats.cache_dit is not None else 0,
     )
 
 
@@ -259,7 +276,9 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
     if isinstance(cause, ServerFault):
         logger.error("video generation failed reading the checkpoint", exc_info=exc)
         return VideoServerError(f"generation failed: {cause.kind} (the server could not read its checkpoint)")
-    if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
+    if isinstance(exc, RayActorError) or isinstance(cause, RayActorError):
+        return VideoWorkerLost(f"the replica running it died ({type(cause).__name__})")
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
         return VideoServerError(f"no worker could run the job: {type(exc).__name__}")
     logger.error("video generation failed", exc_info=exc)
     return VideoServerError(f"generation failed: {type(cause).__name__}")
@@ -301,14 +320,19 @@ class WorkerVideoBackend:
                 raise invalid_request(str(cause)) from None
             logger.warning("video request check skipped (the worker did not answer): %s", type(exc).__name__)
 
-    async def run(
-        self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck
-    ) -> VideoOutput:
+    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
         try:
             request = self.request(spec)
         except InvalidVideoRequest as exc:  # e.g. Cache-DiT turned off since the job was queued
             raise VideoRequestError(str(exc)) from None
         stream = self._worker.options(stream=True).generate_stream.remote(request, schedule_key=request.schedule_key)
+        result = await self._follow(stream, run)
+        # Reading the MP4's header is blocking work: keep it off the event loop.
+        return await asyncio.to_thread(video_output, result)
+
+    async def _follow(self, stream: Any, run: VideoRun) -> GenerationResult:
+        """The worker stream's progress to `run.on_progress`, its result returned; cancelled when `run.cancelled()`."""
+        job_id, on_progress, cancelled = run.job_id, run.on_progress, run.cancelled
         pending: asyncio.Future[Any] | None = None
         try:
             while True:
@@ -329,8 +353,7 @@ class WorkerVideoBackend:
                 if isinstance(event, ProgressEvent):
                     on_progress(event.step, event.steps)
                 else:
-                    # Reading the MP4's header is blocking work: keep it off the event loop.
-                    return await asyncio.to_thread(video_output, event)
+                    return event
         finally:
             # Leaving early (cancelled, failed, the service stopping): the engine stops at its next step.
             # A no-op once the worker finished.
@@ -338,3 +361,51 @@ class WorkerVideoBackend:
             if pending is not None:
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
+
+
+class StagedVideoBackend(WorkerVideoBackend):
+    """`jobs.backend.VideoBackend` over the three stage deployments of `stages: split`."""
+
+    def __init__(self, worker: DeploymentHandle, stages: StageHandles, card: ModelCard,
+                 high_quality: CacheDitOverrides, validate_timeout_s: float) -> None:
+        super().__init__(worker, card, high_quality, validate_timeout_s)
+        self._stages = stages
+
+    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
+        start = time.perf_counter()
+        try:
+            request = self.request(spec)
+        except InvalidVideoRequest as exc:
+            raise VideoRequestError(str(exc)) from None
+        try:
+            embedding: PromptEmbedding = await self._stages.text_encoder.encode.remote(request.prompt)
+        except Exception as exc:  # noqa: BLE001 - sorted by backend_error
+            raise backend_error(exc, run.cancelled()) from exc
+        encoded = time.perf_counter()
+        if run.cancelled():
+            raise VideoCancelled(f"video job {run.job_id} cancelled")
+        stream = self._worker.options(stream=True).denoise_stream.remote(
+            request, embedding, schedule_key=request.schedule_key)
+        result = await self._follow(stream, run)
+        denoised = time.perf_counter()
+        run.denoised()  # the worker is free: the service may start the next job while this one decodes
+        if run.cancelled():
+            raise VideoCancelled(f"video job {run.job_id} cancelled")
+        try:
+            stored: StoredVideo = await self._stages.decoder.decode_to_store.remote(
+                result.video, result.audio, run.output_key)
+        except Exception as exc:  # noqa: BLE001 - sorted by backend_error (a dead decoder: steps ran, so failed)
+            raise backend_error(exc, run.cancelled()) from exc
+        done = time.perf_counter()
+        plan_s, denoise_s = result.timings.plan_s, result.timings.denoise_s
+        return VideoOutput(
+            timings=VideoTimings(
+                plan_s=plan_s, encode_s=embedding.encode_s, denoise_s=denoise_s, decode_s=stored.decode_s,
+                mux_s=stored.mux_s, upload_s=stored.upload_s,
+                encode_wait_s=max(0.0, encoded - start - embedding.encode_s),
+                denoise_wait_s=max(0.0, denoised - encoded - plan_s - denoise_s),
+                decode_wait_s=max(0.0, done - denoised - stored.decode_s - stored.mux_s - stored.upload_s),
+                total_s=done - start,
+            ),
+            stats=video_stats(result.stats, stored.num_frames, stored.fps, stored.sample_rate),
+        )

@@ -22,7 +22,8 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments.schemas import VideoOptions
-from deployments.video_backend import ModelCard, WorkerVideoBackend, video_model_limits
+from deployments.video_backend import ModelCard, StagedVideoBackend, WorkerVideoBackend, video_model_limits
+from deployments.worker import StageHandles
 from deployments.videos import VideoApi, VideoApiSlot
 from jobs.config import AuthConfig, JobsConfig
 from jobs.outputs import OutputStore
@@ -42,12 +43,13 @@ class VideoJobs:
 
     def __init__(
         self, worker: DeploymentHandle, slot: VideoApiSlot, jobs: JobsConfig, auth: AuthConfig,
-        videos: VideoOptions, replica_id: str, describe_timeout_s: float,
+        videos: VideoOptions, replica_id: str, describe_timeout_s: float, stages: StageHandles | None = None,
     ) -> None:
         self._worker, self._slot = worker, slot
         self._jobs, self._auth, self._videos = jobs, auth, videos
         self._replica_id = replica_id
         self._describe_timeout_s = describe_timeout_s
+        self._stages = stages
         self._service: JobService | None = None
         self._store: JobStore | None = None
         self._starting: asyncio.Task[None] | None = None
@@ -77,7 +79,11 @@ class VideoJobs:
         except ValueError as exc:
             self._give_up(f"the served model's limits do not make video limits: {exc}")
             return
-        backend = WorkerVideoBackend(self._worker, card, self._videos.high_quality, self._videos.validate_timeout_s)
+        backend: WorkerVideoBackend = WorkerVideoBackend(
+            self._worker, card, self._videos.high_quality, self._videos.validate_timeout_s)
+        if self._stages is not None:  # stages: split
+            backend = StagedVideoBackend(self._worker, self._stages, card, self._videos.high_quality,
+                                         self._videos.validate_timeout_s)
         while True:
             try:
                 store = await asyncio.to_thread(open_job_store, self._jobs.resolved_database_url)

@@ -8,6 +8,13 @@ Routing: callers pass `schedule_key=` (the request's sampling schedule); with `S
 (set by `build_app`) requests of one schedule go to the replica whose AdaLN plans are warm, and this
 replica reports its ongoing count and recent schedules through `record_routing_stats()`.
 
+Stages (`stages: split` in serve_config.yaml): the engine holds the denoiser alone
+(`denoiser_engine_factory`); `denoise_stream` takes a prompt embedding from the TextEncoder deployment and
+returns latents, so the replica is free for the next job when the loop ends (the video job flow drives the
+stages itself: `deployments/video_backend.py`). `generate` / `generate_stream` (the research route
+`/v1/generations`) then compose the stages through the handles the builder passes: encode, denoise here,
+decode in the Decoder (the engine thread is already free while it decodes).
+
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
 `serve run` stops within seconds of Ctrl-C), then calls `__del__`, which stops the weights follower, asks
 every generation still running to stop at its next step and drops the queued ones, then force-kills it.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
@@ -33,6 +42,7 @@ from deployments.weights import WeightFollower
 from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
+from engine.stages import PromptEmbedding
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,12 +64,35 @@ def default_engine_factory(config: EngineConfig) -> EngineProtocol:
     return Engine(config, remote=remote)
 
 
+def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
+    """The engine of a `stages: split` worker: the transformer and its AdaLN plans, no text encoder, no VAEs."""
+    from actors.host_cache_pool import make_pool_client
+    from engine.engine import Engine, EngineParts, resolve_device
+
+    remote = make_pool_client(config.pool, resolve_device(config.device), config.adaln.mode)
+    return Engine(config, remote=remote, parts=EngineParts.DENOISER)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageHandles:
+    """The other stages of a split app, as a Worker composes them for `/v1/generations`."""
+
+    text_encoder: DeploymentHandle
+    decoder: DeploymentHandle
+
+
 @serve.deployment(name="Worker", ray_actor_options={"num_cpus": 1})
 class Worker(ScheduleAffinityReporter):
     """Serve replica holding one engine. `build_app` sets `num_gpus` (1 on a GPU cluster, else 0)."""
 
-    def __init__(self, engine_config: dict[str, Any], engine_factory: EngineFactory | None = None) -> None:
-        install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
+    def __init__(self, engine_config: dict[str, Any], engine_factory: EngineFactory | None = None,
+                 text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None) -> None:
+        """`text_encoder` and `decoder`: the split app's other stages (both or neither); with them the engine
+        is the denoiser alone and `generate` composes the three."""
+        install_client_error_log_filter()
+        if (text_encoder is None) != (decoder is None):
+            raise ValueError("a split Worker needs both the TextEncoder and the Decoder handle")
+        self._stages = StageHandles(text_encoder, decoder) if text_encoder is not None else None  # a request over a model limit is one INFO line, not an ERROR traceback
         config = EngineConfig.model_validate(engine_config)
         self._engine = (engine_factory or default_engine_factory)(config)
         # One thread: the engine owns one device and runs one generation at a time; later requests queue here.
@@ -82,7 +115,8 @@ class Worker(ScheduleAffinityReporter):
     # ---------------------------------------------------------------------------------------------
 
     def _submit(self, request: GenerationRequest, cancelled: threading.Event,
-                on_progress: Callable[[int, int], None] | None = None) -> asyncio.Future:
+                on_progress: Callable[[int, int], None] | None = None,
+                embedding: PromptEmbedding | None = None) -> asyncio.Future:
         """Queue one generation on the engine thread; metrics are recorded when the engine is done with it
         (a cancelled request stops at its next step boundary, after the caller has gone)."""
         loop = asyncio.get_running_loop()
@@ -99,7 +133,10 @@ class Worker(ScheduleAffinityReporter):
             outcome: str = "error"
             stats: GenerationStats | None = None
             try:
-                result = self._engine.generate(request, progress, cancelled.is_set)
+                if embedding is None:
+                    result = self._engine.generate(request, progress, cancelled.is_set)
+                else:
+                    result = self._engine.denoise(request, embedding, progress, cancelled.is_set)
                 outcome, stats = "ok", result.stats
                 return result
             except GenerationCancelled:
@@ -125,15 +162,17 @@ class Worker(ScheduleAffinityReporter):
         """ClientError naming the field and the limit if the loaded model cannot take `request` (the video
         API's check before it queues a job: prompt tokens, snapped duration, sizes). Cheap, runs on the event
         loop's thread pool (a multi-GPU engine asks its rank 0 actor: a bounded Ray round trip), beside a running
-        generation."""
+        generation. A split app's prompt is checked by the TextEncoder (the tokenizer lives there)."""
         await asyncio.to_thread(self._engine.validate, request)
+        if self._stages is not None:
+            await self._stages.text_encoder.validate.remote(request.prompt)
 
     async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
         """Run one generation off the event loop. Raises ClientError for requests the model cannot take.
         `schedule_key` is read by the router (and recorded here as recently served)."""
         cancelled = threading.Event()
         with self.track_schedule(schedule_key):
-            future = self._submit(request, cancelled)
+            future = self._start(request, cancelled)
             try:
                 # shield: a cancelled caller must not cancel the executor future (the thread runs on regardless);
                 # the engine sees `cancelled` between steps and stops.
@@ -150,7 +189,50 @@ class Worker(ScheduleAffinityReporter):
         request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
         errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
         stops the engine at its next step; the plan references are released there."""
+        await self._validate_all(request)
+        async for event in self._stream(request, schedule_key, None):
+            yield event
+
+    async def denoise_stream(self, request: GenerationRequest, embedding: PromptEmbedding,
+                             schedule_key: str | None = None) -> AsyncIterator[ProgressEvent | GenerationResult]:
+        """The denoiser stage of a split app (`handle.options(stream=True)`): `embedding` is the TextEncoder's
+        for `request.prompt`. Yields progress events as `generate_stream`, then the `GenerationResult` with
+        the latents and no MP4 (the Decoder decodes them). The replica takes its next request as soon as this
+        one's loop ends."""
         self._engine.validate(request)
+        async for event in self._stream(request, schedule_key, embedding):
+            yield event
+
+    async def _validate_all(self, request: GenerationRequest) -> None:
+        self._engine.validate(request)
+        if self._stages is not None:  # the prompt is the text encoder's to check
+            await self._stages.text_encoder.validate.remote(request.prompt)
+
+    def _start(self, request: GenerationRequest, cancelled: threading.Event,
+               on_progress: Callable[[int, int], None] | None = None) -> asyncio.Future:
+        """A whole generation: on the engine thread (fused), or composed through the stage handles (split)."""
+        if self._stages is None:
+            return self._submit(request, cancelled, on_progress)
+        return asyncio.ensure_future(self._composed(self._stages, request, cancelled, on_progress))
+
+    async def _composed(self, stages: StageHandles, request: GenerationRequest, cancelled: threading.Event,
+                        on_progress: Callable[[int, int], None] | None) -> GenerationResult:
+        embedding: PromptEmbedding = await stages.text_encoder.encode.remote(request.prompt)
+        if cancelled.is_set():
+            raise GenerationCancelled("generation cancelled by the caller")
+        result = await asyncio.shield(self._submit(request, cancelled, on_progress, embedding))
+        decoded = None
+        if request.return_video:
+            if cancelled.is_set():
+                raise GenerationCancelled("generation cancelled by the caller")
+            decoded = await stages.decoder.decode.remote(result.video, result.audio)
+            result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
+        return dataclasses.replace(result, timings=result.timings.with_stages(
+            encode_s=embedding.encode_s, decode_s=decoded.decode_s if decoded else 0.0,
+            mux_s=decoded.mux_s if decoded else 0.0))
+
+    async def _stream(self, request: GenerationRequest, schedule_key: str | None,
+                      embedding: PromptEmbedding | None) -> AsyncIterator[ProgressEvent | GenerationResult]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ProgressEvent] = asyncio.Queue()
         start = time.perf_counter()
@@ -161,7 +243,10 @@ class Worker(ScheduleAffinityReporter):
 
         cancelled = threading.Event()
         with self.track_schedule(schedule_key):
-            future = self._submit(request, cancelled, on_progress)
+            if embedding is None:
+                future = self._start(request, cancelled, on_progress)
+            else:
+                future = self._submit(request, cancelled, on_progress, embedding)
             try:
                 yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
                 while True:

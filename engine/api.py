@@ -94,6 +94,12 @@ class GenerationTimings(BaseModel):
     mux_s: float = Field(0.0, description="H.264 + AAC encode and MP4 mux (0 without return_video).")
     total_s: float = Field(0.0, description="Whole engine call.")
 
+    def with_stages(self, *, encode_s: float, decode_s: float = 0.0, mux_s: float = 0.0) -> GenerationTimings:
+        """The denoiser's timings (plan_s, denoise_s) with the prompt and decode stages' added; total_s their sum
+        (how the fused engine and the split Worker both compose a generation's timings)."""
+        total = encode_s + self.plan_s + self.denoise_s + decode_s + mux_s
+        return self.model_copy(update={"encode_s": encode_s, "decode_s": decode_s, "mux_s": mux_s, "total_s": total})
+
 
 @dataclass
 class RankStats:

@@ -38,8 +38,9 @@ and the replica does not start.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
-import io
 import logging
 import os
 import secrets
@@ -59,15 +60,15 @@ from engine.api import (
 )
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import load_transformer
-from model.mp4 import thumbnail_png, write_mp4
 from model.schedule import H3Schedule, Task
-from model.text_encoder import PromptEmbeddingCache, PromptEncoder
+from model.text_encoder import PromptEncoder
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
 from model.weights import CONFIG_FILE, H3TransformerConfig, TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
@@ -163,14 +164,25 @@ def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> Geometry
                           min_seconds=config.min_seconds, max_seconds=config.max_seconds)
 
 
+class EngineParts(enum.Enum):
+    """What an engine holds: everything (prompt -> MP4), or the denoiser alone (the text encoder and the VAEs
+    run in their own processes: `engine.stages`, deployed as the app's TextEncoder and Decoder)."""
+
+    FULL = "full"
+    DENOISER = "denoiser"
+
+
 class Engine:
     """MiniMax-H3 on one device (or one rank of a multi-device replica). Thread-safe: generations (and weight
     updates) are serialized by a lock."""
 
-    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None, *, group: SpGroup | None = None):
+    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None, *, group: SpGroup | None = None,
+                 parts: EngineParts = EngineParts.FULL):
         """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, the pool client in
         `actors/`, built by the Serve worker); used in adaln.mode=online only. `group`: this process's rank of
-        a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device."""
+        a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device.
+        `parts`: DENOISER loads neither the text encoder nor the VAEs (`generate` is then refused; `denoise`
+        takes the prompt's embedding)."""
         self.config = config
         self.group = _checked_group(config, group)
         self.rank = self.group.rank if self.group is not None else 0
@@ -215,17 +227,17 @@ class Engine:
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
-        text_device = resolve_device(config.text_encoder.device, self.device)
-        self.prompt_encoder = PromptEncoder(self.checkpoint.text_encoder_dir, self.checkpoint.tokenizer_dir,
-                                            text_device, hidden_state_index=config.text_encoder.hidden_state_index)
-        self.prompt_cache = PromptEmbeddingCache(int(config.text_encoder.prompt_cache_mb * 2**20))
-        decode_device = resolve_device(config.decode.device, self.device)
-        # Only rank 0 decodes and muxes; the other ranks do not hold the VAEs (11 GB for H3).
-        self.video_decoder: VideoDecoder | None = None
-        self.audio_decoder: AudioDecoder | None = None
-        if self.rank == 0:
-            self.video_decoder = VideoDecoder(self.checkpoint.video_vae_dir, decode_device)
-            self.audio_decoder = AudioDecoder(self.checkpoint.audio_vae_dir, decode_device)
+        if parts is EngineParts.DENOISER and self.group is not None:
+            raise ValueError("a sequence-parallel engine runs every stage (only rank 0 decodes): parts=FULL")
+        self.parts = parts
+        self.prompt_stage: PromptStage | None = None
+        self.decode_stage: DecodeStage | None = None
+        if parts is EngineParts.FULL:
+            self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint,
+                                            resolve_device(config.text_encoder.device, self.device))
+            # Only rank 0 decodes and muxes; the other ranks do not hold the VAEs (11 GB for H3).
+            if self.rank == 0:
+                self.decode_stage = DecodeStage(self.checkpoint, resolve_device(config.decode.device, self.device))
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         self._lock = threading.Lock()
@@ -237,6 +249,19 @@ class Engine:
         logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s)", self.model_name,
                     self.checkpoint.layout.value, self.device, config.adaln.mode, offload, config.cache_dit.enabled)
 
+    @property
+    def prompt_encoder(self) -> PromptEncoder | None:
+        """The Qwen3-VL encoder of the prompt stage (None when this engine is the denoiser alone)."""
+        return self.prompt_stage.encoder if self.prompt_stage is not None else None
+
+    @property
+    def video_decoder(self) -> VideoDecoder | None:
+        return self.decode_stage.video_decoder if self.decode_stage is not None else None
+
+    @property
+    def audio_decoder(self) -> AudioDecoder | None:
+        return self.decode_stage.audio_decoder if self.decode_stage is not None else None
+
     # --- API ---------------------------------------------------------------------------------------
 
     def validate(self, request: GenerationRequest) -> None:
@@ -244,6 +269,8 @@ class Engine:
         self._checked(request)
 
     def _checked(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
+        """The request's geometry, schedule and Cache-DiT config; its prompt is checked by the prompt stage
+        (here when this engine holds it, else in the TextEncoder deployment, before encoding)."""
         if request.guidance_scale != 1.0:
             raise ClientError(
                 f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
@@ -257,15 +284,8 @@ class Engine:
             schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, Task.T2VA)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
-        try:
-            tokens = self.prompt_encoder.count_tokens(request.prompt)
-        except ValueError as exc:
-            raise ClientError(f"prompt: {exc}") from None
-        if tokens > self.config.text_encoder.max_prompt_tokens:
-            raise ClientError(
-                f"prompt: {tokens} tokens exceeds this server's max_prompt_tokens="
-                f"{self.config.text_encoder.max_prompt_tokens}; shorten the prompt"
-            )
+        if self.prompt_stage is not None:
+            self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
 
     def _cache_dit_config(self, request: GenerationRequest, num_forwards: int) -> CacheDitConfig:
@@ -292,9 +312,29 @@ class Engine:
     def generate(
         self, request: GenerationRequest, progress: ProgressFn | None = None, cancelled: CancelledFn | None = None
     ) -> GenerationResult:
-        """Run one generation. Raises ClientError (the request, before any work), AdmissionRejected (the plan
-        cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
-        or GenerationCancelled (`cancelled()` turned true between two steps)."""
+        """Run one generation, every stage in this process: encode -> denoise -> decode + mux (rank 0 only).
+        Raises ClientError (the request, before any work), AdmissionRejected (the plan cache can never serve
+        it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans) or GenerationCancelled
+        (`cancelled()` turned true between two steps)."""
+        if self.prompt_stage is None:
+            raise ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
+                              "TextEncoder deployment and passed to denoise()", "StageMissing")
+        return self._run(request, None, progress, cancelled)
+
+    @torch.no_grad()
+    def denoise(
+        self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None = None,
+        cancelled: CancelledFn | None = None,
+    ) -> GenerationResult:
+        """The denoiser stage alone: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
+        (`engine.stages.PromptStage.encode` of its prompt, from any process). Returns the latents (no MP4:
+        `engine.stages.DecodeStage` decodes them); timings `plan_s`, `denoise_s`. Errors as `generate`."""
+        if self.group is not None:
+            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", "StageMissing")
+        return self._run(request, embedding, progress, cancelled)
+
+    def _run(self, request: GenerationRequest, embedding: PromptEmbedding | None, progress: ProgressFn | None,
+             cancelled: CancelledFn | None) -> GenerationResult:
         geometry, schedule, cache_dit = self._checked(request)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
             raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
@@ -303,7 +343,11 @@ class Engine:
         with self._lock:
             self._busy = True
             try:
-                result = self._generate(request, geometry, schedule, cache_dit, seed, progress, cancelled)
+                if embedding is None:  # fused: every stage here
+                    result = self._generate(request, geometry, schedule, cache_dit, seed, progress, cancelled)
+                else:
+                    result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress,
+                                           cancelled)
             except BaseException as exc:
                 self._num_failed += 1
                 translated = _translated(exc)
@@ -436,17 +480,37 @@ class Engine:
         self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
         cache_dit: CacheDitConfig, seed: int, progress: ProgressFn | None, cancelled: CancelledFn | None,
     ) -> GenerationResult:
-        def check_cancelled(agreed: bool = True) -> None:
-            stop = cancelled is not None and cancelled()
-            if agreed and self.group is not None:
-                stop = self._rank_0_says(stop)  # every rank stops at the same step boundary
-            if stop:
-                raise GenerationCancelled("generation cancelled by the caller")
+        """The stages composed in this process (what the split app runs in three deployments)."""
+        assert self.prompt_stage is not None
+        self._check_cancelled(cancelled)
+        embedding = self.prompt_stage.encode(request.prompt)
+        result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
+        decoded = None
+        if request.return_video and self.decode_stage is not None:  # rank 0 alone decodes; the other ranks are done
+            self._check_cancelled(cancelled, agreed=False)
+            decoded = self.decode_stage.decode(result.video, result.audio)
+            result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
+        return dataclasses.replace(result, timings=result.timings.with_stages(
+            encode_s=embedding.encode_s, decode_s=decoded.decode_s if decoded else 0.0,
+            mux_s=decoded.mux_s if decoded else 0.0))
 
-        check_cancelled()
+    def _check_cancelled(self, cancelled: CancelledFn | None, agreed: bool = True) -> None:
+        stop = cancelled is not None and cancelled()
+        if agreed and self.group is not None:
+            stop = self._rank_0_says(stop)  # every rank stops at the same step boundary
+        if stop:
+            raise GenerationCancelled("generation cancelled by the caller")
+
+    def _denoise(
+        self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
+        cache_dit: CacheDitConfig, seed: int, embedding: PromptEmbedding, progress: ProgressFn | None,
+        cancelled: CancelledFn | None,
+    ) -> GenerationResult:
+        """AdaLN plans and the denoising loop: latents on the CPU, timings plan_s and denoise_s."""
+        self._check_cancelled(cancelled)
         num_forwards = schedule.num_forwards
         t0 = time.perf_counter()
-        # plan first: the plan cache rejects requests it can never serve before any other work
+        # plan first: the plan cache rejects requests it can never serve before the loop
         if self.group is None:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
@@ -454,12 +518,11 @@ class Engine:
         try:
             self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()
-            text = self.prompt_cache.get_or_encode(self.prompt_encoder, request.prompt).to(self.device)  # [L, D]
+            text = embedding.embeds.to(self.device)  # [L, D]
             denoiser = Denoiser(geometry, schedule, text.shape[0], self.device)
             latents = denoiser.initial_latents(seed)
-            t2 = self._sync_time()
             for i in range(num_forwards):
-                check_cancelled()
+                self._check_cancelled(cancelled)
                 inputs = denoiser.transformer_inputs(i, latents, text)
                 if prepared is not None:
                     self.modulation.set(prepared.modulation(i))
@@ -470,35 +533,23 @@ class Engine:
                     progress(i + 1, num_forwards)
             video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
-            t3 = time.perf_counter()
+            t2 = time.perf_counter()
             plan_stats = prepared.stats if prepared is not None else None
         finally:
             if prepared is not None:
                 prepared.release()
-        mp4 = thumbnail = None
-        t4 = t5 = t3
-        if request.return_video and self.rank == 0:  # the other ranks are done: rank 0 alone decodes
-            check_cancelled(agreed=False)
-            frames = self.video_decoder.decode(video)  # uint8 [frames, height, width, 3]
-            waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
-            t4 = time.perf_counter()
-            buffer = io.BytesIO()
-            write_mp4(buffer, frames, H3_LATENTS.fps, waveform, self.audio_decoder.sample_rate)
-            mp4, thumbnail = buffer.getvalue(), thumbnail_png(frames[0])
-            t5 = time.perf_counter()
 
         stats = GenerationStats(
             steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
             tokens=geometry.num_tokens(text.shape[0]), text_tokens=text.shape[0], adaln_mode=self.config.adaln.mode,
-            schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=self.prompt_cache.stats(),
+            schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=embedding.cache,
             cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
             parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,
         )
         return GenerationResult(
-            video=video, audio=audio, seed=seed, model=self.model_name, mp4=mp4, thumbnail_png=thumbnail,
-            timings=GenerationTimings(plan_s=t1 - t0, encode_s=t2 - t1, denoise_s=t3 - t2, decode_s=t4 - t3,
-                                      mux_s=t5 - t4, total_s=t5 - t0),
+            video=video, audio=audio, seed=seed, model=self.model_name,
+            timings=GenerationTimings(plan_s=t1 - t0, denoise_s=t2 - t1, total_s=t2 - t0),
             stats=stats,
         )
 
@@ -628,3 +679,16 @@ def _translated(exc: BaseException) -> BaseException:
 def _digest(text: str) -> int:
     """A 63-bit digest of `text` (non-negative, so it fits an int64 tensor)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def prompt_stage(config: EngineConfig) -> PromptStage:
+    """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+    return PromptStage(config.text_encoder, checkpoint,
+                       resolve_device(config.text_encoder.device, resolve_device(config.device)))
+
+
+def decode_stage(config: EngineConfig) -> DecodeStage:
+    """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+    return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))

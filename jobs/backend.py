@@ -9,8 +9,16 @@ back as one of three exception types, so the job record can say whose fault it w
 - `VideoServerError`: the server broke (a checkpoint it cannot read, a lost worker); code `server_error`.
 - `VideoCancelled`: the backend saw `cancelled()` return True and stopped at a step boundary.
 
+- `VideoWorkerLost` (a VideoServerError): the process running the job died (a worker replica killed or
+  crashed); the service runs the job again when no denoising step had run yet, else fails it with the cause
+  (code `worker_lost`).
+
 Any other exception is treated as a server fault. `on_progress(step, num_steps)` may be called from any
 thread (a Ray callback, an engine thread); the service makes it thread-safe.
+
+Each run gets a `VideoRun`: beside progress and cancel, the key its outputs go under (a backend whose last
+stage uploads the MP4 itself returns a `VideoOutput` without bytes) and `denoised()`, which a backend calls
+once the denoiser is done with the job, so the service can start the next job while this one decodes.
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ __all__ = [
     "VideoCancelled",
     "VideoOutput",
     "VideoRequestError",
+    "VideoRun",
     "VideoServerError",
     "VideoSpec",
     "VideoStats",
     "VideoTimings",
+    "VideoWorkerLost",
 ]
 
 Quality = Literal["lossless", "high"]
@@ -72,7 +82,23 @@ class VideoTimings(BaseModel):
     denoise_s: float = Field(0.0, ge=0, description="The denoising loop.")
     decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode.")
     mux_s: float = Field(0.0, ge=0, description="H.264 + AAC encode and MP4 mux.")
+    upload_s: float = Field(0.0, ge=0, description="Writing the MP4 and thumbnail to the output store.")
+    queued_s: float = Field(0.0, ge=0, description="Waiting in the job queue, from creation to the run's start.")
+    encode_wait_s: float = Field(
+        0.0, ge=0, description="The text-encoder call beyond its own work: waiting for a replica, transfers."
+    )
+    denoise_wait_s: float = Field(
+        0.0, ge=0, description="The worker call beyond planning and denoising: waiting for the worker, transfers."
+    )
+    decode_wait_s: float = Field(
+        0.0, ge=0, description="The decoder call beyond decode, mux and upload: waiting for a replica, transfers."
+    )
     total_s: float = Field(0.0, ge=0, description="The whole backend call.")
+
+    @property
+    def stage_s(self) -> float:
+        """The stages' own work added up (no waits): what a job costs on an idle system."""
+        return self.plan_s + self.encode_s + self.denoise_s + self.decode_s + self.mux_s + self.upload_s
 
 
 class VideoStats(BaseModel):
@@ -91,12 +117,32 @@ class VideoStats(BaseModel):
 
 @dataclass(frozen=True)
 class VideoOutput:
-    """A finished video: the MP4 (H.264 + AAC) and a PNG of one frame."""
+    """A finished video: the MP4 (H.264 + AAC) and a PNG of one frame, or None for both when the backend
+    already stored them under the run's `output_key`."""
 
-    mp4: bytes
-    thumbnail_png: bytes
     timings: VideoTimings
     stats: VideoStats
+    mp4: bytes | None = None
+    thumbnail_png: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mp4 is None) != (self.thumbnail_png is None):
+            raise ValueError("a VideoOutput carries both the MP4 and the thumbnail, or neither (stored)")
+
+    @property
+    def stored(self) -> bool:
+        return self.mp4 is None
+
+
+@dataclass(frozen=True)
+class VideoRun:
+    """One run of a job, as the service hands it to the backend."""
+
+    job_id: str
+    output_key: str  # the `jobs.outputs.OutputStore` key this run's MP4 and thumbnail go under
+    on_progress: ProgressCallback
+    cancelled: CancelCheck
+    denoised: Callable[[], None]  # the denoiser is done with this job (decode may still run): next job may start
 
 
 class VideoRequestError(ValueError):
@@ -105,6 +151,10 @@ class VideoRequestError(ValueError):
 
 class VideoServerError(RuntimeError):
     """The server failed to produce the video; not the client's fault."""
+
+
+class VideoWorkerLost(VideoServerError):
+    """The process running the job died mid-run (the message names what died); retried if no step had run."""
 
 
 class VideoCancelled(Exception):
@@ -120,10 +170,9 @@ class VideoBackend(Protocol):
         worker answers) returns: the run checks again."""
         ...
 
-    async def run(
-        self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck
-    ) -> VideoOutput:
-        """Generate `spec`. Calls `on_progress(step, num_steps)` after each denoising step (and may call it
-        with step 0 once accepted), checks `cancelled()` between steps. Raises VideoRequestError,
-        VideoServerError or VideoCancelled."""
+    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
+        """Generate `spec`. Calls `run.on_progress(step, num_steps)` after each denoising step (and may call it
+        with step 0 once accepted), checks `run.cancelled()` between steps, calls `run.denoised()` once the
+        denoiser is free (or never). Raises VideoRequestError, VideoServerError (VideoWorkerLost) or
+        VideoCancelled."""
         ...

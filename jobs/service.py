@@ -6,10 +6,14 @@ only through the store's atomic operations:
 - **Admission**: `submit` inserts a queued job unless the model's queue holds `max_queued_per_model`
   (QueueFull, with a Retry-After estimated from recent run times).
 - **Runners**: `concurrency` tasks per replica, each claiming the oldest queued job under a lease and calling
-  the `VideoBackend`. A lease keeper renews the lease and writes progress after each step; when the store
+  the `VideoBackend`. When the backend reports the denoiser done with a job (`VideoRun.denoised`), its runner
+  claims the next job while the first one decodes and uploads (at most one such job per runner): decode of
+  job k overlaps denoise of job k+1. A lease keeper renews the lease and writes progress after each step; when the store
   answers CANCEL_REQUESTED or LOST, `cancelled()` turns True and the backend stops at its next step. Outputs
   go under a key unique to the run, so a run that lost its lease can never delete the outputs of the run that
   replaced it.
+- **A worker that died** (`VideoWorkerLost`): the job runs again (same place in line) when no denoising step
+  had run and runs are left, else it fails with code `worker_lost` and the cause.
 - **Reaper**: every `reap_interval_s`, jobs whose lease expired are retried (no step had run) or failed with
   the cause, and outputs past retention are deleted (their keys forgotten first, files second: a crash in
   between leaves an orphan file, never a record pointing at nothing).
@@ -28,10 +32,20 @@ import math
 import os
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from jobs.backend import VideoBackend, VideoCancelled, VideoOutput, VideoRequestError, VideoServerError, VideoSpec
+from jobs.backend import (
+    VideoBackend,
+    VideoCancelled,
+    VideoOutput,
+    VideoRequestError,
+    VideoRun,
+    VideoServerError,
+    VideoSpec,
+    VideoWorkerLost,
+)
 from jobs.config import JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.events import ChangeFeed
@@ -58,7 +72,9 @@ class _Run:
         # Unique per run: a run that lost its lease cleans up only its own files.
         self.output_key = f"{job.id}-{secrets.token_hex(4)}"
         self.progressed = asyncio.Event()
+        self.denoised = asyncio.Event()  # the denoiser is done with this job: its runner may claim the next
         self.latest: tuple[int, int] = (0, 0)  # (step, num_steps) as last reported by the backend
+        self.max_step = 0  # most steps any report said were done (0: no denoising step ran)
         self.stop_reason: LeaseStatus | None = None
         self.finished = False  # set once the run settled; the lease keeper stops
         self._loop = loop
@@ -66,10 +82,22 @@ class _Run:
     def on_progress(self, step: int, num_steps: int) -> None:
         """The backend's progress callback: safe from any thread."""
         self.latest = (step, num_steps)
+        self.max_step = max(self.max_step, step)
+        self._threadsafe(self.progressed.set)
+
+    def on_denoised(self) -> None:
+        """The backend's denoised callback: safe from any thread."""
+        self._threadsafe(self.denoised.set)
+
+    def _threadsafe(self, callback: Callable[[], None]) -> None:
         try:
-            self._loop.call_soon_threadsafe(self.progressed.set)
+            self._loop.call_soon_threadsafe(callback)
         except RuntimeError:  # the loop closed (service stopped); the run is being released anyway
             pass
+
+    def backend_run(self) -> VideoRun:
+        return VideoRun(job_id=self.job.id, output_key=self.output_key, on_progress=self.on_progress,
+                        cancelled=self.cancelled, denoised=self.on_denoised)
 
     def cancelled(self) -> bool:
         """The backend's cancel check."""
@@ -107,6 +135,7 @@ class JobService:
         self._wake = asyncio.Event()  # set when a job may be claimable (created or retried here)
         self._running: dict[str, _Run] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._runs: set[asyncio.Task[None]] = set()  # every run in flight (denoising or decoding)
 
     @property
     def config(self) -> JobsConfig:
@@ -134,6 +163,7 @@ class JobService:
     async def stop(self) -> None:
         """Cancel the runners (a running job is released: requeued if no step ran, else failed) and the reaper."""
         tasks, self._tasks = self._tasks, []
+        tasks += list(self._runs)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -244,6 +274,7 @@ class JobService:
 
     async def _runner(self) -> None:
         models = list(self._models)
+        detached: asyncio.Task[None] | None = None  # this runner's previous job, still decoding
         while True:
             self._wake.clear()
             lease_owner = f"{self.replica_id}/{secrets.token_hex(4)}"
@@ -256,10 +287,26 @@ class JobService:
                 await _wait_event(self._wake, self._config.poll_s)
                 continue
             self._wake.set()  # another runner of this replica may take the next queued job now
+            run = _Run(job, lease_owner, asyncio.get_running_loop())
+            task = asyncio.create_task(self._run_logged(run), name=f"video-run-{job.id}")
+            self._runs.add(task)
+            task.add_done_callback(self._runs.discard)
+            denoised = asyncio.ensure_future(run.denoised.wait())
             try:
-                await self._run(job, lease_owner)
-            except Exception:  # a bug or a store outage while settling the job: its lease expires, the reaper decides
-                logger.exception("running video job %s failed", job.id)
+                await asyncio.wait({task, denoised}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                denoised.cancel()
+            # The job decodes on (or is done): before taking the next one, the previous job this runner left
+            # decoding must be done, so one runner holds at most one job denoising and one decoding.
+            if detached is not None:
+                await asyncio.shield(detached)
+            detached = None if task.done() else task
+
+    async def _run_logged(self, run: _Run) -> None:
+        try:
+            await self._run(run)
+        except Exception:  # a bug or a store outage while settling the job: its lease expires, the reaper decides
+            logger.exception("running video job %s failed", run.job.id)
 
     async def _claim(self, models: list[str], lease_owner: str) -> JobRecord | None:
         claim = asyncio.ensure_future(asyncio.to_thread(self._store.claim, models, lease_owner, self._config.lease_s))
@@ -272,8 +319,8 @@ class JobService:
                 await asyncio.to_thread(self._store.release, job.id, lease_owner, self._config.max_attempts)
             raise
 
-    async def _run(self, job: JobRecord, lease_owner: str) -> None:
-        run = _Run(job, lease_owner, asyncio.get_running_loop())
+    async def _run(self, run: _Run) -> None:
+        job = run.job
         self._running[job.id] = run
         self._feed.notify(job.id)
         keeper = asyncio.create_task(self._keep_lease(run), name=f"lease-{job.id}")
@@ -290,9 +337,11 @@ class JobService:
         job = run.job
         try:
             async with asyncio.timeout(self._config.max_run_s) as deadline:
-                output = await self._backend.run(job.id, job.spec, run.on_progress, run.cancelled)
+                output = await self._backend.run(job.spec, run.backend_run())
         except VideoCancelled:
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
+        except VideoWorkerLost as exc:
+            await self._worker_lost(run, str(exc))
         except VideoRequestError as exc:
             await self._fail(run, "invalid_request", str(exc))
         except VideoServerError as exc:
@@ -315,14 +364,36 @@ class JobService:
         else:
             await self._finish(run, output)
 
+    async def _worker_lost(self, run: _Run, cause: str) -> None:
+        """The backend's worker died: run the job again if no denoising step had run (runs left), else fail it."""
+        job = run.job
+        logger.error("video job %s: %s (after %d steps)", job.id, cause, run.max_step)
+        if run.max_step > 0:
+            _, num_steps = run.latest
+            message = f"lost at step {run.max_step}/{num_steps} of run {job.attempts}: {cause}"
+            await self._write(self._store.fail, job.id, run.lease_owner, JobError(code="worker_lost", message=message))
+            return
+        outcome = await self._write(self._store.release, job.id, run.lease_owner, self._config.max_attempts, cause)
+        if outcome is JobStatus.QUEUED:
+            self._wake.set()
+
     async def _finish(self, run: _Run, output: VideoOutput) -> None:
         job = run.job
         if run.stop_reason is not None:  # cancelled or lost after the last step: keep nothing
+            if output.stored:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self._outputs.delete, run.output_key)
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
             return
+        timings = output.timings.model_copy(
+            update={"queued_s": max(0.0, (job.started_at or job.created_at) - job.created_at)}
+        )
         try:
-            await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
-            await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png)
+            if not output.stored:
+                start = time.perf_counter()
+                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
+                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png)
+                timings = timings.model_copy(update={"upload_s": time.perf_counter() - start})
         except Exception as exc:  # full disk, unreachable object store: the job fails, the runner goes on
             logger.exception("video job %s: storing its output under %s failed", job.id, self._outputs.url)
             with contextlib.suppress(Exception):  # best effort: no half-stored outputs left behind
@@ -330,7 +401,7 @@ class JobService:
             await self._fail(run, "server_error", f"storing the output failed: {type(exc).__name__}: {exc}")
             return
         completed = await self._write(
-            self._store.complete, job.id, run.lease_owner, run.output_key, output.timings, output.stats,
+            self._store.complete, job.id, run.lease_owner, run.output_key, timings, output.stats,
             self._config.retention_s,
         )
         if not completed:  # cancelled, deleted or reaped meanwhile: the outputs belong to no job

@@ -74,9 +74,10 @@ class JobStore(Protocol):
         """The runner stopped on a cancel: in_progress -> cancelled."""
         ...
 
-    def release(self, job_id: str, lease_owner: str, max_attempts: int) -> JobStatus | None:
-        """The runner gives a job back unfinished (shutting down): requeued when no step ran and runs are
-        left, else failed (or cancelled if a cancel was requested). None when it was not ours."""
+    def release(self, job_id: str, lease_owner: str, max_attempts: int, cause: str = RELEASE_CAUSE) -> JobStatus | None:
+        """The runner gives a job back unfinished (shutting down, or its worker died: `cause`): requeued when no
+        step ran and runs are left, else failed with the cause (or cancelled if a cancel was requested). None
+        when it was not ours."""
         ...
 
     def cancel(self, job_id: str) -> JobRecord:
@@ -392,13 +393,13 @@ class SqlJobStore(ABC):
             )
         return bool(rows)
 
-    def release(self, job_id: str, lease_owner: str, max_attempts: int) -> JobStatus | None:
+    def release(self, job_id: str, lease_owner: str, max_attempts: int, cause: str = RELEASE_CAUSE) -> JobStatus | None:
         with self._transaction(write=True) as tx:
             rows = tx.fetch(
                 f"SELECT id, lease_owner, step, num_steps, attempts, cancel_requested FROM video_jobs "
                 f"WHERE {_RUNNING_IS_MINE}" + self.ROW_LOCK, (job_id, lease_owner),
             )
-            return self._lose(tx, rows[0], RELEASE_CAUSE, max_attempts) if rows else None
+            return self._lose(tx, rows[0], cause, max_attempts) if rows else None
 
     # --- Housekeeping -----------------------------------------------------------------------------------
 

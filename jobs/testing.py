@@ -3,8 +3,10 @@
 `FakeVideoBackend` runs `num_inference_steps` steps of `step_s` seconds each, reports progress, honours
 `cancelled()` between steps, and returns deterministic bytes (`fake_mp4(spec)`, a real 1x1 `fake_png(spec)`).
 A test can hold jobs before a given step (`hold_before_step`, then `release()`) and make a job fail through
-its prompt: `fail:request`, `fail:server` or `fail:crash` (a plain RuntimeError); `validate` refuses a prompt
-starting with `invalid:`. `postgres_server()` runs a throwaway PostgreSQL server through scripts/postgres.
+its prompt: `fail:request`, `fail:server` or `fail:crash` (a plain RuntimeError), or lose its worker
+(`VideoWorkerLost`) before step N with `fail:worker@N` on every run, `fail:worker-once@N` on its first run
+only (N=1: before any step ran); `validate` refuses a prompt
+starting with `invalid:`. After the last step it calls `denoised()`, then takes `decode_s` to "decode". `postgres_server()` runs a throwaway PostgreSQL server through scripts/postgres.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import struct
 import subprocess
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,10 +28,12 @@ from jobs.backend import (
     VideoCancelled,
     VideoOutput,
     VideoRequestError,
+    VideoRun,
     VideoServerError,
     VideoSpec,
     VideoStats,
     VideoTimings,
+    VideoWorkerLost,
 )
 from jobs.errors import InvalidVideoRequest
 
@@ -67,13 +72,17 @@ class FakeVideoBackend:
     """A `VideoBackend` that runs no model. Thread-safe controls, so a test thread can steer a service
     running in another thread's event loop."""
 
-    def __init__(self, step_s: float = 0.0, hold_before_step: int | None = None) -> None:
+    def __init__(self, step_s: float = 0.0, hold_before_step: int | None = None, decode_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.decode_s = decode_s
         self.hold_before_step = hold_before_step  # steps >= this wait until release()
         self._released = threading.Event()
         self._lock = threading.Lock()
         self.started: list[str] = []  # job ids, in the order their runs started
         self.steps_done: dict[str, int] = {}
+        self.runs: list[tuple[str, str]] = []  # (job id, output key) of every run started
+        #: (job id, event, time.monotonic()): "denoise_start", "denoise_end", "decode_end" of every run
+        self.events: list[tuple[str, str, float]] = []
 
     def release(self) -> None:
         """Let held jobs run to the end (and every later job run without holding)."""
@@ -84,11 +93,11 @@ class FakeVideoBackend:
         if spec.prompt.startswith("invalid:"):
             raise InvalidVideoRequest("prompt", f"{len(spec.prompt)} tokens exceed the text encoder's 8 (fake)")
 
-    async def run(
-        self, job_id: str, spec: VideoSpec, on_progress: ProgressCallback, cancelled: CancelCheck
-    ) -> VideoOutput:
+    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
+        job_id, on_progress, cancelled = run.job_id, run.on_progress, run.cancelled
         with self._lock:
             self.started.append(job_id)
+            self.runs.append((job_id, run.output_key))
             self.steps_done[job_id] = 0
         if spec.prompt.startswith("fail:request"):
             raise VideoRequestError(f"prompt: {len(spec.prompt)} tokens exceed the text encoder's 8 (fake)")
@@ -96,9 +105,17 @@ class FakeVideoBackend:
             raise VideoServerError("the decoder could not read its weights (fake)")
         if spec.prompt.startswith("fail:crash"):
             raise RuntimeError("segfault in a fake kernel")
+        lose_before = None
+        first_run = self.started.count(job_id) == 1
+        for prefix, every_run in (("fail:worker@", True), ("fail:worker-once@", False)):
+            if spec.prompt.startswith(prefix) and (every_run or first_run):
+                lose_before = int(spec.prompt.split()[0].removeprefix(prefix))
         num_steps = spec.num_inference_steps
         on_progress(0, num_steps)
+        self._event(job_id, "denoise_start")
         for step in range(1, num_steps + 1):
+            if step == lose_before:
+                raise VideoWorkerLost(f"the worker replica died (fake, before step {step})")
             while self.hold_before_step is not None and step >= self.hold_before_step and not self._released.is_set():
                 if cancelled():
                     raise VideoCancelled(f"cancelled while held before step {step}")
@@ -109,12 +126,21 @@ class FakeVideoBackend:
             with self._lock:
                 self.steps_done[job_id] = step
             on_progress(step, num_steps)
+        self._event(job_id, "denoise_end")
+        run.denoised()
+        await asyncio.sleep(self.decode_s)
+        self._event(job_id, "decode_end")
         return VideoOutput(
             mp4=fake_mp4(spec),
             thumbnail_png=fake_png(spec),
-            timings=VideoTimings(denoise_s=num_steps * self.step_s, total_s=num_steps * self.step_s),
+            timings=VideoTimings(denoise_s=num_steps * self.step_s, decode_s=self.decode_s,
+                                 total_s=num_steps * self.step_s + self.decode_s),
             stats=VideoStats(num_steps=num_steps, num_frames=round(spec.seconds * FAKE_FPS), fps=FAKE_FPS),
         )
+
+    def _event(self, job_id: str, name: str) -> None:
+        with self._lock:
+            self.events.append((job_id, name, time.monotonic()))
 
 
 class FakeClock:

@@ -103,7 +103,9 @@ def test_jobs_start_in_creation_order_and_complete_with_their_outputs(sqlite_url
                 JobStatus.COMPLETED, 100, 1, None
             )
             assert record.stats == VideoStats(num_steps=4, num_frames=24, fps=24)
-            assert record.timings == VideoTimings()
+            # The fake's stages take no time; the service adds the queue wait and its own upload.
+            assert record.timings.model_copy(update={"queued_s": 0.0, "upload_s": 0.0}) == VideoTimings()
+            assert record.timings.queued_s > 0 and record.timings.upload_s > 0
             blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
             assert blob.read(0, blob.size) == fake_mp4(job.spec)
             thumb = await service.open_output(job.id, None, VideoVariant.THUMBNAIL)
@@ -474,5 +476,60 @@ def test_the_default_config_keeps_jobs_and_outputs_under_state_dir(tmp_path):
         assert sorted(p.name for p in (tmp_path / "state" / "outputs").iterdir()) == [
             f"{done.output_key}.mp4", f"{done.output_key}.png"
         ]
+
+    asyncio.run(scenario())
+
+
+# --- A worker that dies mid-job ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, status, attempts, error", [
+    # no denoising step had run: the job runs again (once) and completes
+    ("fail:worker-once@1", JobStatus.COMPLETED, 2, None),
+    # no step ran on either run: failed after max_attempts, with the cause
+    ("fail:worker@1", JobStatus.FAILED, 2, JobError(
+        "worker_lost", "lost before its first step on each of its 2 runs: the worker replica died (fake, before step 1)")),
+    # steps had run: never retried (the work is not repeated silently), failed with the step and the cause
+    ("fail:worker-once@3", JobStatus.FAILED, 1, JobError(
+        "worker_lost", "lost at step 2/4 of run 1: the worker replica died (fake, before step 3)")),
+])
+def test_a_job_whose_worker_died_is_retried_only_when_no_step_had_run(sqlite_url, tmp_path, prompt, status, attempts,
+                                                                        error):
+    async def scenario():
+        backend = FakeVideoBackend()
+        service = make_service(sqlite_url, tmp_path, backend, max_attempts=2)
+        job = await service.submit(make_spec(prompt=prompt), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "the job to settle")
+        finally:
+            await service.stop()
+        assert (record.status, record.attempts, record.error) == (status, attempts, error)
+        assert backend.started == [job.id] * attempts
+        assert (output_files(tmp_path) != []) == (status is JobStatus.COMPLETED)
+
+    asyncio.run(scenario())
+
+
+def test_a_runner_takes_the_next_job_while_the_previous_one_decodes(sqlite_url, tmp_path):
+    """One runner (concurrency 1): job k+1 starts denoising as soon as job k's denoiser is free, while job k
+    still decodes; job k+2 waits until job k has finished decoding (one job decoding per runner)."""
+    async def scenario():
+        backend = FakeVideoBackend(step_s=0.01, decode_s=1.0)
+        service = make_service(sqlite_url, tmp_path, backend, concurrency=1)
+        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(3)]
+        await service.start()
+        try:
+            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
+        finally:
+            await service.stop()
+        assert [r.status for r in done] == [JobStatus.COMPLETED] * 3
+        at = {(job_id, name): t for job_id, name, t in backend.events}
+        first, second, third = (j.id for j in jobs)
+        # overlap: the second job denoised while the first decoded
+        assert at[(second, "denoise_start")] < at[(first, "decode_end")]
+        # bound: the third waited for the first's decode
+        assert at[(third, "denoise_start")] >= at[(first, "decode_end")]
+        assert backend.started == [first, second, third]
 
     asyncio.run(scenario())

@@ -26,7 +26,7 @@ def base_url():
     from deployments.app import build_application
 
     with serve_cluster() as url:
-        app = build_application(AppConfig.model_validate({"http": {"max_body_bytes": 4096, "request_timeout_s": 1.0}}), FakeEngine)
+        app = build_application(AppConfig.model_validate({"stages": "fused", "http": {"max_body_bytes": 4096, "request_timeout_s": 1.0}}), FakeEngine)
         serve.run(app, name=APP_NAME, route_prefix="/")
         wait_healthy(url)
         yield url
@@ -154,7 +154,7 @@ def test_stopping_the_app_cuts_a_generation_longer_than_the_grace_period(base_ur
 
     from deployments.app import build_application
 
-    config = AppConfig.model_validate({"http": {"request_timeout_s": 60, "graceful_shutdown_timeout_s": 1.0},
+    config = AppConfig.model_validate({"stages": "fused", "http": {"request_timeout_s": 60, "graceful_shutdown_timeout_s": 1.0},
                                        "worker": {"graceful_shutdown_timeout_s": 1.0}})
     serve.run(build_application(config, FakeEngine), name="stopping", route_prefix="/stopping")
     stream = serve.get_app_handle("stopping").options(stream=True).generate_stream.remote(

@@ -1,0 +1,93 @@
+"""The stage deployments of `stages: split`: `TextEncoder` (prompt -> embedding, with the prompt-embedding
+cache) and `Decoder` (video + audio VAE decode, MP4 mux, and for video jobs the upload to the output store).
+
+With them the `Worker` holds the denoiser alone (`engine.engine.EngineParts.DENOISER`) and is free for the next
+job the moment its denoising loop ends. Each holds one stage object of `engine.stages` and runs it on one
+thread (one device, one call at a time; later calls queue). Errors are the engine's types (`ClientError` for a
+prompt the encoder refuses), so callers sort them as they sort the worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from ray import serve
+
+from deployments.errors import install_client_error_log_filter
+from engine.config import EngineConfig
+from engine.stages import DecodedVideo, PromptEmbedding
+from jobs.outputs import OutputStore, VideoVariant
+
+__all__ = ["Decoder", "StoredVideo", "TextEncoder"]
+
+
+@serve.deployment(name="TextEncoder", ray_actor_options={"num_cpus": 0.5})
+class TextEncoder:
+    """Qwen3-VL on its device (`engine.text_encoder.device`) and the LRU prompt-embedding cache."""
+
+    def __init__(self, engine_config: dict[str, Any]) -> None:
+        from engine.engine import prompt_stage  # loads the model: not at import time
+
+        install_client_error_log_filter()
+        self._stage = prompt_stage(EngineConfig.model_validate(engine_config))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
+
+    async def validate(self, prompt: str) -> int:
+        """The prompt's tokens; ClientError (message `prompt: ...`) when the encoder cannot take it. Cheap."""
+        return await asyncio.to_thread(self._stage.check, prompt)
+
+    async def encode(self, prompt: str) -> PromptEmbedding:
+        """The prompt's embedding on the CPU (ClientError for a prompt the encoder refuses)."""
+        loop = asyncio.get_running_loop()
+        embedding = await loop.run_in_executor(self._executor, self._stage.encode, prompt)
+        return embedding.cpu()
+
+    async def check_health(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StoredVideo:
+    """A video job's clip, decoded and written to the output store under its run's key."""
+
+    num_frames: int
+    fps: int
+    sample_rate: int
+    decode_s: float
+    mux_s: float
+    upload_s: float
+
+
+@serve.deployment(name="Decoder", ray_actor_options={"num_cpus": 0.5})
+class Decoder:
+    """The video and audio VAEs on their device (`engine.decode.device`), the MP4 mux, and the output store
+    (`jobs.output_url`) video jobs are written to."""
+
+    def __init__(self, engine_config: dict[str, Any], output_url: str) -> None:
+        from engine.engine import decode_stage  # loads the VAEs: not at import time
+
+        self._stage = decode_stage(EngineConfig.model_validate(engine_config))
+        self._outputs = OutputStore(output_url)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+
+    async def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
+        """Latents -> the MP4 and its thumbnail (the research route `/v1/generations` of a split app)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._stage.decode, video, audio)
+
+    async def decode_to_store(self, video: torch.Tensor, audio: torch.Tensor, output_key: str) -> StoredVideo:
+        """Latents -> MP4 + thumbnail, written under `output_key` (a video job's run)."""
+        decoded = await self.decode(video, audio)
+        start = time.perf_counter()
+        await asyncio.to_thread(self._outputs.put, output_key, VideoVariant.VIDEO, decoded.mp4)
+        await asyncio.to_thread(self._outputs.put, output_key, VideoVariant.THUMBNAIL, decoded.thumbnail_png)
+        return StoredVideo(num_frames=decoded.num_frames, fps=decoded.fps, sample_rate=decoded.sample_rate,
+                           decode_s=decoded.decode_s, mux_s=decoded.mux_s, upload_s=time.perf_counter() - start)
+
+    async def check_health(self) -> None:
+        pass

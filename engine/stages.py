@@ -1,0 +1,118 @@
+"""The engine's outer stages as objects usable on their own (plain torch, no Ray).
+
+A generation is `PromptStage` (prompt -> embeddings) -> the denoiser (`engine.engine.Engine.denoise`: AdaLN
+plans, the denoising loop) -> `DecodeStage` (video + audio VAE decode, MP4 mux). `Engine.generate` composes the
+three in one process (tests, `/v1/generations` on a fused replica, every rank of a sequence-parallel replica,
+where only rank 0 decodes); the Serve app can instead run each stage in its own deployment
+(`deployments/stages.py`), so the denoiser never waits for a prompt encode or a VAE decode. What crosses
+between the stages is small and typed: `PromptEmbedding` (on the CPU) and the latents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import TextEncoderConfig
+from engine.errors import ClientError
+from model.decode import AudioDecoder, VideoDecoder
+from model.geometry import H3_LATENTS
+from model.layout import H3Checkpoint
+from model.mp4 import thumbnail_png, write_mp4
+from model.text_encoder import PromptCacheStats, PromptEmbeddingCache, PromptEncoder
+
+__all__ = ["DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
+
+
+@dataclass(frozen=True)
+class PromptEmbedding:
+    """One prompt's conditioning, as the denoiser takes it."""
+
+    embeds: torch.Tensor  # [num_tokens, text_dim] in the text encoder's dtype
+    encode_s: float  # seconds the stage spent (a cache hit: ~0)
+    cache: PromptCacheStats  # the prompt-embedding cache's counters after this call
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeds.shape[0])
+
+    def cpu(self) -> PromptEmbedding:
+        """The same embedding on the CPU (what travels between processes)."""
+        return dataclasses.replace(self, embeds=self.embeds.cpu())
+
+
+class PromptStage:
+    """Qwen3-VL prompt encoder and its LRU prompt-embedding cache. Thread-safe for `check` and `encode` from
+    one caller thread at a time per encode (the cache is locked; the encoder runs one prompt at a time)."""
+
+    def __init__(self, config: TextEncoderConfig, checkpoint: H3Checkpoint, device: torch.device) -> None:
+        self.config = config
+        self.encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, device,
+                                     hidden_state_index=config.hidden_state_index)
+        self.cache = PromptEmbeddingCache(int(config.prompt_cache_mb * 2**20))
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.device
+
+    def check(self, prompt: str) -> int:
+        """The prompt's token count; ClientError (a ValueError, message starting `prompt:`) when it has none or
+        more than `max_prompt_tokens`."""
+        try:
+            tokens = self.encoder.count_tokens(prompt)
+        except ValueError as exc:
+            raise ClientError(f"prompt: {exc}") from None
+        if tokens > self.config.max_prompt_tokens:
+            raise ClientError(f"prompt: {tokens} tokens exceeds this server's max_prompt_tokens="
+                              f"{self.config.max_prompt_tokens}; shorten the prompt")
+        return tokens
+
+    @torch.no_grad()
+    def encode(self, prompt: str) -> PromptEmbedding:
+        """The prompt's embedding (from the cache when seen before), on the encoder's device."""
+        self.check(prompt)
+        start = time.perf_counter()
+        embeds = self.cache.get_or_encode(self.encoder, prompt)
+        if embeds.device.type == "cuda":
+            torch.cuda.synchronize(embeds.device)
+        return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=self.cache.stats())
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """A decoded, muxed clip."""
+
+    mp4: bytes  # H.264 + AAC stereo
+    thumbnail_png: bytes  # the first frame
+    num_frames: int
+    fps: int
+    sample_rate: int
+    decode_s: float  # video + audio VAE
+    mux_s: float  # H.264 + AAC encode and mux
+
+
+class DecodeStage:
+    """The video and audio VAEs on one device, and the MP4 mux."""
+
+    def __init__(self, checkpoint: H3Checkpoint, device: torch.device) -> None:
+        self.video_decoder = VideoDecoder(checkpoint.video_vae_dir, device)
+        self.audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, device)
+
+    @torch.no_grad()
+    def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
+        """`video` [C, F, H, W] and `audio` [2A, Ca] latents (any device) -> the MP4 and its thumbnail."""
+        start = time.perf_counter()
+        frames = self.video_decoder.decode(video)  # uint8 [frames, height, width, 3]
+        waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
+        decoded = time.perf_counter()
+        buffer = io.BytesIO()
+        sample_rate = self.audio_decoder.sample_rate
+        write_mp4(buffer, frames, H3_LATENTS.fps, waveform, sample_rate)
+        thumbnail = thumbnail_png(frames[0])
+        return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail, num_frames=int(frames.shape[0]),
+                            fps=H3_LATENTS.fps, sample_rate=sample_rate, decode_s=decoded - start,
+                            mux_s=time.perf_counter() - decoded)

@@ -1,0 +1,134 @@
+"""`stages: split` through Ray Serve on CPU with the tiny real checkpoint: TextEncoder -> Worker (denoiser) ->
+Decoder give the same latents and the same MP4 bytes as the fused Worker, on the research route and as a video
+job (whose MP4 the Decoder uploads), and a job's timings name every stage.
+
+One cluster for the module; the fused and the split app are deployed side by side on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from deployments.schemas import decode_latents
+from tests.serve_helpers import run_app, serve_cluster, serve_config_args
+
+pytestmark = pytest.mark.timeout(900)
+
+GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
+GENERATION = {"prompt": "a red fox in snow", "steps": 4, "seconds": 1.0, "width": 96, "height": 64, "seed": 7,
+              "return_video": True, "return_latents": True}
+VIDEO = {"prompt": "a red fox in snow", "seconds": 1.0, "size": "96x64", "num_inference_steps": 4, "seed": 7}
+STAGES = ("fused", "split")
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("stages")
+    # fused: ingress + worker; split: ingress + worker + text encoder + decoder (0.5 CPU each)
+    with serve_cluster(num_cpus=6) as url:
+        urls = {}
+        for stages in STAGES:
+            args = serve_config_args(root / "checkpoints")
+            args["stages"] = stages
+            args["engine"]["device"] = "cpu"
+            args["engine"]["geometry"] = GEOMETRY
+            args["jobs"].update({"state_dir": str(root / f"state-{stages}"), "poll_s": 0.2, "events_poll_s": 0.2})
+            run_app(url, args, name=stages, route_prefix=f"/{stages}")
+            urls[stages] = f"{url}/{stages}"
+        yield urls
+
+
+def test_the_builder_binds_three_stage_deployments_when_split(apps):
+    from ray import serve
+
+    deployments = {stages: set(serve.status().applications[stages].deployments) for stages in STAGES}
+    assert deployments == {"fused": {"Ingress", "Worker"}, "split": {"Ingress", "Worker", "TextEncoder", "Decoder"}}
+
+
+def test_split_stages_give_the_fused_latents_and_mp4_bytes(apps):
+    results = {}
+    for stages, url in apps.items():
+        r = requests.post(f"{url}/v1/generations", json=GENERATION, timeout=300)
+        assert r.status_code == 200, r.text
+        results[stages] = r.json()
+    fused, split = results["fused"], results["split"]
+    fused_latents, split_latents = decode_latents(fused["latents"]), decode_latents(split["latents"])
+    for name in ("video", "audio"):
+        assert split_latents[name].shape == fused_latents[name].shape
+        assert split_latents[name].equal(fused_latents[name]), name  # bit for bit
+    assert base64.b64decode(split["video_mp4"]) == base64.b64decode(fused["video_mp4"])
+    assert split["preview_png"] == fused["preview_png"] and split["model"] == fused["model"]
+    for key in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s"):
+        assert split["timings"][key] > 0, key
+
+
+def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
+    jobs = {}
+    for stages, url in apps.items():
+        r = requests.post(f"{url}/v1/videos", json=VIDEO, timeout=60)
+        assert r.status_code == 200, r.text
+        jobs[stages] = wait_finished(url, r.json()["id"])
+    contents = {}
+    for stages, job in jobs.items():
+        assert job["status"] == "completed", job
+        r = requests.get(f"{apps[stages]}/v1/videos/{job['id']}/content", timeout=30)
+        assert r.status_code == 200
+        contents[stages] = r.content
+    assert contents["split"] == contents["fused"]
+    timings = jobs["split"]["timings"]
+    for key in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"):
+        assert timings[key] > 0, (key, timings)
+    # what the job took beyond its stages is what it waited for (nothing else ran): the waits are that gap
+    waits = timings["encode_wait_s"] + timings["denoise_wait_s"] + timings["decode_wait_s"]
+    stage_sum = sum(timings[k] for k in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"))
+    assert timings["total_s"] == pytest.approx(stage_sum + waits, rel=1e-6, abs=1e-6)
+    assert jobs["split"]["progress"] == 100
+
+
+def wait_finished(url: str, job_id: str, timeout_s: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = requests.get(f"{url}/v1/videos/{job_id}", timeout=30)
+        assert r.status_code == 200, r.text
+        if r.json()["status"] in ("completed", "failed", "cancelled"):
+            return r.json()
+        assert time.monotonic() < deadline, f"job {job_id} did not finish: {r.json()}"
+        time.sleep(0.2)
+
+
+# --- Placement and errors (no cluster) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus_in_cluster, worker, stage, worker_max", [
+    (0, 0.0, 0.0, 1),   # CPU: no GPU asked, one replica each
+    (1, 0.6, 0.2, 1),   # one H200: the three stages share it, one worker
+    (8, 0.6, 0.2, 8),   # a node: one worker per device (0.6 keeps a second one off), stages beside them
+])
+def test_split_stages_share_each_device_by_fractions(gpus_in_cluster, worker, stage, worker_max):
+    from deployments.app import stage_deployment_options, worker_deployment_options
+    from deployments.schemas import AppConfig
+
+    config = AppConfig()
+    worker_options = worker_deployment_options(config.worker, gpus_in_cluster, config.engine, split=True)
+    stage_options = stage_deployment_options(config.text_encoder, gpus_in_cluster)
+    assert worker_options["ray_actor_options"]["num_gpus"] == worker
+    assert stage_options["ray_actor_options"]["num_gpus"] == stage
+    assert worker + 2 * stage <= 1.0  # the default config fits one device
+    assert worker_options["autoscaling_config"]["max_replicas"] == worker_max
+    assert stage_options["autoscaling_config"]["max_replicas"] == max(1, gpus_in_cluster)
+
+
+@pytest.mark.parametrize("make_error", [
+    lambda: __import__("ray.exceptions", fromlist=["ActorDiedError"]).ActorDiedError(),
+    lambda: __import__("ray.exceptions", fromlist=["ActorUnavailableError"]).ActorUnavailableError("gone", None),
+])
+def test_a_replica_that_died_is_a_lost_worker_for_the_retry_rule(make_error):
+    from deployments.video_backend import backend_error
+    from jobs.backend import VideoWorkerLost
+
+    assert isinstance(backend_error(make_error(), cancel_asked=False), VideoWorkerLost)
