@@ -164,7 +164,7 @@ def test_result_shapes_dtypes_timings_and_stats(engine):
     assert stats.tokens == stats.text_tokens + 414 + 37 * 2 * 2  # [text | audio rows | video patches]
     assert (stats.steps, stats.forwards, stats.frames) == (4, 3, NUM_FRAMES)
     assert stats.schedule_key == small_request(steps=4).schedule_key
-    assert (stats.adaln_mode, stats.adaln.requests, stats.prompt_cache) == ("online", 1, engine.prompt_cache.stats())
+    assert (stats.adaln_mode, stats.adaln.requests, stats.prompt_cache) == ("online", 1, engine.prompt_stage.cache.stats())
     # Serialized, it is the response's `stats` object: features that are off are absent.
     assert list(stats.model_dump(mode="json")) == [
         "steps", "forwards", "frames", "tokens", "text_tokens", "adaln_mode", "schedule_key", "adaln", "prompt_cache"]
