@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         text_layers = SMOKE_TEXT_LAYERS if smoke else args.text_layers
-        root, config = write_checkpoint(workdir / "ckpt", smoke, args.num_blocks, text_layers,
+        # named by what it holds: a work directory reused with other sizes gets a checkpoint of its own
+        name = "ckpt-tiny" if smoke else f"ckpt-h3-{args.num_blocks}blocks-{text_layers}text"
+        root, config = write_checkpoint(workdir / name, smoke, args.num_blocks, text_layers,
                                         torch.device("cuda:0" if on_gpu else "cpu"))
         checkpoint_s = time.perf_counter() - t0
         num_blocks = config.num_layers
