@@ -299,8 +299,8 @@ NATIVE_AUDIO_VAE_FIELDS = frozenset({"encoder_dim", "encoder_rates", "latent_dim
 #: resblocks and upsampling stages decode 40x faster than the tiny checkpoint's, but a native audio_vae/ cannot
 #: record them (diffusers layout only; for native, keep the audio_vae fields to NATIVE_AUDIO_VAE_FIELDS).
 SMALL_COMPONENTS = ComponentSizes(
-    text={**QWEN3_VL_TEXT, "hidden_size": TINY_TRANSFORMER.text_dim, "intermediate_size": 64, "num_attention_heads": 2,
-          "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 1024, "max_position_embeddings": 4096,
+    text={**QWEN3_VL_TEXT, "hidden_size": TINY_TRANSFORMER.text_dim, "intermediate_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024, "max_position_embeddings": 4096,
           "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3],
                               "mrope_interleaved": True}},
     video_vae={"block_out_channels": (32, 32, 32, 32), "layers_per_block": 1, "spatial_downsample_factors": (2, 2, 2, 2),

@@ -98,6 +98,15 @@ class ParallelConfig(BaseModel):
         "inside the Serve replica on one device, no actors, no process group. Must divide the model's attention "
         "heads (MiniMax-H3's 56: 1, 2, 4, 7, 8, 14, 28, 56) and fit on one node.",
     )
+    text_encoder_tp: bool = Field(
+        True,
+        description="With sp > 1: split the Qwen3-VL prompt encoder tensor parallel over the replica's ranks "
+        "(`parallel.text_encoder`: each rank holds and runs 1/sp of every decoder layer, two all-reduces per "
+        "layer), so encode memory and time divide by sp. sp must then divide the encoder's attention heads, kv "
+        "heads and MLP width (MiniMax-H3's 64 / 8 / 25600: 1, 2, 4, 8), and the encoder runs on the rank's "
+        "device (text_encoder.device: engine). false: every rank loads and runs the whole encoder. Ignored at "
+        "sp: 1.",
+    )
     timeout_s: float = Field(
         120.0, gt=0,
         description="Bound on the ranks' rendezvous, on every collective between them, and on every coordinator "

@@ -68,14 +68,16 @@ from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import load_transformer
 from model.schedule import H3Schedule, Task
-from model.text_encoder import PromptEncoder
+from model.text_encoder import PromptEncoder, language_model_config
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
+from model.tiny_components import TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
 from model.weights import CONFIG_FILE, H3TransformerConfig, TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
 from parallel.adaln import AdalnShard, exchange_modulation_
 from parallel.cache_decision import install_rank_consistent_similarity
 from parallel.group import CollectiveError, SpGroup
 from parallel.sequence import SequenceParallel, check_degree
+from parallel.text_encoder import TextTensorParallel, check_text_degree
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +136,24 @@ def checkpoint_num_heads(config: EngineConfig) -> int:
     return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
 
 
+def text_encoder_shape(config: EngineConfig) -> tuple[int, int, int]:
+    """(attention heads, kv heads, MLP width) of the text encoder `config` serves, from its config.json alone;
+    an auto-made checkpoint has the tiny components'."""
+    if not config.checkpoint:
+        return TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
+    text = language_model_config(H3Checkpoint.open(config.checkpoint).text_encoder_dir)
+    return text.num_attention_heads, text.num_key_value_heads, text.intermediate_size
+
+
 def check_parallel_config(config: EngineConfig, num_gpus_on_node: int) -> None:
     """Refuse a parallel config before anything starts (the app builder calls it): a degree that does not
     divide the checkpoint's attention heads (`parallel.sequence.SequenceParallelError`, a ValueError naming the
-    valid degrees) or more GPUs than one node has. `num_gpus_on_node`: GPUs of the largest node; 0 when the
-    ranks run on CPU (gloo), where any number of rank processes share the node's cores."""
+    valid degrees), more GPUs than one node has, or, with `text_encoder_tp`, a degree the text encoder cannot
+    be split by (`parallel.text_encoder.TextEncoderSplitError`). `num_gpus_on_node`: GPUs of the largest node;
+    0 when the ranks run on CPU (gloo), where any number of rank processes share the node's cores."""
     check_degree(config.parallel.sp, checkpoint_num_heads(config), num_gpus_on_node or None)
+    if config.parallel.sp > 1 and config.parallel.text_encoder_tp:
+        check_text_degree(config.parallel.sp, *text_encoder_shape(config))
 
 
 def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | None:
@@ -233,8 +247,17 @@ class Engine:
         self.prompt_stage: PromptStage | None = None
         self.decode_stage: DecodeStage | None = None
         if parts is EngineParts.FULL:
-            self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint,
-                                            resolve_device(config.text_encoder.device, self.device))
+            text_device = resolve_device(config.text_encoder.device, self.device)
+            # Tensor parallel encoder: its all-reduces run on the group, so it lives on the rank's device.
+            text_split = None
+            if self.group is not None and config.parallel.text_encoder_tp:
+                if text_device != self.device:
+                    raise ValueError(
+                        f"engine.parallel.text_encoder_tp splits the text encoder over the ranks' devices; "
+                        f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
+                        "use text_encoder.device: engine, or text_encoder_tp: false")
+                text_split = TextTensorParallel(self.group)
+            self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split)
             # Only rank 0 decodes and muxes; the other ranks do not hold the VAEs (11 GB for H3).
             if self.rank == 0:
                 self.decode_stage = DecodeStage(self.checkpoint, resolve_device(config.decode.device, self.device))

@@ -23,7 +23,7 @@ from model.decode import AudioDecoder, VideoDecoder
 from model.geometry import H3_LATENTS
 from model.layout import H3Checkpoint
 from model.mp4 import thumbnail_png, write_mp4
-from model.text_encoder import PromptCacheStats, PromptEmbeddingCache, PromptEncoder
+from model.text_encoder import LanguageModelSplit, PromptCacheStats, PromptEmbeddingCache, PromptEncoder
 
 __all__ = ["DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
 
@@ -49,10 +49,12 @@ class PromptStage:
     """Qwen3-VL prompt encoder and its LRU prompt-embedding cache. Thread-safe for `check` and `encode` from
     one caller thread at a time per encode (the cache is locked; the encoder runs one prompt at a time)."""
 
-    def __init__(self, config: TextEncoderConfig, checkpoint: H3Checkpoint, device: torch.device) -> None:
+    def __init__(self, config: TextEncoderConfig, checkpoint: H3Checkpoint, device: torch.device, *,
+                 split: LanguageModelSplit | None = None) -> None:
+        """`split`: the encoder's share of a tensor-parallel group (`parallel.text_encoder`); None: whole."""
         self.config = config
         self.encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, device,
-                                     hidden_state_index=config.hidden_state_index)
+                                     hidden_state_index=config.hidden_state_index, split=split)
         self.cache = PromptEmbeddingCache(int(config.prompt_cache_mb * 2**20))
 
     @property

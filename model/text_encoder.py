@@ -12,6 +12,10 @@ stack cut to 50 layers, the pre-norm output of its last layer is exactly `hidden
 so the final norm is replaced by an identity instead of collecting every hidden state.
 Tensors go straight from the safetensors files to `device` in their stored dtype (bfloat16 in the release).
 
+Split over processes: a `LanguageModelSplit` (`parallel.text_encoder.TextTensorParallel` over a replica's ranks)
+decides the per-process config (fewer heads, a narrower MLP), which slice of each tensor this process reads, and
+installs what joins the partial results (an all-reduce); the encoder itself stays this one class.
+
 Text-only prompts carry no vision tokens, so Qwen3-VL's multimodal rotary layout reduces to plain positions
 0..L-1 on all three axes; the language model computes exactly that when given no position ids.
 """
@@ -65,25 +69,57 @@ class PromptEncoding(Protocol):
     def encode(self, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor: ...
 
 
+class SafetensorsHandle(Protocol):
+    """What a `LanguageModelSplit` reads a tensor, or a slice of it, through (`safetensors.safe_open`'s handle)."""
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def get_slice(self, name: str): ...
+
+
+class LanguageModelSplit(Protocol):
+    """How this process holds only its part of the language model (e.g. `parallel.text_encoder`).
+
+    The encoder builds the model from `local_config(config)`, reads every tensor it needs through
+    `read(handle, stored_name, name)` (`name`: the model's own parameter name, e.g.
+    `layers.0.self_attn.q_proj.weight`), then calls `install(model)` before the first forward. `label` becomes
+    part of the encoder's identity (a split encoder rounds differently from a whole one).
+    """
+
+    @property
+    def label(self) -> str: ...
+
+    def local_config(self, config: Qwen3VLTextConfig) -> Qwen3VLTextConfig: ...
+
+    def read(self, handle: SafetensorsHandle, stored_name: str, name: str) -> torch.Tensor: ...
+
+    def install(self, model: Qwen3VLTextModel) -> None: ...
+
+
 class PromptEncoder:
     """Qwen3-VL truncated to the layers feeding `hidden_states[hidden_state_index]`, on one device.
 
     `encode(prompt)` -> [num_tokens, text_dim] in the checkpoint's dtype on `device`. `identity` is a 16-hex
-    fingerprint of the weight files (path, size, mtime, header), the tokenizer files and the layer index (no
-    tensor data is read), so caches keyed by it never mix encoders.
+    fingerprint of the weight files (path, size, mtime, header), the tokenizer files, the layer index and the
+    split's label (no tensor data is read), so caches keyed by it never mix encoders.
+
+    `split`: this process holds and runs only its part of the model (`LanguageModelSplit`); `encode` is then a
+    collective: every process of the split must call it with the same prompt, in the same order.
     """
 
     def __init__(self, text_encoder_dir: str | Path, tokenizer_dir: str | Path, device: torch.device | str, *,
-                 hidden_state_index: int = H3_HIDDEN_STATE_INDEX) -> None:
+                 hidden_state_index: int = H3_HIDDEN_STATE_INDEX, split: LanguageModelSplit | None = None) -> None:
         self.text_encoder_dir, self.tokenizer_dir = Path(text_encoder_dir), Path(tokenizer_dir)
         self.device = torch.device(device)
         self.hidden_state_index = hidden_state_index
         self.tokenizer = _load_tokenizer(self.tokenizer_dir)
         text_config = _truncated_text_config(self.text_encoder_dir, hidden_state_index)
         self.text_dim: int = text_config.hidden_size
+        self.split = split
         weight_files = _weight_files(self.text_encoder_dir)
-        self._model = _load_truncated_language_model(text_config, weight_files, self.device)
-        self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index)
+        self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
+        self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
+                                     split.label if split is not None else "")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,11 +170,17 @@ def _load_tokenizer(tokenizer_dir: Path) -> Qwen2TokenizerFast:
         raise TextEncoderLoadError(f"cannot load a Qwen2 tokenizer from {tokenizer_dir}: {e}") from None
 
 
-def _truncated_text_config(text_encoder_dir: Path, hidden_state_index: int) -> Qwen3VLTextConfig:
-    """The language model's config with only the `hidden_state_index` layers that feed the state read."""
+def language_model_config(text_encoder_dir: str | Path) -> Qwen3VLTextConfig:
+    """The language model's config as stored (config.json only; no weights are read)."""
+    text_encoder_dir = Path(text_encoder_dir)
     if not (text_encoder_dir / "config.json").is_file():
         raise TextEncoderLoadError(f"{text_encoder_dir / 'config.json'} is missing")
-    text_config = Qwen3VLConfig.from_pretrained(text_encoder_dir).text_config
+    return Qwen3VLConfig.from_pretrained(text_encoder_dir).text_config
+
+
+def _truncated_text_config(text_encoder_dir: Path, hidden_state_index: int) -> Qwen3VLTextConfig:
+    """The language model's config with only the `hidden_state_index` layers that feed the state read."""
+    text_config = language_model_config(text_encoder_dir)
     num_layers = text_config.num_hidden_layers
     # hidden_states[num_layers] is the final, normed state, not a layer output; MiniMax-H3 reads a layer output.
     if not 1 <= hidden_state_index < num_layers:
@@ -163,7 +205,9 @@ def _weight_files(text_encoder_dir: Path) -> dict[str, Path]:
 
 
 def _load_truncated_language_model(text_config: Qwen3VLTextConfig, weight_files: dict[str, Path],
-                                   device: torch.device) -> Qwen3VLTextModel:
+                                   device: torch.device, split: LanguageModelSplit | None) -> Qwen3VLTextModel:
+    if split is not None:
+        text_config = split.local_config(text_config)
     with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed for real
         model = Qwen3VLTextModel(text_config)
     model.norm = torch.nn.Identity()  # the state read is pre-norm (see the module docstring)
@@ -176,23 +220,27 @@ def _load_truncated_language_model(text_config: Qwen3VLTextConfig, weight_files:
     for path, stored_names in sorted(by_file.items()):
         with safe_open(path, framework="pt", device=str(device)) as handle:
             for stored_name in stored_names:
-                state[stored_name[len(LANGUAGE_MODEL_PREFIX):]] = handle.get_tensor(stored_name)
+                name = stored_name[len(LANGUAGE_MODEL_PREFIX):]
+                state[name] = handle.get_tensor(stored_name) if split is None else split.read(handle, stored_name, name)
     missing = sorted(wanted - set(state))
     if missing:
         raise TextEncoderLoadError(f"text encoder weights lack {len(missing)} of the tensors needed (under "
                                    f"{LANGUAGE_MODEL_PREFIX!r}), e.g. {missing[:3]}")
     model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    if split is not None:
+        split.install(model)
+    return model
 
 
 def _fingerprint(text_encoder_dir: Path, weight_files: dict[str, Path], tokenizer_dir: Path,
-                 hidden_state_index: int) -> str:
+                 hidden_state_index: int, split_label: str) -> str:
     """Which weight files (path, size, modification time, header), which tokenizer (bytes), which layer.
 
     Hashing 67 GB of tensor data is too slow for a cache key, so a weight file counts as changed when it is
     replaced (new mtime or size) or lives at another path; the same bytes at two paths are two encoders.
     """
-    digest = hashlib.sha256(f"hidden_states[{hidden_state_index}]".encode())
+    digest = hashlib.sha256(f"hidden_states[{hidden_state_index}]{split_label}".encode())
     digest.update((text_encoder_dir / "config.json").read_bytes())
     for path in sorted(set(weight_files.values())):
         stat = path.stat()

@@ -12,10 +12,10 @@
     audio VAE        audio_vae/                  audio_vae/{config.json, metadata.json, config.yaml,
                                                  model.safetensors}       (same key names as diffusers)
 
-Sizes: the text encoder is a Qwen3-VL with text width 32 (= the tiny transformer's `text_dim`) and 51 decoder
-layers, because MiniMax-H3 reads `hidden_states[50]`; its vision tower is one block wide 16. The tokenizer is a
-byte-level BPE trained here on a few sentences and wrapped as `Qwen2TokenizerFast` with the Qwen-VL special
-tokens. The video VAE keeps the checkpoint-tied geometry (24 latent channels, x16 spatial as four x2 levels,
+Sizes: the text encoder is a Qwen3-VL with text width 32 (= the tiny transformer's `text_dim`), 4 heads of 16 over
+2 kv heads, and 51 decoder layers, because MiniMax-H3 reads `hidden_states[50]`; its vision tower is one block
+wide 16. The tokenizer is a byte-level BPE trained here on a few sentences and wrapped as `Qwen2TokenizerFast`
+with the Qwen-VL special tokens. The video VAE keeps the checkpoint-tied geometry (24 latent channels, x16 spatial as four x2 levels,
 x4 temporal, 17-frame clips, 3 dropped tokens) at 32 channels (the released GroupNorm has 32 groups) and a
 one-layer ViT decoder; the audio VAE keeps 32 latent channels, hop 800 at 32 kHz and 8 attention heads.
 
@@ -42,6 +42,11 @@ from model.layout import Layout
 TINY_TEXT_DIM = 32
 #: MiniMax-H3 reads hidden_states[50]; one more layer than that, so the output read is not the final (normed) one.
 TINY_TEXT_LAYERS = 51
+#: Query and kv heads of the tiny Qwen3-VL: grouped-query attention like the release (64 / 8), and divisible by
+#: 2 so the encoder splits over 2 ranks (`parallel.text_encoder`).
+TINY_TEXT_HEADS = 4
+TINY_TEXT_KV_HEADS = 2
+TINY_TEXT_MLP = 64
 TINY_VIDEO_LATENT_CHANNELS = 24
 TINY_AUDIO_LATENT_CHANNELS = 32
 TINY_AUDIO_SAMPLE_RATE = 32000
@@ -123,13 +128,16 @@ def tiny_image_processor() -> Qwen2VLImageProcessorPil:
                                     size={"shortest_edge": 64, "longest_edge": 64 * 64})
 
 
-def tiny_text_encoder(tokenizer: Qwen2TokenizerFast, seed: int) -> Qwen3VLForConditionalGeneration:
-    """A Qwen3-VL of text width TINY_TEXT_DIM and TINY_TEXT_LAYERS layers, in bfloat16 like the release."""
+def tiny_text_encoder(tokenizer: Qwen2TokenizerFast, seed: int, *, num_heads: int = TINY_TEXT_HEADS,
+                      num_kv_heads: int = TINY_TEXT_KV_HEADS, intermediate_size: int = TINY_TEXT_MLP,
+                      dtype: torch.dtype = torch.bfloat16) -> Qwen3VLForConditionalGeneration:
+    """A Qwen3-VL of text width TINY_TEXT_DIM and TINY_TEXT_LAYERS layers, in bfloat16 like the release (the
+    head counts, MLP width and dtype may be changed for tests of other shapes)."""
     token_id = tokenizer.convert_tokens_to_ids
     config = Qwen3VLConfig(
         text_config={
-            "vocab_size": len(tokenizer), "hidden_size": TINY_TEXT_DIM, "intermediate_size": 64,
-            "num_hidden_layers": TINY_TEXT_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": len(tokenizer), "hidden_size": TINY_TEXT_DIM, "intermediate_size": intermediate_size,
+            "num_hidden_layers": TINY_TEXT_LAYERS, "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
             "head_dim": 16, "max_position_embeddings": 4096, "tie_word_embeddings": False,
             # mrope sections split head_dim / 2 = 8 rotary frequencies over (t, h, w).
             "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3],
@@ -149,7 +157,7 @@ def tiny_text_encoder(tokenizer: Qwen2TokenizerFast, seed: int) -> Qwen3VLForCon
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3VLForConditionalGeneration(config)
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
 
 
 # --- VAEs ---------------------------------------------------------------------------------------------------

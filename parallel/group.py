@@ -120,6 +120,12 @@ class SpGroup:
         self._run("all_gather", lambda: _all_gather_single(
             output, input, group=self.process_group, async_op=True), host_wait)
 
+    def all_reduce(self, tensor: Tensor, *, host_wait: bool = False) -> None:
+        """Every rank's `tensor` becomes the sum of every rank's `tensor` (in place; the same bits on every rank)."""
+        self._check_tensors("all_reduce", tensor, tensor)
+        self._run("all_reduce", lambda: dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True), host_wait)
+
     def broadcast(self, tensor: Tensor, src: int, *, host_wait: bool = False) -> None:
         """Every rank's `tensor` becomes rank `src`'s (a rank of this group)."""
         if not 0 <= src < self.world_size:

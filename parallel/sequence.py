@@ -183,6 +183,10 @@ class SequenceParallel:
         self.group = group
         self.degree = group.world_size
         self._shard: SequenceShard | None = None
+        #: The last layout's split: ((num_rows, video/audio/text index tensors), split); see `_split_of`.
+        self._layout: tuple[tuple[int, Tensor, Tensor, Tensor], SequenceShard] | None = None
+        #: Splits built so far (one per request layout, not one per forward).
+        self.num_splits_built = 0
         self._original_processors: list[object] = []
         self._handles: list[RemovableHandle] = []
         # The class's forward, not the instance's: cache-dit replaces the latter by a (*args, **kwargs) wrapper.
@@ -218,7 +222,7 @@ class SequenceParallel:
             handle.remove()
         for block, processor in zip(self.transformer.transformer_blocks, self._original_processors):
             block.attn.set_processor(processor)
-        self._handles, self._original_processors, self._shard = [], [], None
+        self._handles, self._original_processors, self._shard, self._layout = [], [], None, None
 
     @property
     def shard(self) -> SequenceShard:
@@ -237,8 +241,8 @@ class SequenceParallel:
 
     def _shard_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs = self._forward_signature.bind(*args, **kwargs).arguments
-        shard = SequenceShard.build(inputs["position_ids"].shape[0], self.degree, self.group.rank,
-                                    inputs["video_indices"], inputs["audio_indices"], inputs["text_indices"])
+        shard = self._split_of(inputs["position_ids"].shape[0], inputs["video_indices"], inputs["audio_indices"],
+                               inputs["text_indices"])
         for name in _PER_ROW_INPUTS:
             inputs[name] = shard.local_rows(inputs[name])
         inputs["hidden_states"] = inputs["hidden_states"].index_select(1, shard.video.positions)
@@ -248,6 +252,23 @@ class SequenceParallel:
         inputs["text_indices"] = shard.text.local_indices  # the refiner's output is cut to match (below)
         self._shard = shard
         return (), dict(inputs)
+
+    def _split_of(self, num_rows: int, video_indices: Tensor, audio_indices: Tensor,
+                  text_indices: Tensor) -> SequenceShard:
+        """The split of this layout: built once per request, not per forward (building reads the index tensors
+        back to the host, ~9 syncs that would drain the GPU queue every forward). A request's forwards pass the
+        same index tensors (`model.denoise.Denoiser`'s frozen layout), so the last split is reused while they
+        are the same objects; the memo holds them, so their ids cannot be recycled. Index tensors must not be
+        written in place between forwards."""
+        key = (num_rows, video_indices, audio_indices, text_indices)
+        if self._layout is not None and self._layout[0][0] == num_rows and all(
+                held is given for held, given in zip(self._layout[0][1:], key[1:])):
+            return self._layout[1]
+        shard = SequenceShard.build(num_rows, self.degree, self.group.rank, video_indices, audio_indices,
+                                    text_indices)
+        self._layout = (key, shard)
+        self.num_splits_built += 1
+        return shard
 
     def _keep_local_text(self, module: nn.Module, args: tuple, text_embeds: Tensor) -> Tensor:
         return text_embeds.index_select(1, self.shard.text.positions)  # [B, L, H] -> [B, L_r, H]

@@ -1,7 +1,9 @@
 """`python -m bench.parallel --smoke`: SP1 and SP2 (gloo, two spawned ranks, the tiny checkpoint) through the engine
 path write the table the GPU run writes. Timings are not checked (CPU smoke timings mean nothing); what is
 deterministic is: SP2's velocity equals SP1's bit for bit on CPU, both degrees rebuild all 49 plans of a 50-step
-schedule, and the all-to-all bytes follow from the shape (4 x rows/2 x inner x 2 B x 1/2 per block)."""
+schedule, the all-to-all bytes follow from the shape (4 x rows/2 x inner x 2 B x 1/2 per block), and the text encode
+is tensor parallel under SP2 (less than the whole encoder per rank, the embedding within bf16 rounding of SP1's).
+diffusers' own context parallel is a GPU-only run (it has no CPU path), so the smoke table has no row of it."""
 
 from __future__ import annotations
 
@@ -49,3 +51,22 @@ def test_plan_miss_rebuilds_every_plan_of_a_50_step_schedule_on_both_degrees(rep
     assert all(row["what"] == "plan miss (49 plans built)" for row in misses.values())
     assert misses[1]["miss_vs_sp1"] == 1.0 and misses[2]["miss_s"] > 0
     assert len(misses[2]["note"].split("/")) == 2  # one time per rank
+
+
+def test_no_diffusers_run_on_cpu(report):
+    assert {row["impl"] for row in report["rows"]} == {"ours"}
+    assert any("not run: diffusers' CP needs accelerators" in note for note in report["notes"])
+
+
+def test_sp2_encodes_the_prompt_tensor_parallel_with_less_of_the_encoder_per_rank(report):
+    encodes = {row["sp"]: row for row in report["rows"] if row["what"] == "text encode"}
+    assert sorted(encodes) == [1, 2]
+    one, two = encodes[1], encodes[2]
+    assert (one["split"], two["split"]) == ("whole", "tp2")
+    assert one["tokens"] == two["tokens"] > 0 and one["max_abs_diff_vs_sp1"] == 0.0
+    whole = float(one["param_MiB_per_rank"])
+    per_rank = [float(x) for x in two["param_MiB_per_rank"].split("/")]
+    # the embedding is replicated, the layers halved: between half and all of the whole encoder per rank
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] and whole / 2 < per_rank[0] < whole
+    # tests/test_parallel_text_encoder.py derives the bound: 16 bf16 epsilons of the largest value
+    assert 0 < two["max_abs_diff_vs_sp1"] <= 16 * 2**-7 * one["max_abs_v"]

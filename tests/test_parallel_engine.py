@@ -67,7 +67,10 @@ def engine_config(checkpoint: Path, sp: int, **overrides) -> EngineConfig:
         checkpoint=str(checkpoint), device="cpu", max_steps=MAX_STEPS,
         geometry={"short_edge": None, "min_seconds": 0.1},
         adaln={"gpu_plans": GPU_PLANS, "host_cache_gb": 0.01}, offload={"enabled": True}, cache_dit=CACHE_DIT,
-        pool={"enabled": False}, parallel={"sp": sp, "timeout_s": TIMEOUT_S, "load_timeout_s": LOAD_TIMEOUT_S},
+        pool={"enabled": False},
+        # the whole text encoder on every rank: the same embedding bits as one device (a tensor parallel encoder
+        # rounds differently; tests/test_parallel_text_encoder.py and test_parallel_offload.py cover it)
+        parallel={"sp": sp, "timeout_s": TIMEOUT_S, "load_timeout_s": LOAD_TIMEOUT_S, "text_encoder_tp": False},
     )
     return EngineConfig(**{**fields, **overrides})
 

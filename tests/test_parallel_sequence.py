@@ -126,10 +126,11 @@ def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path) -
 
         # The whole denoising loop, unchanged, on a sharded transformer.
         transformer = build_transformer(2, 4)
-        SequenceParallel.install(transformer, group)
+        sp = SequenceParallel.install(transformer, group)
         _, _, num_text_tokens, frames, width, height = CASES["tiny-odd"]
         report["denoise"] = denoise(transformer, text_embeds(num_text_tokens), geometry_of(frames, width, height),
                                     H3Schedule.build(DENOISE_STEPS), DENOISE_SEED)
+        report["denoise/splits_built"] = sp.num_splits_built
 
         # Degrees must divide the head count: 3 heads on 2 ranks.
         try:
@@ -238,6 +239,12 @@ def test_external_adaln_modulation_keeps_working_under_sp(ranks, one_process):
 def test_denoise_loop_under_sp2_equals_the_one_process_loop(ranks, one_process):
     for report in ranks.reports:
         assert_bitwise(report["denoise"], one_process["denoise"])
+
+
+def test_a_request_layout_is_split_once_not_per_forward(ranks):
+    # DENOISE_STEPS - 1 forwards share the Denoiser's index tensors: one split (host reads) for all of them.
+    assert DENOISE_STEPS - 1 > 1
+    assert [report["denoise/splits_built"] for report in ranks.reports] == [1, 1]
 
 
 def test_degree_not_dividing_the_heads_is_refused_at_install(ranks):
