@@ -74,7 +74,7 @@ def _rank_program(rank: int, world_size: int, init_method: str, checkpoint: Path
         result = engine.generate(request())
         offloader = engine.offloader
         report[mode] = {
-            "video": result.video, "audio": result.audio, "cached": result.stats["cache_dit"]["cached_steps"],
+            "video": result.video, "audio": result.audio, "cached": result.stats.cache_dit.cached_steps,
             "bytes_per_step": list(offloader.stats.h2d_bytes_per_step),
             "streamed_bytes": sum(offloader.describe()["block_bytes"][i] for i in offloader.streamed_indices),
             "streamed": offloader.streamed_indices,
@@ -123,14 +123,14 @@ def test_sp2_with_offload_and_cache_dit_equals_the_resident_one_process_engine_b
 
 @pytest.mark.parametrize("mode", ADALN_MODES)
 def test_both_ranks_cache_the_forwards_one_device_caches(ranks, resident, mode):
-    cached = resident[mode].stats["cache_dit"]["cached_steps"]
+    cached = resident[mode].stats.cache_dit.cached_steps
     assert cached, "Cache-DiT cached nothing on this request: the skip path would go untested"
     assert [rank[mode]["cached"] for rank in ranks] == [cached, cached]
 
 
 @pytest.mark.parametrize("mode", ADALN_MODES)
 def test_each_rank_streams_zero_bytes_in_a_cached_forward_and_its_blocks_in_a_computed_one(ranks, resident, mode):
-    cached = resident[mode].stats["cache_dit"]["cached_steps"]
+    cached = resident[mode].stats.cache_dit.cached_steps
     for rank in ranks:
         assert rank[mode]["streamed"] == [1, 2]  # Fn and Bn edges resident, the middle streamed
         expected = [0 if step in cached else rank[mode]["streamed_bytes"] for step in range(NUM_FORWARDS)]
