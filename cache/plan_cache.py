@@ -181,9 +181,10 @@ class PreparedPlans:
     """
 
     def __init__(self, cache: "PlanCache", slots: list[int], row_index: torch.Tensor,
-                 spans: list[tuple[int, int]], stats: AdalnStats):
+                 spans: list[tuple[int, int]], stats: AdalnStats, keys: tuple[PlanKey, ...] = ()):
         self._cache = cache
         self._slots = slots
+        self.keys = keys            # the request's distinct plan keys (first-appearance order)
         self.row_index = row_index  # int64 [sum of M over steps] on the device
         self._spans = spans         # per step: (offset into row_index, M)
         self.stats = stats
@@ -305,6 +306,20 @@ class PlanCache:
         self.slab.index.invalidate()
         self.host.invalidate()
         self._units = None
+
+    # -- what the slab holds (read by the router's report from another thread: lookups only, no state change)
+    @property
+    def capacity_plans(self) -> int:
+        return self.slab.index.capacity
+
+    @property
+    def num_free_plans(self) -> int:
+        return self.slab.index.num_free
+
+    def holds(self, keys: Sequence[PlanKey]) -> bool:
+        """Whether every plan in `keys` is READY in the GPU slab now (a request for them would hit)."""
+        index = self.slab.index
+        return all(index.lookup(key) is not None for key in keys)
 
     def close(self) -> None:
         self.rebuilder.close()
@@ -447,7 +462,7 @@ class PlanCache:
                 index.free(slot)
             raise
         self.stats.add_(stats)
-        return PreparedPlans(self, held, row_index, spans, stats)
+        return PreparedPlans(self, held, row_index, spans, stats, tuple(distinct))
 
     def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> int:
         """Offer the plans just built to the remote tier without holding up the request.

@@ -59,17 +59,32 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
         num_gpus = float(sp * gpus_per_rank)
     if options.router == "schedule_affinity":
         deployment["request_router_config"] = RequestRouterConfig(
-            request_router_class=ScheduleAffinityRouter, request_router_kwargs={"load_factor": options.load_factor}
+            request_router_class=ScheduleAffinityRouter,
+            request_router_kwargs={"load_factor": options.load_factor, "hold_factor": options.hold_factor},
+            request_routing_stats_period_s=options.routing_stats_period_s,
         )
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
     else:
-        autoscaling = options.autoscaling.model_dump()
-        if autoscaling["max_replicas"] is None:  # as many replicas as the cluster's GPUs hold; 1 on CPU
-            fit = int(num_gpus_in_cluster // num_gpus) if num_gpus > 0 else 1
-            autoscaling["max_replicas"] = max(1, fit, autoscaling["min_replicas"])
-        deployment["autoscaling_config"] = autoscaling
+        deployment["autoscaling_config"] = autoscaling_config(options, num_gpus_in_cluster, num_gpus)
     return deployment
+
+
+def autoscaling_config(options: WorkerOptions, num_gpus_in_cluster: float, num_gpus_per_replica: float) -> dict[str, Any]:
+    """Serve's autoscaling_config with the nulls resolved: as many replicas as the cluster's GPUs hold (at build
+    time) for both bounds, so a GPU node serves every GPU from the start instead of waiting for an upscale
+    decision and a checkpoint load under load; 1 on CPU."""
+    autoscaling = options.autoscaling.model_dump()
+    fit = int(num_gpus_in_cluster // num_gpus_per_replica) if num_gpus_per_replica > 0 else 1
+    fit = max(1, fit)
+    if autoscaling["min_replicas"] is None:
+        min_replicas = fit
+        if autoscaling["max_replicas"] is not None:  # an explicit ceiling below the GPU count wins
+            min_replicas = min(min_replicas, autoscaling["max_replicas"])
+        autoscaling["min_replicas"] = min_replicas
+    if autoscaling["max_replicas"] is None:
+        autoscaling["max_replicas"] = max(fit, autoscaling["min_replicas"])
+    return autoscaling
 
 
 def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:

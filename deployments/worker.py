@@ -5,8 +5,8 @@ tests; both implement `engine.api.EngineProtocol`). Generations run on one dedic
 replica's event loop stays free for health checks, `describe` and cancellations.
 
 Routing: callers pass `schedule_key=` (the request's sampling schedule); with `ScheduleAffinityRouter`
-(set by `build_app`) requests of one schedule go to the replica whose AdaLN plans are warm, and this
-replica reports its ongoing count and recent schedules through `record_routing_stats()`.
+(set by `build_app`) requests of one schedule go to the replica whose GPU plan slab holds them, and this
+replica reports its ongoing count and its engine's `slab_state()` through `record_routing_stats()`.
 
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
 `serve run` stops within seconds of Ctrl-C), then calls `__del__`, which stops the weights follower, asks
@@ -29,7 +29,7 @@ from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
 from deployments.weights import WeightFollower
-from engine.api import EngineProtocol, GenerationRequest, GenerationResult
+from engine.api import EngineProtocol, GenerationRequest, GenerationResult, SlabState
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 
@@ -224,6 +224,10 @@ class Worker(ScheduleAffinityReporter):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._shutdown()
+
+    def slab_state(self) -> SlabState:
+        """What the engine's GPU plan slab holds: reported to the router by `record_routing_stats`."""
+        return self._engine.slab_state()
 
     async def health(self) -> dict[str, Any]:
         return self._engine.health()

@@ -3,19 +3,22 @@
 Latents are seeded noise of the request's real latent shapes (`model.geometry`, any 32-px multiple, 5-15 s):
 same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode) and the
 thumbnail a PNG of the request's size, filled with `seed % 256`. A prompt
-starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Importable by Ray workers
-(module-level class).
+starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Its "slab" is an LRU of
+schedules, each taking `steps - 1` of `adaln.gpu_plans` plans, reported by `slab_state()` like the real
+engine's (so the router places schedules by it). Importable by Ray workers (module-level class).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.api import GenerationRequest, GenerationResult
+from engine.api import GenerationRequest, GenerationResult, SlabState
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
@@ -31,6 +34,8 @@ class FakeEngine:
         self.limits = GeometryLimits(short_edge=None)
         self.num_requests = 0
         self.num_cancelled = 0
+        self._slab: OrderedDict[str, int] = OrderedDict()  # schedule key -> plans, least recently used first
+        self._slab_lock = threading.Lock()
 
     def validate(self, request: GenerationRequest) -> VideoGeometry:
         if request.guidance_scale != 1.0:
@@ -50,6 +55,7 @@ class FakeEngine:
         video = torch.randn(geometry.video_latent_shape, generator=generator)
         audio = torch.randn(geometry.num_audio_rows, H3_LATENTS.audio_latent_channels, generator=generator)
         num_forwards = request.steps - 1
+        self._serve_schedule(request.schedule_key, num_forwards)
         for i in range(num_forwards):
             if cancelled is not None and cancelled():
                 self.num_cancelled += 1
@@ -70,6 +76,20 @@ class FakeEngine:
             stats={"steps": request.steps, "forwards": num_forwards, "tokens": geometry.num_tokens(8),
                    "schedule_key": request.schedule_key},
         )
+
+    def _serve_schedule(self, key: str, num_plans: int) -> None:
+        with self._slab_lock:
+            self._slab[key] = num_plans
+            self._slab.move_to_end(key)
+            while sum(self._slab.values()) > self.config.adaln.gpu_plans and len(self._slab) > 1:
+                self._slab.popitem(last=False)
+
+    def slab_state(self) -> SlabState:
+        with self._slab_lock:
+            resident = list(reversed(self._slab.items()))
+        used = sum(n for _, n in resident)
+        return SlabState(tuple(k for k, _ in resident), tuple(n for _, n in resident),
+                         self.config.adaln.gpu_plans, max(0, self.config.adaln.gpu_plans - used))
 
     def validate_weight_update(self, path: str) -> str:
         raise WeightsRejected("this engine does not support weight updates")
