@@ -39,7 +39,8 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
                               engine: EngineConfig | None = None) -> dict[str, Any]:
     num_gpus = options.num_gpus if options.num_gpus is not None else (1.0 if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
+        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus,
+                              **({"resources": dict(options.resources)} if options.resources else {})},
         "max_ongoing_requests": options.max_ongoing_requests,
         **shutdown_options(options.graceful_shutdown_timeout_s),
     }

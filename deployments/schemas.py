@@ -197,6 +197,10 @@ class WorkerOptions(BaseModel):
         None, ge=0, description="GPUs per replica; None: 1 if the Ray cluster has GPUs at build time, else 0."
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica (e.g. a node or accelerator tag), "
+        "beside num_gpus / num_cpus.",
+    )
     max_ongoing_requests: int = Field(
         4, ge=1, description="Requests one replica holds (it runs one generation at a time; the rest wait in order)."
     )
