@@ -45,7 +45,7 @@ from ray.util.placement_group import (PlacementGroup, get_current_placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.host_cache_pool import make_pool_client
-from engine.api import CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn
+from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
 from engine.config import EngineConfig
 from engine.engine import Engine, check_parallel_config, resolve_device
 from engine.errors import EngineError, ServerFault, WeightsRejected
@@ -200,6 +200,9 @@ class GpuWorkerActor:
     def debug_stats(self) -> dict[str, Any]:
         return self.engine.debug_stats()
 
+    def slab_state(self) -> SlabState:
+        return self.engine.slab_state()
+
     def health(self) -> dict[str, Any]:
         return self.engine.health()
 
@@ -274,6 +277,9 @@ class ParallelEngine:
         self._num_requests = 0
         self._num_failed = 0
         self._probe: _HealthProbe | None = None
+        # Rank 0's slab state as last answered, and the question in flight (slab_state never waits on a rank).
+        self._slab_state: SlabState = NO_SLAB
+        self._slab_query: ray.ObjectRef | None = None
         self._own_group: PlacementGroup | None = None
         self.ranks: list[ray.actor.ActorHandle] = []
         if isinstance(placement, OwnPlacementGroup):
@@ -397,6 +403,21 @@ class ParallelEngine:
         self._check_usable()
         stats = self._answers([rank.debug_stats.remote() for rank in self.ranks], self.timeout_s, "debug_stats")
         return {**stats[0], "busy": self._busy, "sp": self.sp, "ranks": stats}
+
+    def slab_state(self) -> SlabState:
+        """Rank 0's slab state (every rank's slab holds the same plans) as of its last answer; never waits:
+        reads the answer to the question sent last time (if in) and sends the next one."""
+        if self._failure is not None:
+            return NO_SLAB
+        query = self._slab_query
+        if query is not None:
+            ready, _ = ray.wait([query], timeout=0)
+            if not ready:
+                return self._slab_state
+            outcome = _outcome_of(0, query)
+            self._slab_state = outcome.value if isinstance(outcome.value, SlabState) else NO_SLAB
+        self._slab_query = self.ranks[0].slab_state.remote()
+        return self._slab_state
 
     def health(self) -> dict[str, Any]:
         """Never waits: raises ServerFault once the replica is unusable (a rank died, did not answer its last

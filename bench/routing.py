@@ -4,8 +4,12 @@ A fake worker models the GPU plan slab: each replica keeps an LRU of ``--slab-pl
 request at a time (like one GPU). A request for schedule ``s`` needs plans ``(s, 0..P-1)``; every plan not
 in the slab costs ``--rebuild-ms-per-plan`` on top of ``--warm-ms``. Clients (closed loop, ``--clients``
 at a time) draw schedules from a Zipf or a uniform distribution. Reported per router and workload: plan
-hit rate and request latency (p50/p99) after a warm-up. The oracle knows every replica's slab and queue
-exactly (it simulates them at routing time) and sends each request where it finishes earliest.
+hit rate and request latency (p50/p99) after a warm-up. The replicas report their slab (`slab_state()`:
+schedules whose plans are all resident, capacity) to the affinity router, as the real worker does. Two
+references: the `oracle` router knows every replica's slab and queue exactly (it simulates them at routing
+time) and sends each request where it finishes earliest; the `belady` row is an upper bound on the hit rate of
+any router for the same request order: Belady's rule (evict the plan next used furthest ahead) over the
+replicas' slabs pooled into one cache (no load balancing, no split over replicas).
 
 A second table measures Serve's own cost per request: the same fake with zero work called through a
 DeploymentHandle (our router and the default one) vs a direct in-process call and a plain Ray actor call.
@@ -34,6 +38,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments.router import ScheduleAffinityReporter, ScheduleAffinityRouter, schedule_affinity_stats
+from engine.api import SlabState
 
 NUM_REPLICAS = 4
 
@@ -79,6 +84,34 @@ class FakePlanWorker(ScheduleAffinityReporter):
         for schedule, _ in reversed(self.slab):
             count[schedule] = count.get(schedule, 0) + 1
         return [schedule_key(s) for s, n in count.items() if n == self.plans_per_schedule]
+
+    def slab_state(self) -> SlabState:
+        keys = self.warm_schedule_keys()
+        return SlabState(tuple(keys), (self.plans_per_schedule,) * len(keys), self.slab_plans,
+                         self.slab_plans - len(self.slab))
+
+
+def belady_row(workload: str, schedules: List[int], plans_per_schedule: int, slab_plans: int, warmup: int) -> Dict[str, Any]:
+    """Upper bound on the plan hit rate for this request order: Belady's rule over the plan accesses, the
+    replicas' slabs pooled into one cache of NUM_REPLICAS * slab_plans plans. Requests before `warmup` warm the
+    cache but are not counted (as in the measured rows)."""
+    accesses = [(i, (s, j)) for i, s in enumerate(schedules) for j in range(plans_per_schedule)]
+    next_use: List[float] = [math.inf] * len(accesses)
+    seen: Dict[tuple, int] = {}
+    for pos in range(len(accesses) - 1, -1, -1):
+        next_use[pos] = seen.get(accesses[pos][1], math.inf)
+        seen[accesses[pos][1]] = pos
+    cache: Dict[tuple, float] = {}  # plan -> position of its next use
+    hits = counted = 0
+    for pos, (request, plan) in enumerate(accesses):
+        if plan in cache:
+            hits += request >= warmup
+        elif len(cache) >= NUM_REPLICAS * slab_plans:
+            del cache[max(cache, key=cache.get)]
+        cache[plan] = next_use[pos]
+        counted += request >= warmup
+    return {"workload": workload, "router": f"belady bound ({NUM_REPLICAS}x{slab_plans} plans pooled)",
+            "plan_hit_rate": hits / counted}
 
 
 class OracleRouter(RequestRouter):
@@ -192,7 +225,8 @@ def worker_deployment(router: str, args, name: str, load_factor: Optional[float]
     if router == "affinity":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ScheduleAffinityRouter,
-            request_router_kwargs={"load_factor": load_factor or args.load_factor, "spill_confirm_s": args.spill_confirm_s},
+            request_router_kwargs={"load_factor": load_factor or args.load_factor, "hold_factor": args.hold_factor,
+                                   "spill_confirm_s": args.spill_confirm_s},
             request_routing_stats_period_s=args.stats_period_s,
         )
     elif router == "oracle":
@@ -248,6 +282,9 @@ async def run_all(args) -> Dict[str, Any]:
     rows = []
     for workload in args.workloads:
         schedules = draw_schedules(workload, args.requests, args.num_schedules, args.zipf_alpha, args.seed)
+        bound = belady_row(workload, schedules, args.plans_per_schedule, args.slab_plans, args.warmup)
+        rows.append(bound)
+        print(json.dumps(bound), flush=True)
         for spec in args.routers:
             router, load_factor = parse_router(spec)
             tag = spec.replace(":", "_").replace(".", "_")
@@ -261,6 +298,7 @@ async def run_all(args) -> Dict[str, Any]:
             label = f"affinity (load_factor {load_factor or args.load_factor})" if router == "affinity" else router
             row = {"workload": workload, "router": label, **result}
             row["spill_rate"] = (spilled / routed) if router == "affinity" and routed else None
+            row["of_belady"] = row["plan_hit_rate"] / bound["plan_hit_rate"] if bound["plan_hit_rate"] else None
             rows.append(row)
             print(json.dumps(row), flush=True)
             serve.delete(app)
@@ -284,6 +322,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warm-ms", type=float, default=20.0, help="cost of a request with all plans warm")
     parser.add_argument("--rebuild-ms-per-plan", type=float, default=10.0, help="extra cost per missing plan")
     parser.add_argument("--load-factor", type=float, default=1.25)
+    parser.add_argument("--hold-factor", type=float, default=3.0)
     parser.add_argument("--spill-confirm-s", type=float, default=0.01)
     parser.add_argument("--stats-period-s", type=float, default=1.0,
                         help="how often replicas report ongoing count and warm schedules to the routers")
@@ -310,7 +349,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     from bench.common import command_line, markdown_table, write_results
 
-    columns = ["workload", "router", "plan_hit_rate", "p50_ms", "p99_ms", "mean_ms", "req_per_s", "spill_rate", "replicas_used"]
+    columns = ["workload", "router", "plan_hit_rate", "of_belady", "p50_ms", "p99_ms", "mean_ms", "req_per_s", "spill_rate", "replicas_used"]
     routing_md = markdown_table(results["rows"], columns)
     overhead_md = markdown_table(results["overhead"], ["path", "p50_ms", "p99_ms", "overhead_p50_ms"])
     print("\n" + routing_md + "\n\n" + overhead_md)
@@ -322,9 +361,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         f"(zipf alpha {args.zipf_alpha} | uniform); warm request {args.warm_ms} ms, "
         f"+{args.rebuild_ms_per_plan} ms per missing plan; {args.clients} closed-loop clients, "
         f"{args.requests} requests per row, first {args.warmup} left out; load_factor {args.load_factor}, "
+        f"hold_factor {args.hold_factor}, "
         f"spill_confirm_s {args.spill_confirm_s}, routing stats every {args.stats_period_s} s.",
         "oracle: knows every slab and queue exactly, sends each request where it finishes first.",
-        "spill_rate: share of keyed requests the affinity router sent away from their rendezvous first choice.",
+        "belady bound: Belady's rule over the same request order with the 4 slabs pooled into one cache (an upper "
+        "bound for any router: it needs no load balance and no split of schedules over replicas).",
+        "affinity: the replicas report which schedules their slab holds (and its capacity); the router sends a "
+        "schedule to a holder within hold_factor x the mean load, else places it where eviction hurts least.",
+        "spill_rate: share of keyed requests the affinity router sent to a replica not expected to hold their plans.",
         f"load average while running: {results['loadavg']} (other work on this machine inflates latencies).",
     ]
     md_path, json_path = write_results(

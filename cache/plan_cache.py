@@ -180,9 +180,10 @@ class PreparedPlans:
     """
 
     def __init__(self, cache: "PlanCache", slots: list[int], row_index: torch.Tensor,
-                 spans: list[tuple[int, int]], stats: AdalnStats):
+                 spans: list[tuple[int, int]], stats: AdalnStats, keys: tuple[PlanKey, ...] = ()):
         self._cache = cache
         self._slots = slots
+        self.keys = keys            # the request's distinct plan keys (first-appearance order)
         self.row_index = row_index  # int64 [sum of M over steps] on the device
         self._spans = spans         # per step: (offset into row_index, M)
         self.stats = stats
@@ -324,6 +325,20 @@ class PlanCache:
         self.host.invalidate()
         self._units = None
 
+    # -- what the slab holds (read by the router's report from another thread: lookups only, no state change)
+    @property
+    def capacity_plans(self) -> int:
+        return self.slab.index.capacity
+
+    @property
+    def num_free_plans(self) -> int:
+        return self.slab.index.num_free
+
+    def holds(self, keys: Sequence[PlanKey]) -> bool:
+        """Whether every plan in `keys` is READY in the GPU slab now (a request for them would hit)."""
+        index = self.slab.index
+        return all(index.lookup(key) is not None for key in keys)
+
     def close(self) -> None:
         self.rebuilder.close()
         self.host.synchronize()
@@ -390,7 +405,7 @@ class PlanCache:
             self._free(request.held)
             raise
         self.stats.add_(request.stats)
-        return PreparedPlans(self, request.held, row_index, spans, request.stats)
+        return PreparedPlans(self, request.held, row_index, spans, request.stats, tuple(request.distinct))
 
     def _rows_of(self, request: _Request, key: PlanKey) -> list[int]:
         """Slab rows of `key`'s slot in `request`."""

@@ -22,7 +22,9 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
 from deployments.router import ScheduleAffinityRouter
-from deployments.schemas import SPLIT_STAGE_GPUS, SPLIT_WORKER_GPUS, AppConfig, StageOptions, WorkerOptions
+from deployments.schemas import (
+    SPLIT_STAGE_GPUS, SPLIT_WORKER_GPUS, AppConfig, AutoscalingOptions, StageOptions, WorkerOptions,
+)
 from deployments.stages import Decoder, TextEncoder
 from deployments.worker import EngineFactory, Worker, denoiser_engine_factory
 from engine.config import EngineConfig
@@ -46,7 +48,8 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
     default_gpus = SPLIT_WORKER_GPUS if split else 1.0
     num_gpus = options.num_gpus if options.num_gpus is not None else (default_gpus if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
-        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
+        "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus,
+                              **({"resources": dict(options.resources)} if options.resources else {})},
         "max_ongoing_requests": options.max_ongoing_requests,
         **shutdown_options(options.graceful_shutdown_timeout_s),
     }
@@ -66,19 +69,28 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
         num_gpus = float(sp * gpus_per_rank)
     if options.router == "schedule_affinity":
         deployment["request_router_config"] = RequestRouterConfig(
-            request_router_class=ScheduleAffinityRouter, request_router_kwargs={"load_factor": options.load_factor}
+            request_router_class=ScheduleAffinityRouter,
+            request_router_kwargs={"load_factor": options.load_factor, "hold_factor": options.hold_factor},
+            request_routing_stats_period_s=options.routing_stats_period_s,
         )
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
     else:
-        deployment["autoscaling_config"] = _autoscaling(options.autoscaling, num_gpus, num_gpus_in_cluster)
+        deployment["autoscaling_config"] = autoscaling_config(
+            options.autoscaling, replicas_fit(num_gpus, num_gpus_in_cluster))
     return deployment
 
 
-def _autoscaling(options: Any, num_gpus: float, num_gpus_in_cluster: float) -> dict[str, Any]:
+def autoscaling_config(options: AutoscalingOptions, fit: int) -> dict[str, Any]:
+    """Serve's autoscaling_config with the nulls resolved to `fit` (how many replicas the cluster's GPUs hold at
+    build time): both bounds, so a GPU node serves every GPU from the start instead of waiting for an upscale
+    decision and a checkpoint load under load; an explicit max_replicas below it wins; 1 on CPU."""
     autoscaling = options.model_dump()
-    if autoscaling["max_replicas"] is None:  # as many replicas as the cluster's GPUs hold; 1 on CPU
-        autoscaling["max_replicas"] = max(1, replicas_fit(num_gpus, num_gpus_in_cluster), autoscaling["min_replicas"])
+    fit = max(1, fit)
+    if autoscaling["min_replicas"] is None:
+        autoscaling["min_replicas"] = min(fit, autoscaling["max_replicas"] or fit)
+    if autoscaling["max_replicas"] is None:
+        autoscaling["max_replicas"] = max(fit, autoscaling["min_replicas"])
     return autoscaling
 
 
@@ -103,13 +115,27 @@ def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) 
     }
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
-    else:
-        scaling = options.autoscaling.model_dump()
-        if scaling["max_replicas"] is None:  # one per device (beside each worker); 1 without GPUs
-            fit = int(num_gpus_in_cluster) if num_gpus > 0 else 1
-            scaling["max_replicas"] = max(1, fit, scaling["min_replicas"])
-        deployment["autoscaling_config"] = scaling
+    else:  # one per device (beside each worker); 1 without GPUs
+        deployment["autoscaling_config"] = autoscaling_config(
+            options.autoscaling, int(num_gpus_in_cluster) if num_gpus > 0 else 1)
     return deployment
+
+
+def autoscaling_config(options: WorkerOptions, num_gpus_in_cluster: float, num_gpus_per_replica: float) -> dict[str, Any]:
+    """Serve's autoscaling_config with the nulls resolved: as many replicas as the cluster's GPUs hold (at build
+    time) for both bounds, so a GPU node serves every GPU from the start instead of waiting for an upscale
+    decision and a checkpoint load under load; 1 on CPU."""
+    autoscaling = options.autoscaling.model_dump()
+    fit = int(num_gpus_in_cluster // num_gpus_per_replica) if num_gpus_per_replica > 0 else 1
+    fit = max(1, fit)
+    if autoscaling["min_replicas"] is None:
+        min_replicas = fit
+        if autoscaling["max_replicas"] is not None:  # an explicit ceiling below the GPU count wins
+            min_replicas = min(min_replicas, autoscaling["max_replicas"])
+        autoscaling["min_replicas"] = min_replicas
+    if autoscaling["max_replicas"] is None:
+        autoscaling["max_replicas"] = max(fit, autoscaling["min_replicas"])
+    return autoscaling
 
 
 def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:

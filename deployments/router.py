@@ -13,7 +13,21 @@ and the worker deployment opts in with::
         request_router_kwargs={"load_factor": 1.25}))
     class Worker(ScheduleAffinityReporter): ...
 
-Policy (rendezvous hashing with bounded load):
+Policy when the replicas report their GPU plan slab (``record_routing_stats()["slab"]``: the schedules whose
+plans are all resident, each one's plan count, the slab's capacity in plans; see :class:`SlabView`):
+
+- A replica whose slab holds the key (as reported, plus the keys it has in flight and those this router sent it
+  since its report) takes the request while its load stays within ``hold_factor`` x the mean (a hit costs
+  far less than a rebuild, so a warm replica may queue more than a cold one); the least loaded holder first.
+- Otherwise the key is *placed*: among the replicas within the ``load_factor`` bound, the one whose slab loses
+  least by taking it: free room first, else the replica whose least recently used schedules (the ones its LRU
+  slab would evict) were requested least often lately (this router's window of recent keyed requests). Ties go
+  to the lower load, then to rendezvous order. So hot schedules end up spread over the replicas' slabs
+  together, cold ones churn where they hurt least, and a hot schedule is copied to a second replica only when
+  its holder is over the bound.
+- Replicas over every bound come last (stale loads), least loaded first.
+
+Policy when they do not (rendezvous hashing with bounded load):
 
 - Every replica gets the weight ``H(schedule_key, replica_unique_id)``; replicas are tried in descending
   weight order. The order is a pure function of the key and the replica set, so every process that holds a
@@ -46,9 +60,10 @@ import math
 import random
 import threading
 import weakref
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -58,15 +73,25 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from engine.api import SlabState
+
 logger = logging.getLogger("ray.serve")
 
 SCHEDULE_KEY_KWARG = "schedule_key"
 """Keyword argument of the handle call that carries the schedule key."""
 
 DEFAULT_LOAD_FACTOR = 1.25
+DEFAULT_HOLD_FACTOR = 3.0
 DEFAULT_SPILL_CONFIRM_S = 0.01
+DEFAULT_POPULARITY_WINDOW = 1000
 ROUTING_STATS_ONGOING = "ongoing"
 ROUTING_STATS_WARM_KEYS = "warm_keys"
+ROUTING_STATS_SLAB = "slab"
+#: A key this router sent to a replica counts as resident there unless the replica's report is this much newer
+#: (the report cannot show a request that had not reached the replica yet).
+SENT_GRACE_S = 0.5
+SENT_MEMORY_S = 60.0
+MAX_SENT_REMEMBERED = 256
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -122,6 +147,149 @@ def rank_for_key(
     return head + rest + over
 
 
+@dataclass(frozen=True)
+class SlabView:
+    """What one replica's GPU plan slab holds, as the router sees it: schedule keys, most recently used first
+    (the last ones are what its LRU slab evicts next), each one's plan count, and the capacity in plans."""
+
+    keys: Tuple[str, ...]
+    plans: Tuple[int, ...]
+    capacity_plans: int
+
+    def holds(self, key: str) -> bool:
+        return key in self.keys
+
+    @property
+    def free_plans(self) -> int:
+        return self.capacity_plans - sum(self.plans)
+
+    def with_served(self, key: str, num_plans: int) -> "SlabView":
+        """The view after serving ``key``: it becomes the most recent; least recent keys go until it fits."""
+        keys, plans = [key], [num_plans]
+        used = num_plans
+        for k, n in zip(self.keys, self.plans):
+            if k != key and used + n <= self.capacity_plans:
+                keys.append(k)
+                plans.append(n)
+                used += n
+            elif k != key:
+                break  # LRU order: everything after the first key that no longer fits is evicted too
+        return SlabView(tuple(keys), tuple(plans), self.capacity_plans)
+
+    def eviction_cost(self, num_plans: int, popularity: Callable[[str], float]) -> float:
+        """How much taking a new schedule of ``num_plans`` plans hurts: 0 with room to spare, else the summed
+        popularity of the least recently used schedules that would be evicted to make room."""
+        missing = num_plans - self.free_plans
+        cost = 0.0
+        for k, n in zip(reversed(self.keys), reversed(self.plans)):
+            if missing <= 0:
+                break
+            cost += popularity(k)
+            missing -= n
+        return cost
+
+
+def slab_stats(state: SlabState, ongoing_keys: Sequence[str], now: float) -> Dict[str, Any]:
+    """The wire form of a replica's slab report (``record_routing_stats()["slab"]``): ``keys`` in flight on the
+    replica come first (they will be resident once their plans are prepared), then the resident ones."""
+    return {
+        "keys": list(state.schedule_keys),
+        "plans": list(state.schedule_plans),
+        "ongoing": list(ongoing_keys),
+        "capacity_plans": state.capacity_plans,
+        "at": now,
+    }
+
+
+@dataclass(frozen=True)
+class SlabReport:
+    """A replica's parsed slab report (see :func:`slab_stats`)."""
+
+    keys: Tuple[str, ...]
+    plans: Tuple[int, ...]
+    ongoing: Tuple[str, ...]
+    capacity_plans: int
+    at: float
+
+    @staticmethod
+    def parse(stats: Optional[Mapping[str, Any]]) -> Optional["SlabReport"]:
+        """None when the replica reports no slab (an older worker, resident AdaLN) or something malformed."""
+        slab = (stats or {}).get(ROUTING_STATS_SLAB)
+        if not isinstance(slab, Mapping):
+            return None
+        try:
+            report = SlabReport(
+                keys=tuple(str(k) for k in slab["keys"]), plans=tuple(int(n) for n in slab["plans"]),
+                ongoing=tuple(str(k) for k in slab.get("ongoing", ())),
+                capacity_plans=int(slab["capacity_plans"]), at=float(slab["at"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        if report.capacity_plans <= 0 or len(report.keys) != len(report.plans):
+            return None
+        return report
+
+    def view(self, sent_since: Sequence[str], plans_of: Callable[[str], int]) -> SlabView:
+        """The slab as it will be once the replica has prepared what it has in flight and what this router sent
+        it since the report (``sent_since``, oldest first)."""
+        view = SlabView(self.keys, self.plans, self.capacity_plans)
+        for key in (*reversed(self.ongoing), *sent_since):
+            view = view.with_served(key, plans_of(key))
+        return view
+
+
+class KeyPopularity:
+    """How often each key was asked for among the last ``window`` keyed requests this router routed."""
+
+    def __init__(self, window: int = DEFAULT_POPULARITY_WINDOW):
+        self.window = window
+        self._recent: Deque[str] = deque()
+        self._counts: Counter = Counter()
+
+    def record(self, key: str) -> None:
+        self._recent.append(key)
+        self._counts[key] += 1
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+
+    def count(self, key: str) -> int:
+        return self._counts.get(key, 0)
+
+
+def rank_for_slab_key(
+    key: str,
+    loads: Mapping[str, int],
+    views: Mapping[str, SlabView],
+    num_plans: int,
+    popularity: Callable[[str], float],
+    load_factor: float = DEFAULT_LOAD_FACTOR,
+    hold_factor: float = DEFAULT_HOLD_FACTOR,
+) -> List[str]:
+    """Replica ids in the order to try for ``key`` when every candidate reports its slab (``views``).
+
+    Holders of ``key`` within ``hold_factor``'s bound first (least loaded first); then the other replicas within
+    ``load_factor``'s bound by the harm of placing ``num_plans`` plans there (``SlabView.eviction_cost``), then
+    load; the rest last, least loaded first. Ties keep rendezvous order, so every router agrees on a cold start.
+    """
+    order = rendezvous_order(key, loads)
+    if not order:
+        return []
+    total = sum(loads.values())
+    hold_limit = bounded_load_limit(total, len(order), max(hold_factor, load_factor))
+    limit = bounded_load_limit(total, len(order), load_factor)
+    holders = sorted((rid for rid in order if views[rid].holds(key) and loads[rid] + 1 <= hold_limit),
+                     key=loads.__getitem__)
+    taken = set(holders)
+    within = sorted((rid for rid in order if rid not in taken and loads[rid] + 1 <= limit),
+                    key=lambda rid: (views[rid].eviction_cost(num_plans, popularity), loads[rid]))
+    taken.update(within)
+    rest = sorted((rid for rid in order if rid not in taken), key=loads.__getitem__)
+    return holders + within + rest
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replica side: what the worker deployment reports through record_routing_stats().
 # ---------------------------------------------------------------------------------------------------------
@@ -132,9 +300,10 @@ class ScheduleAffinityReporter:
 
     Wrap each request in ``with self.track_schedule(schedule_key):``; the mixin counts ongoing requests and
     remembers recently served keys (most recent first). Serve calls :meth:`record_routing_stats` every
-    ``request_routing_stats_period_s``; the router reads ``{"ongoing": n, "warm_keys": [...]}`` from it.
-    Override :meth:`warm_schedule_keys` to report the keys whose plans really are resident (e.g. from the
-    plan slab) instead of the recently-served list. No ``__init__`` needed: state is created lazily.
+    ``request_routing_stats_period_s``; the router reads ``{"ongoing": n, "warm_keys": [...]}`` from it, and
+    ``"slab"`` (:func:`slab_stats`) when :meth:`slab_state` says what the replica's GPU plan slab holds:
+    override it (the Serve worker returns its engine's) and the router places schedules by slab contents.
+    No ``__init__`` needed: state is created lazily.
     """
 
     max_reported_warm_keys: int = 256
@@ -152,12 +321,17 @@ class ScheduleAffinityReporter:
         state = self._affinity_state()
         with state.lock:
             state.ongoing += 1
+            if schedule_key:
+                state.ongoing_keys[schedule_key] += 1
         try:
             yield
         finally:
             with state.lock:
                 state.ongoing -= 1
                 if schedule_key:
+                    state.ongoing_keys[schedule_key] -= 1
+                    if not state.ongoing_keys[schedule_key]:
+                        del state.ongoing_keys[schedule_key]
                     state.recent[schedule_key] = None
                     state.recent.move_to_end(schedule_key, last=False)
                     while len(state.recent) > self.max_reported_warm_keys:
@@ -179,20 +353,30 @@ class ScheduleAffinityReporter:
         with state.lock:
             return list(state.recent)
 
+    def slab_state(self) -> Optional[SlabState]:
+        """What this replica's GPU plan slab holds; None (the default): no slab report, rendezvous routing."""
+        return None
+
     def record_routing_stats(self) -> Dict[str, Any]:
         state = self._affinity_state()
         with state.lock:
             ongoing = state.ongoing
-        return {
+            ongoing_keys = list(state.ongoing_keys)
+        stats: Dict[str, Any] = {
             ROUTING_STATS_ONGOING: ongoing,
             ROUTING_STATS_WARM_KEYS: self.warm_schedule_keys()[: self.max_reported_warm_keys],
         }
+        slab = self.slab_state()
+        if slab is not None and slab.capacity_plans > 0:
+            stats[ROUTING_STATS_SLAB] = slab_stats(slab, ongoing_keys, time.time())
+        return stats
 
 
 @dataclass
 class _ReporterState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ongoing: int = 0
+    ongoing_keys: Counter = field(default_factory=Counter)  # schedule key -> requests in flight
     recent: "OrderedDict[str, None]" = field(default_factory=OrderedDict)
 
 
@@ -205,8 +389,8 @@ class _ReporterState:
 class AffinityCounters:
     """Per-router counts of routed requests (this process only)."""
 
-    hits: int = 0  # keyed request sent to its rendezvous first choice
-    spills: int = 0  # keyed request sent elsewhere (first choice over the load bound or full)
+    hits: int = 0  # keyed request sent where its plans are expected warm (a slab holding it; else its rendezvous first choice)
+    spills: int = 0  # keyed request sent elsewhere (placed on a new replica, or its holder was over the bound)
     unkeyed: int = 0  # request without a schedule key
 
     def as_dict(self) -> Dict[str, int]:
@@ -251,11 +435,13 @@ def schedule_affinity_stats(deployment_name: Optional[str] = None) -> Dict[str, 
 
 
 class ScheduleAffinityRouter(RequestRouter):
-    """Rendezvous hashing on ``schedule_key`` with bounded load; least load for requests without a key.
+    """Slab-aware placement of ``schedule_key`` (rendezvous hashing when replicas report no slab) with
+    bounded load; least load for requests without a key. The policy is in the module docstring.
 
     ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
-    skew, smaller balances sooner), ``spill_confirm_s`` (default 0.01) and ``key_kwarg`` (default
-    ``"schedule_key"``).
+    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 3; the bound for a replica whose slab
+    holds the key), ``spill_confirm_s`` (default 0.01), ``popularity_window`` (keyed requests remembered to
+    rank evictions, default 1000) and ``key_kwarg`` (default ``"schedule_key"``).
 
     Load of a replica = Serve's queue-length cache for it (the replica's own count from its last reply, plus
     this process's sends, minus this process's completions) + requests this router chose for it that have not
@@ -278,9 +464,15 @@ class ScheduleAffinityRouter(RequestRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.load_factor = DEFAULT_LOAD_FACTOR
+        self.hold_factor = DEFAULT_HOLD_FACTOR
         self.key_kwarg = SCHEDULE_KEY_KWARG
         self.spill_confirm_s = DEFAULT_SPILL_CONFIRM_S
         self.counters = AffinityCounters()
+        self.popularity = KeyPopularity()
+        # replica unique_id -> (key, time.time()) of the keyed requests sent to it lately, oldest first.
+        self._sent: Dict[str, Deque[Tuple[str, float]]] = {}
+        # schedule key -> its plan count, as last reported by any replica (for keys a slab does not hold).
+        self._plans_of_key: Dict[str, int] = {}
         # replica unique_id -> requests chosen for it whose future is not resolved yet (not sent yet).
         self._unsent: Dict[str, int] = {}
         # id(pending_request) -> (its future when chosen, replica unique_id), until sent or undone.
@@ -296,13 +488,21 @@ class ScheduleAffinityRouter(RequestRouter):
         load_factor: float = DEFAULT_LOAD_FACTOR,
         key_kwarg: str = SCHEDULE_KEY_KWARG,
         spill_confirm_s: float = DEFAULT_SPILL_CONFIRM_S,
+        hold_factor: float = DEFAULT_HOLD_FACTOR,
+        popularity_window: int = DEFAULT_POPULARITY_WINDOW,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise ValueError(
                 f"ScheduleAffinityRouter got unknown request_router_kwargs {sorted(unknown)}; "
-                "accepted: load_factor, key_kwarg, spill_confirm_s."
+                "accepted: load_factor, hold_factor, key_kwarg, spill_confirm_s, popularity_window."
             )
+        if not isinstance(hold_factor, (int, float)) or hold_factor < 1.0:
+            raise ValueError(f"hold_factor={hold_factor!r} must be a number >= 1.0 (3.0 is a good default).")
+        self.hold_factor = float(hold_factor)
+        if not isinstance(popularity_window, int) or popularity_window < 1:
+            raise ValueError(f"popularity_window={popularity_window!r} must be an integer >= 1.")
+        self.popularity = KeyPopularity(popularity_window)
         if not isinstance(spill_confirm_s, (int, float)) or not 0 <= spill_confirm_s <= 1:
             raise ValueError(f"spill_confirm_s={spill_confirm_s!r} must be between 0 and 1 second.")
         self.spill_confirm_s = float(spill_confirm_s)
@@ -356,6 +556,27 @@ class ScheduleAffinityRouter(RequestRouter):
         warm = stats.get(ROUTING_STATS_WARM_KEYS) or ()
         return key in warm
 
+    def slab_views(self, candidate_replicas: List[RunningReplica]) -> Optional[Dict[str, SlabView]]:
+        """Every candidate's slab as this router expects it now; None unless every candidate reports one."""
+        reports = {r.replica_id.unique_id: SlabReport.parse(r.routing_stats) for r in candidate_replicas}
+        if not reports or any(report is None for report in reports.values()):
+            return None
+        views = {}
+        for rid, report in reports.items():
+            for key, n in zip(report.keys, report.plans):
+                self._plans_of_key[key] = n
+            since = report.at - SENT_GRACE_S
+            sent = [key for key, at in self._sent.get(rid, ()) if at >= since]
+            views[rid] = report.view(sent, self._plans_of)
+        return views
+
+    def _plans_of(self, key: str) -> int:
+        """A key's plan count as last reported; for a key never reported, the largest known (or 1)."""
+        known = self._plans_of_key.get(key)
+        if known is not None:
+            return known
+        return max(self._plans_of_key.values(), default=1)
+
     def rank(self, candidate_replicas: List[RunningReplica], key: Optional[str]) -> List[RunningReplica]:
         """Candidates in preference order for ``key`` (least loaded first when ``key`` is None)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -364,8 +585,22 @@ class ScheduleAffinityRouter(RequestRouter):
             ids = list(by_id)
             random.shuffle(ids)  # ties between equally loaded replicas go to a random one
             return [by_id[rid] for rid in sorted(ids, key=loads.__getitem__)]
+        views = self.slab_views(candidate_replicas)
+        if views is not None:
+            ranked = rank_for_slab_key(key, loads, views, self._plans_of(key), self.popularity.count,
+                                       self.load_factor, self.hold_factor)
+            return [by_id[rid] for rid in ranked]
         warm = {rid: self._reports_warm(r, key) for rid, r in by_id.items()}
         return [by_id[rid] for rid in rank_for_key(key, loads, self.load_factor, warm)]
+
+    def preferred(self, candidate_replicas: List[RunningReplica], key: str) -> List[RunningReplica]:
+        """Where ``key`` goes when no replica is loaded: the holders of its plans, else its rendezvous first
+        choice. Ranking anything else first is a spill, confirmed with a fresh probe of these."""
+        views = self.slab_views(candidate_replicas)
+        if views is not None:
+            # nobody holds it: a placement, not a spill
+            return [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
+        return [max(candidate_replicas, key=lambda r: rendezvous_weight(key, r.replica_id.unique_id))]
 
     # -- RequestRouter API ---------------------------------------------------------------------------------
 
@@ -400,14 +635,14 @@ class ScheduleAffinityRouter(RequestRouter):
         ranked = self.rank(candidate_replicas, key)
         if key is None or len(ranked) < 2:
             return ranked
-        first = max(candidate_replicas, key=lambda r: rendezvous_weight(key, r.replica_id.unique_id))
-        if ranked[0] is not first:
+        preferred = self.preferred(candidate_replicas, key)
+        if preferred and ranked[0] not in preferred:
             # About to spill. The numbers may count a request that just finished (the caller can have its
             # result a few ms before the replica and this router stop counting it): give that a moment to
             # settle, ask the replica itself, and decide again.
             if self.spill_confirm_s > 0:
                 await asyncio.sleep(self.spill_confirm_s)
-            await self.probe([first])
+            await self.probe(preferred)
             ranked = self.rank(candidate_replicas, key)
         return ranked
 
@@ -449,10 +684,24 @@ class ScheduleAffinityRouter(RequestRouter):
         key = self.schedule_key_of(pending_request)
         if key is None:
             self.counters.unkeyed += 1
-        elif first_choice(key, [r.unique_id for r in self._replica_id_set]) == replica_id.unique_id:
+            return
+        rid = replica_id.unique_id
+        replicas = list(self.curr_replicas.values())
+        views = self.slab_views(replicas)
+        if views is not None and rid in views:
+            warm = views[rid].holds(key)
+        else:
+            warm = first_choice(key, [r.unique_id for r in self._replica_id_set]) == rid
+        if warm:
             self.counters.hits += 1
         else:
             self.counters.spills += 1
+        self.popularity.record(key)
+        now = time.time()
+        sent = self._sent.setdefault(rid, deque())
+        sent.append((key, now))
+        while sent and (len(sent) > MAX_SENT_REMEMBERED or sent[0][1] < now - SENT_MEMORY_S):
+            sent.popleft()
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -460,6 +709,9 @@ class ScheduleAffinityRouter(RequestRouter):
         for rid in list(self._unsent):
             if rid not in live:
                 self._unsent.pop(rid, None)
+        for rid in list(self._sent):
+            if rid not in live:
+                self._sent.pop(rid, None)
 
 
 def first_choice(key: str, replica_ids: Sequence[str]) -> Optional[str]:

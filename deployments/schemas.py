@@ -175,7 +175,10 @@ class AutoscalingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_replicas: int = Field(1, ge=0, description="Fewest worker replicas.")
+    min_replicas: int | None = Field(
+        None, ge=0, description="Fewest worker replicas. None: as many as the cluster's GPUs hold at build time "
+        "(GPUs / GPUs per replica), so every GPU serves from the start; 1 without GPUs.",
+    )
     max_replicas: int | None = Field(
         None, ge=1, description="Most worker replicas. None: the number of GPUs in the cluster at build time "
         "(one replica per GPU), or 1 without GPUs.",
@@ -184,7 +187,7 @@ class AutoscalingOptions(BaseModel):
 
     @model_validator(mode="after")
     def _ordered(self) -> "AutoscalingOptions":
-        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+        if self.max_replicas is not None and self.min_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
         return self
 
@@ -201,6 +204,10 @@ class WorkerOptions(BaseModel):
         f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0."
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica (e.g. a node or accelerator tag), "
+        "beside num_gpus / num_cpus.",
+    )
     max_ongoing_requests: int = Field(
         4, ge=1, description="Requests one replica holds (it runs one generation at a time; the rest wait in order)."
     )
@@ -212,6 +219,14 @@ class WorkerOptions(BaseModel):
     load_factor: float = Field(
         1.25, ge=1.0, description="schedule_affinity: a replica takes a key's request while its load stays under "
         "load_factor x the mean; larger keeps affinity longer under skew.",
+    )
+    hold_factor: float = Field(
+        3.0, ge=1.0, description="schedule_affinity: a replica whose GPU plan slab holds the request's schedule "
+        "takes it while its load stays under hold_factor x the mean (a slab hit is far cheaper than a rebuild).",
+    )
+    routing_stats_period_s: float = Field(
+        1.0, gt=0, description="schedule_affinity: how often each replica reports its load and what its GPU plan "
+        "slab holds to the routers (Serve's request_routing_stats_period_s; Serve's own default is 10 s).",
     )
     graceful_shutdown_timeout_s: float = Field(
         5.0, ge=0, description="When a replica stops (Ctrl-C on `serve run`, a redeploy, a downscale), how long it "

@@ -5,8 +5,8 @@ tests; both implement `engine.api.EngineProtocol`). Generations run on one dedic
 replica's event loop stays free for health checks, `describe` and cancellations.
 
 Routing: callers pass `schedule_key=` (the request's sampling schedule); with `ScheduleAffinityRouter`
-(set by `build_app`) requests of one schedule go to the replica whose AdaLN plans are warm, and this
-replica reports its ongoing count and recent schedules through `record_routing_stats()`.
+(set by `build_app`) requests of one schedule go to the replica whose GPU plan slab holds them, and this
+replica reports its ongoing count and its engine's `slab_state()` through `record_routing_stats()`.
 
 Stages (`stages: split` in serve_config.yaml): the engine holds the denoiser alone
 (`denoiser_engine_factory`); `denoise_stream` takes a prompt embedding from the TextEncoder deployment and
@@ -39,7 +39,7 @@ from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
 from deployments.schemas import ProgressEvent
 from deployments.weights import WeightFollower
-from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats
+from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, SlabState
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 from engine.stages import PromptEmbedding
@@ -311,6 +311,10 @@ class Worker(ScheduleAffinityReporter):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._shutdown()
+
+    def slab_state(self) -> SlabState:
+        """What the engine's GPU plan slab holds: reported to the router by `record_routing_stats`."""
+        return self._engine.slab_state()
 
     async def health(self) -> dict[str, Any]:
         return self._engine.health()

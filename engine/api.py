@@ -166,6 +166,25 @@ class GenerationResult:
     thumbnail_png: bytes | None = None  # first decoded frame
 
 
+@dataclass(frozen=True)
+class SlabState:
+    """What the engine's GPU plan slab holds, for routing: the schedules whose plans are all resident (a
+    request for one would find every plan in the slab), most recently served first, with each one's number of
+    distinct plans, and the slab's size. An engine without a slab (resident AdaLN) reports `NO_SLAB`."""
+
+    schedule_keys: tuple[str, ...] = ()
+    schedule_plans: tuple[int, ...] = ()  # distinct plans of each schedule in `schedule_keys`
+    capacity_plans: int = 0  # adaln.gpu_plans; 0: no slab (every schedule is as good as any other)
+    free_plans: int = 0  # slots holding no plan
+
+    def __post_init__(self) -> None:
+        if len(self.schedule_keys) != len(self.schedule_plans):
+            raise ValueError("SlabState: one plan count per schedule key")
+
+
+NO_SLAB = SlabState()
+
+
 class EngineProtocol(Protocol):
     """What the Serve worker needs from an engine. `engine.engine.Engine` is the real one; a fake for
     Serve-layer tests implements the same. Errors are `engine.errors` types."""
@@ -185,6 +204,9 @@ class EngineProtocol(Protocol):
 
     def debug_stats(self) -> dict[str, Any]:
         """Plan bookkeeping for tests and operators; must include `model` (the served model's id)."""
+
+    def slab_state(self) -> SlabState:
+        """Which schedules the GPU plan slab holds whole (cheap, thread-safe: called beside a generation)."""
 
     def health(self) -> dict[str, Any]: ...
 

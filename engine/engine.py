@@ -57,9 +57,11 @@ from cache.plan_key import PlanKey
 from cache.rebuild import AdalnUnit, RebuildError
 from engine.api import (
     CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
+    SlabState,
 )
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.served import ServedSchedules
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
@@ -264,6 +266,8 @@ class Engine:
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         self._lock = threading.Lock()
+        #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
+        self.served_schedules = ServedSchedules()
         self._busy = False
         self._num_requests = 0
         self._num_failed = 0
@@ -451,6 +455,10 @@ class Engine:
             raise WeightsRejected(str(exc)) from exc
         return weights
 
+    def slab_state(self) -> SlabState:
+        """The schedules whose AdaLN plans are all in the GPU slab now (for routing; safe beside a generation)."""
+        return self.served_schedules.slab_state(self.plan_cache)
+
     def debug_stats(self) -> dict[str, Any]:
         """Plan bookkeeping for tests and operators: references held in the GPU slab (0 when idle), plans
         resident, and plans keyed by another weights version than the current one (0 after an update)."""
@@ -538,6 +546,8 @@ class Engine:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
             prepared = self._prepare_on_every_rank(schedule)
+        if prepared is not None:
+            self.served_schedules.served(request.schedule_key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()

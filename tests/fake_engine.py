@@ -2,21 +2,24 @@
 
 Latents are seeded noise of the request's real latent shapes (`model.geometry`, any 32-px multiple, 5-15 s):
 same seed, same bits, no model. With `return_video` the "MP4" is `FAKE_MP4 + seed` (no decode) and the
-thumbnail a PNG of the request's size, filled with `seed % 256`. Stats are typed as the real engine's, with a
-plan cache that builds a schedule's plans on its first request and hits the GPU slab after. A prompt
-starting with "slow" sleeps 0.1 s per forward (to test timeouts and cancellation). Importable by Ray workers
-(module-level class).
+thumbnail a PNG of the request's size, filled with `seed % 256`. A prompt starting with "slow" sleeps 0.1 s per
+forward (to test timeouts and cancellation). Stats are typed as the real engine's. Its "slab" is an LRU of
+schedules, each taking `steps - 1` of `adaln.gpu_plans` plans: a schedule's request builds its plans unless the
+slab holds them (then all GPU hits), and `slab_state()` reports it like the real engine's (so the router places
+schedules by it). Importable by Ray workers (module-level class).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings
+from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
@@ -33,7 +36,8 @@ class FakeEngine:
         self.limits = GeometryLimits(short_edge=None)
         self.num_requests = 0
         self.num_cancelled = 0
-        self._warm_schedules: set[str] = set()
+        self._slab: OrderedDict[str, int] = OrderedDict()  # schedule key -> plans, least recently used first
+        self._slab_lock = threading.Lock()
 
     def validate(self, request: GenerationRequest) -> VideoGeometry:
         if request.guidance_scale != 1.0:
@@ -53,6 +57,7 @@ class FakeEngine:
         video = torch.randn(geometry.video_latent_shape, generator=generator)
         audio = torch.randn(geometry.num_audio_rows, H3_LATENTS.audio_latent_channels, generator=generator)
         num_forwards = request.steps - 1
+        adaln = self._serve_schedule(request.schedule_key, num_forwards)
         for i in range(num_forwards):
             if cancelled is not None and cancelled():
                 self.num_cancelled += 1
@@ -73,20 +78,30 @@ class FakeEngine:
             stats=GenerationStats(
                 steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
                 tokens=geometry.num_tokens(FAKE_TEXT_TOKENS), text_tokens=FAKE_TEXT_TOKENS,
-                adaln_mode=self.config.adaln.mode, schedule_key=request.schedule_key, adaln=self._plans(request),
+                adaln_mode=self.config.adaln.mode, schedule_key=request.schedule_key, adaln=adaln,
             ),
         )
 
-    def _plans(self, request: GenerationRequest) -> AdalnStats | None:
-        """A plan cache as the fake sees it: a schedule's first request builds one plan per forward, later ones
-        find them all in the GPU slab (no eviction)."""
+    def _serve_schedule(self, key: str, num_plans: int) -> AdalnStats | None:
+        """The fake plan cache: hits when the slab holds the schedule, else builds it (evicting LRU schedules)."""
+        with self._slab_lock:
+            hit = key in self._slab
+            self._slab[key] = num_plans
+            self._slab.move_to_end(key)
+            while sum(self._slab.values()) > self.config.adaln.gpu_plans and len(self._slab) > 1:
+                self._slab.popitem(last=False)
         if self.config.adaln.mode != "online":
             return None
-        num_plans = request.steps - 1
-        if request.schedule_key in self._warm_schedules:
+        if hit:
             return AdalnStats(requests=1, gpu_hit_plans=num_plans)
-        self._warm_schedules.add(request.schedule_key)
         return AdalnStats(requests=1, built_plans=num_plans)
+
+    def slab_state(self) -> SlabState:
+        with self._slab_lock:
+            resident = list(reversed(self._slab.items()))
+        used = sum(n for _, n in resident)
+        return SlabState(tuple(k for k, _ in resident), tuple(n for _, n in resident),
+                         self.config.adaln.gpu_plans, max(0, self.config.adaln.gpu_plans - used))
 
     def validate_weight_update(self, path: str) -> str:
         raise WeightsRejected("this engine does not support weight updates")

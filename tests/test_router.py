@@ -1,7 +1,9 @@
-"""ScheduleAffinityRouter: rendezvous hashing on schedule_key with bounded load.
+"""ScheduleAffinityRouter: placement by reported GPU-slab contents (rendezvous hashing when replicas report no
+slab) with bounded load.
 
 Pure policy tests first (no Ray), then a small Serve app on a local cluster: a dummy worker whose
-generate(payload, schedule_key) sleeps and returns its replica id, and a 2-replica ingress holding a handle.
+generate(payload, schedule_key) sleeps and returns its replica id, and a 2-replica ingress holding a handle;
+then the same worker reporting a slab.
 """
 
 import asyncio
@@ -15,14 +17,19 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.router import (
     affinity_routers,
+    KeyPopularity,
     ScheduleAffinityReporter,
     ScheduleAffinityRouter,
+    SlabReport,
+    SlabView,
     bounded_load_limit,
     first_choice,
     rank_for_key,
+    rank_for_slab_key,
     rendezvous_order,
     schedule_affinity_stats,
 )
+from engine.api import SlabState
 
 KEYS = [f"steps=50/shift={s}" for s in range(200)]
 
@@ -107,6 +114,114 @@ def test_reporter_counts_ongoing_and_recent_keys():
     assert w.record_routing_stats() == {"ongoing": 0, "warm_keys": ["c", "b"]}
     w.forget_schedules(["c"])
     assert w.warm_schedule_keys() == ["b"]
+
+
+
+# -- slab-aware placement (pure) --------------------------------------------------------------------------
+
+
+def view(*keys: str, capacity: int = 32, plans: int = 8) -> SlabView:
+    return SlabView(tuple(keys), (plans,) * len(keys), capacity)
+
+
+def test_slab_view_serving_a_key_makes_it_most_recent_and_evicts_from_the_lru_end():
+    v = view("a", "b", "c", "d")  # full: 4 x 8 of 32 plans
+    assert v.free_plans == 0
+    assert v.with_served("c", 8).keys == ("c", "a", "b", "d")  # a hit evicts nothing
+    assert v.with_served("e", 8).keys == ("e", "a", "b", "c")  # d was least recently used
+    assert v.with_served("big", 20).keys == ("big", "a")       # 20 plans push out d, c and b
+    assert view("a", capacity=32).with_served("b", 8).keys == ("b", "a")  # room to spare: nothing goes
+
+
+def test_eviction_cost_is_zero_with_room_else_the_popularity_of_what_lru_evicts():
+    popularity = {"a": 9, "b": 5, "c": 1, "d": 3}.get
+    assert view("a", "b").eviction_cost(8, popularity) == 0
+    full = view("a", "b", "c", "d")
+    assert full.eviction_cost(8, popularity) == 3            # d goes
+    assert full.eviction_cost(16, popularity) == 3 + 1       # d and c go
+    assert view("a", "b", "c", capacity=28).eviction_cost(8, popularity) == 1  # 4 free: c goes
+
+
+def test_key_popularity_counts_the_last_window_of_requests():
+    popularity = KeyPopularity(window=3)
+    for key in "aabc":
+        popularity.record(key)
+    assert (popularity.count("a"), popularity.count("b"), popularity.count("c"), popularity.count("z")) == (1, 1, 1, 0)
+
+
+def test_slab_rank_sends_a_key_to_the_replica_whose_slab_holds_it():
+    ids = ["r0", "r1", "r2", "r3"]
+    views = {rid: view() for rid in ids}
+    views["r2"] = view("hot")
+    loads = {rid: 0 for rid in ids}
+    assert rank_for_slab_key("hot", loads, views, 8, lambda k: 0)[0] == "r2"
+    loads["r2"] = 2  # busier than the others, still within hold_factor x the mean: a hit beats a rebuild
+    assert rank_for_slab_key("hot", loads, views, 8, lambda k: 0, hold_factor=3.0)[0] == "r2"
+    # over the hold bound (ceil(1.0 * 3 / 4) = 1 < 3): placed elsewhere, the holder goes last
+    assert rank_for_slab_key("hot", loads, views, 8, lambda k: 0, load_factor=1.0, hold_factor=1.0)[-1] == "r2"
+
+
+def test_slab_rank_prefers_the_least_loaded_of_several_holders():
+    views = {"r0": view("k"), "r1": view("k"), "r2": view()}
+    loads = {"r0": 1, "r1": 0, "r2": 0}
+    assert rank_for_slab_key("k", loads, views, 8, lambda k: 0)[:2] == ["r1", "r0"]
+
+
+def test_slab_rank_places_a_new_key_where_eviction_hurts_least():
+    popularity = {"hot1": 50, "hot2": 40, "cold1": 1, "cold2": 2, "warm": 10}.get
+    views = {
+        "r0": view("hot1", "hot2", "warm", "cold1"),   # would evict cold1 (1)
+        "r1": view("cold2", "hot1", "hot2", "warm"),   # would evict warm (10)
+        "r2": view("hot2", "hot1", "cold1", "cold2"),  # would evict cold2 (2)
+    }
+    loads = {"r0": 0, "r1": 0, "r2": 0}
+    assert rank_for_slab_key("new", loads, views, 8, lambda k: popularity(k, 0)) == ["r0", "r2", "r1"]
+    views["r1"] = view("hot1", capacity=32)  # room to spare beats evicting anything
+    assert rank_for_slab_key("new", loads, views, 8, lambda k: popularity(k, 0))[0] == "r1"
+
+
+def test_slab_rank_placement_stays_within_the_load_bound():
+    views = {"r0": view(), "r1": view("a", "b", "c", "d"), "r2": view("a", "b", "c", "d")}
+    loads = {"r0": 3, "r1": 0, "r2": 0}  # r0 has room but is over ceil(1.25 * 4 / 3) = 2
+    ranked = rank_for_slab_key("new", loads, views, 8, lambda k: 1)
+    assert ranked[-1] == "r0" and set(ranked[:2]) == {"r1", "r2"}
+
+
+def test_slab_rank_ties_keep_rendezvous_order_so_routers_agree_on_a_cold_start():
+    ids = [f"r{i}" for i in range(4)]
+    views = {rid: view() for rid in ids}
+    for key in KEYS[:20]:
+        assert rank_for_slab_key(key, {rid: 0 for rid in ids}, views, 8, lambda k: 0) == rendezvous_order(key, ids)
+
+
+def test_slab_report_round_trip_and_view_with_in_flight_and_sent_keys():
+    class Worker(ScheduleAffinityReporter):
+        def slab_state(self):
+            return SlabState(("b", "a"), (8, 8), capacity_plans=24, free_plans=8)
+
+    w = Worker()
+    with w.track_schedule("c"):
+        stats = w.record_routing_stats()
+    report = SlabReport.parse(stats)
+    assert (report.keys, report.plans, report.ongoing, report.capacity_plans) == (("b", "a"), (8, 8), ("c",), 24)
+    # in flight c, then sent d: a (least recent) is evicted by the time d's plans are prepared
+    assert report.view(["d"], lambda k: 8).keys == ("d", "c", "b")
+    assert SlabReport.parse({"ongoing": 0}) is None
+    assert SlabReport.parse({"slab": {"keys": ["a"], "plans": [], "capacity_plans": 8, "at": 0}}) is None
+    assert SlabReport.parse({"slab": {"keys": [], "plans": [], "capacity_plans": 0, "at": 0}}) is None
+
+
+def test_reporter_without_a_slab_reports_none():
+    class Worker(ScheduleAffinityReporter):
+        pass
+
+    assert "slab" not in Worker().record_routing_stats()
+
+    class Resident(ScheduleAffinityReporter):
+        def slab_state(self):
+            return SlabState()  # resident AdaLN: no slab, every replica is as good
+
+    assert "slab" not in Resident().record_routing_stats()
 
 
 # -- on Serve ------------------------------------------------------------------------------------------
@@ -249,5 +364,9 @@ def test_router_kwargs_are_validated():
         ScheduleAffinityRouter.initialize_state(state, load_factor=0.9)
     with pytest.raises(ValueError, match="unknown request_router_kwargs"):
         ScheduleAffinityRouter.initialize_state(state, load_fator=1.5)
+    with pytest.raises(ValueError, match="hold_factor"):
+        ScheduleAffinityRouter.initialize_state(state, hold_factor=0.5)
+    with pytest.raises(ValueError, match="popularity_window"):
+        ScheduleAffinityRouter.initialize_state(state, popularity_window=0)
     ScheduleAffinityRouter.initialize_state(state, load_factor=2, spill_confirm_s=0.0)
     assert (state.load_factor, state.spill_confirm_s, state.key_kwarg) == (2.0, 0.0, "schedule_key")

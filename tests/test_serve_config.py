@@ -60,10 +60,38 @@ def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
     assert cpu["autoscaling_config"]["max_replicas"] == 1
     gpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=8)
     assert gpu["ray_actor_options"]["num_gpus"] == 1.0
-    assert gpu["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 1.0}
+    assert gpu["autoscaling_config"] == {"min_replicas": 8, "max_replicas": 8, "target_ongoing_requests": 1.0}
     fixed = worker_deployment_options(WorkerOptions(num_replicas=2, num_gpus=0.5), num_gpus_in_cluster=1)
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"]["num_gpus"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("gpus_in_cluster", "worker", "expect_min", "expect_max"),
+    [
+        (0, {}, 1, 1),                                                      # CPU: one replica
+        (1, {}, 1, 1),
+        (2, {}, 2, 2),                                                      # every GPU serves from the start
+        (8, {"num_gpus": 2}, 4, 4),                                         # GPUs / GPUs per replica
+        (7, {"num_gpus": 2}, 3, 3),                                         # a partial replica does not count
+        (0.5, {}, 1, 1),                                                    # fewer GPUs than a replica: still one
+        (8, {"autoscaling": {"max_replicas": 3}}, 3, 3),                    # an explicit ceiling wins
+        (8, {"autoscaling": {"min_replicas": 2}}, 2, 8),                    # an explicit floor is kept
+        (8, {"autoscaling": {"min_replicas": 0, "max_replicas": 4}}, 0, 4),  # scale to zero stays possible
+        (2, {"autoscaling": {"min_replicas": 5}}, 5, 5),                    # a floor above the GPUs raises the ceiling
+    ],
+)
+def test_default_replicas_serve_every_gpu_from_the_start(gpus_in_cluster, worker, expect_min, expect_max):
+    options = worker_deployment_options(WorkerOptions.model_validate(worker), num_gpus_in_cluster=gpus_in_cluster)
+    autoscaling = options["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (expect_min, expect_max)
+
+
+def test_shipped_config_leaves_the_replica_count_to_the_gpu_count():
+    (app,) = serve_config()["applications"]
+    worker = AppConfig.model_validate(app["args"]).worker
+    assert worker.autoscaling.min_replicas is None and worker.autoscaling.max_replicas is None
+    assert worker_deployment_options(worker, num_gpus_in_cluster=4)["autoscaling_config"]["min_replicas"] == 4
 
 
 def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
@@ -80,7 +108,8 @@ def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
 def test_worker_is_routed_by_schedule_affinity_unless_asked_otherwise():
     routed = worker_deployment_options(WorkerOptions(load_factor=1.5), num_gpus_in_cluster=0)
     assert routed["request_router_config"].request_router_class == "deployments.router.ScheduleAffinityRouter"
-    assert routed["request_router_config"].request_router_kwargs == {"load_factor": 1.5}
+    assert routed["request_router_config"].request_router_kwargs == {"load_factor": 1.5, "hold_factor": 3.0}
+    assert routed["request_router_config"].request_routing_stats_period_s == 1.0
     assert "request_router_config" not in worker_deployment_options(WorkerOptions(router="default"), 0)
 
 
