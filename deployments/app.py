@@ -121,23 +121,6 @@ def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) 
     return deployment
 
 
-def autoscaling_config(options: WorkerOptions, num_gpus_in_cluster: float, num_gpus_per_replica: float) -> dict[str, Any]:
-    """Serve's autoscaling_config with the nulls resolved: as many replicas as the cluster's GPUs hold (at build
-    time) for both bounds, so a GPU node serves every GPU from the start instead of waiting for an upscale
-    decision and a checkpoint load under load; 1 on CPU."""
-    autoscaling = options.autoscaling.model_dump()
-    fit = int(num_gpus_in_cluster // num_gpus_per_replica) if num_gpus_per_replica > 0 else 1
-    fit = max(1, fit)
-    if autoscaling["min_replicas"] is None:
-        min_replicas = fit
-        if autoscaling["max_replicas"] is not None:  # an explicit ceiling below the GPU count wins
-            min_replicas = min(min_replicas, autoscaling["max_replicas"])
-        autoscaling["min_replicas"] = min_replicas
-    if autoscaling["max_replicas"] is None:
-        autoscaling["max_replicas"] = max(fit, autoscaling["min_replicas"])
-    return autoscaling
-
-
 def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:
     """Serve's drain settings for a replica: drain at most this long, checking every SHUTDOWN_POLL_S (Serve's
     default polls every 2 s, so even an idle replica took 2 s to stop, and the app's two deployments stop one
