@@ -105,7 +105,7 @@ def drop_page_cache(paths: list[str], system_wide: bool) -> str:
 def read_only_pass(rebuilder: AdalnRebuilder, units) -> float:
     """Seconds for the rebuild's readers alone to pull every unit into staging (no H2D, no GEMM), with the
     next units queued as in the rebuild."""
-    rebuilder._ensure_buffers(max(u.staging_bytes for u in units))
+    rebuilder.reserve(max(u.staging_bytes for u in units))
     files = _Files(rebuilder.direct_io)
     S = rebuilder.num_buffers
     start = time.perf_counter()
