@@ -137,6 +137,53 @@ def timed_prepare(cache: PlanCache, plans, device) -> tuple[float, object]:
     return time.perf_counter() - start, prepared
 
 
+def component_tiers(reader: TransformerWeights, plans: list[torch.Tensor], device: torch.device, config: AdalnConfig,
+                    shards: list[str], *, cold: bool = True) -> dict[str, dict]:
+    """This benchmark's tier measurements for one schedule's `plans` on `reader`'s checkpoint, with `config`'s
+    rebuild settings (the served engine's): `miss_page_cache` (after an untimed miss that warms the page cache
+    and the cache's buffers), `gpu_hit`, `host_hit` (slab emptied, every plan from the pinned tier),
+    `miss_cold` (after POSIX_FADV_DONTNEED on `shards`). Each: {"seconds", "bytes", "plans", ...}. What
+    `bench.app` puts beside the served numbers, in the same process."""
+    model = adaln_model(reader, device, with_adaln=False)
+    num_plans = len({p.numpy().tobytes() for p in plans})
+    dims = reader.config
+    rows = sum(p.numel() for p in {p.numpy().tobytes(): p for p in plans}.values())
+    host_gb = rows * (dims.num_blocks * dims.adaln_width + dims.final_adaln_width) * 2 / 1e9 * 1.05
+    cache = PlanCache(config.model_copy(update={"gpu_plans": max(config.gpu_plans, num_plans), "host_cache_gb": host_gb}),
+                      reader, model, device)
+    cache.warm_up()
+    out: dict[str, dict] = {}
+    try:
+        _, prepared = timed_prepare(cache, plans, device)  # untimed: page cache and buffers warm
+        prepared.release()
+        cache.invalidate()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        stats = prepared.stats
+        out["miss_page_cache"] = {"seconds": seconds, "bytes": stats.rebuild_bytes_read, "plans": stats.built_plans,
+                                  "page_cache_bytes": stats.page_cache_bytes, "disk_bytes": stats.disk_bytes}
+        prepared.release()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        out["gpu_hit"] = {"seconds": seconds, "bytes": 0, "plans": prepared.stats.gpu_hit_plans}
+        prepared.release()
+        cache.host.synchronize()
+        cache.slab.index.invalidate()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        out["host_hit"] = {"seconds": seconds, "bytes": prepared.stats.h2d_bytes, "plans": prepared.stats.host_hit_plans}
+        prepared.release()
+        if cold:
+            cache.invalidate()
+            how = drop_page_cache(shards, system_wide=False)
+            seconds, prepared = timed_prepare(cache, plans, device)
+            stats = prepared.stats
+            out["miss_cold"] = {"seconds": seconds, "bytes": stats.rebuild_bytes_read, "plans": stats.built_plans,
+                                "page_cache_bytes": stats.page_cache_bytes, "disk_bytes": stats.disk_bytes,
+                                "dropped": how}
+            prepared.release()
+    finally:
+        cache.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny width, a few seconds, CPU is fine")
