@@ -142,19 +142,13 @@ def schedule_plans(args, shift: float) -> List[torch.Tensor]:
 # --------------------------------------------------------------------------------------------------
 
 
-def direct_engine(args, engine_config: Dict[str, Any], num_cpus: float) -> Dict[str, float]:
-    """Denoise seconds per forward of a direct `Engine.generate` in this process (second of two calls); on CPU
-    with `num_cpus` torch threads, as the replica has."""
+def direct_engine(args, engine_config: Dict[str, Any]) -> Dict[str, float]:
+    """Denoise seconds per forward of a direct `Engine.generate` in this process (second of two calls)."""
     from engine.api import GenerationRequest
     from engine.config import EngineConfig
     from engine.engine import Engine
 
     config = dict(engine_config, pool={**engine_config["pool"], "enabled": False})
-    threads = torch.get_num_threads()
-    if not torch.cuda.is_available():
-        # The replica runs with its num_cpus as torch threads (Ray sets OMP_NUM_THREADS); on a loaded CPU box more
-        # threads here made a forward ~30x slower (OpenMP spinning), so compare like with like.
-        torch.set_num_threads(max(1, int(num_cpus)))
     engine = Engine(EngineConfig(**config))
     request = GenerationRequest(**request_body(args, SHIFTS["A"], 7))
     try:
@@ -163,7 +157,6 @@ def direct_engine(args, engine_config: Dict[str, Any], num_cpus: float) -> Dict[
         return {"denoise_s": result.timings["denoise_s"], "forwards": result.stats["forwards"],
                 "total_s": result.timings["total_s"]}
     finally:
-        torch.set_num_threads(threads)
         if engine.plan_cache is not None:
             engine.plan_cache.close()
         del engine
@@ -394,6 +387,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpus = torch.cuda.device_count() if cuda else 0
     device = f"cuda-x{gpus}" if gpus else "cpu"
     log = lambda *a: print(*a, flush=True)  # noqa: E731
+    if not cuda:
+        # This process's component runs get the replica's torch threads (Ray sets OMP_NUM_THREADS to its num_cpus):
+        # on a loaded 2-core box 2 OpenMP threads beside 16 reader threads made a tiny miss 0.4-0.8 s instead of
+        # 0.012 s and a forward ~30x slower, so like is compared with like.
+        worker = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]["worker"]
+        torch.set_num_threads(max(1, int(worker["num_cpus"])))
+        notes.append(f"CPU: this process runs with {torch.get_num_threads()} torch thread(s), as the replica does")
     try:
         checkpoint = ensure_checkpoint(args).resolve()
         shards = transformer_shards(checkpoint)
@@ -418,8 +418,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         direct = None
         if not args.no_direct:
             log("direct engine call ...")
-            worker = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]["worker"]
-            direct = direct_engine(args, engine, worker["num_cpus"])
+            direct = direct_engine(args, engine)
 
         # 2. The app: one replica for the tier sequence.
         port = free_port()
