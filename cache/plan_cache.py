@@ -117,7 +117,8 @@ class RemoteTier(Protocol):
     Optional: `publish_group(plans: dict[PlanKey, PlanRows], ready: Event | None)` takes all of a request's
     built plans at once without waiting: their host tensors are filled by D2H copies still queued on the
     compute stream, complete once `ready` (None: already complete) has happened. It must return at once and
-    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`."""
+    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`. Both are
+    called from the cache's publish thread, never on the request path (`_Publisher`)."""
 
     def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
 
@@ -478,6 +479,9 @@ class PlanCache:
                 index.commit(slot)
             building.clear()
         except BaseException:
+            if published is not None:
+                with contextlib.suppress(Exception):
+                    published.result()  # its copies read rows being given back (see PreparedPlans.release)
             for slot in building:
                 index.abort(slot)
             building_set = set(building)
