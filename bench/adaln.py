@@ -105,7 +105,7 @@ def drop_page_cache(paths: list[str], system_wide: bool) -> str:
 def read_only_pass(rebuilder: AdalnRebuilder, units) -> float:
     """Seconds for the rebuild's readers alone to pull every unit into staging (no H2D, no GEMM), with the
     next units queued as in the rebuild."""
-    rebuilder._ensure_buffers(max(u.staging_bytes for u in units))
+    rebuilder.reserve(max(u.staging_bytes for u in units))
     files = _Files(rebuilder.direct_io)
     S = rebuilder.num_buffers
     start = time.perf_counter()
@@ -135,6 +135,53 @@ def timed_prepare(cache: PlanCache, plans, device) -> tuple[float, object]:
     prepared = cache.prepare(plans)
     sync(device)  # host-tier H2D and GEMMs are async: count them
     return time.perf_counter() - start, prepared
+
+
+def component_tiers(reader: TransformerWeights, plans: list[torch.Tensor], device: torch.device, config: AdalnConfig,
+                    shards: list[str], *, cold: bool = True) -> dict[str, dict]:
+    """This benchmark's tier measurements for one schedule's `plans` on `reader`'s checkpoint, with `config`'s
+    rebuild settings (the served engine's): `miss_page_cache` (after an untimed miss that warms the page cache
+    and the cache's buffers), `gpu_hit`, `host_hit` (slab emptied, every plan from the pinned tier),
+    `miss_cold` (after POSIX_FADV_DONTNEED on `shards`). Each: {"seconds", "bytes", "plans", ...}. What
+    `bench.app` puts beside the served numbers, in the same process."""
+    model = adaln_model(reader, device, with_adaln=False)
+    num_plans = len({p.numpy().tobytes() for p in plans})
+    dims = reader.config
+    rows = sum(p.numel() for p in {p.numpy().tobytes(): p for p in plans}.values())
+    host_gb = rows * (dims.num_blocks * dims.adaln_width + dims.final_adaln_width) * 2 / 1e9 * 1.05
+    cache = PlanCache(config.model_copy(update={"gpu_plans": max(config.gpu_plans, num_plans), "host_cache_gb": host_gb}),
+                      reader, model, device)
+    cache.warm_up()
+    out: dict[str, dict] = {}
+    try:
+        _, prepared = timed_prepare(cache, plans, device)  # untimed: page cache and buffers warm
+        prepared.release()
+        cache.invalidate()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        stats = prepared.stats
+        out["miss_page_cache"] = {"seconds": seconds, "bytes": stats.rebuild_bytes_read, "plans": stats.built_plans,
+                                  "page_cache_bytes": stats.page_cache_bytes, "disk_bytes": stats.disk_bytes}
+        prepared.release()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        out["gpu_hit"] = {"seconds": seconds, "bytes": 0, "plans": prepared.stats.gpu_hit_plans}
+        prepared.release()
+        cache.host.synchronize()
+        cache.slab.index.invalidate()
+        seconds, prepared = timed_prepare(cache, plans, device)
+        out["host_hit"] = {"seconds": seconds, "bytes": prepared.stats.h2d_bytes, "plans": prepared.stats.host_hit_plans}
+        prepared.release()
+        if cold:
+            cache.invalidate()
+            how = drop_page_cache(shards, system_wide=False)
+            seconds, prepared = timed_prepare(cache, plans, device)
+            stats = prepared.stats
+            out["miss_cold"] = {"seconds": seconds, "bytes": stats.rebuild_bytes_read, "plans": stats.built_plans,
+                                "page_cache_bytes": stats.page_cache_bytes, "disk_bytes": stats.disk_bytes,
+                                "dropped": how}
+            prepared.release()
+    finally:
+        cache.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,12 @@ Not thread-safe: one engine thread drives a provider.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
@@ -45,8 +48,10 @@ from cache.rebuild import (
 )
 from cache.slab import PlanSlab, SlabFullError
 from device.pinned import PinnedMemory
-from device.streams import Device, make_device
+from device.streams import Device, Event, make_device
 from model.adaln import AdalnModel, H3Adaln, Modulation
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdalnStats", "AdalnWeights", "AdmissionError", "WeightUpdateError", "SlabFullError", "RemoteTier", "PlanRows",
@@ -81,6 +86,12 @@ class AdalnStats(BaseModel):
     host_pressure_skips: int = Field(0, description="Groups not stored: larger than the whole host tier.")
     rebuild_s: float = Field(0.0, description="Wall seconds spent in rebuilds (checkpoint -> slab).")
     rebuild_bytes_read: int = Field(0, description="Checkpoint bytes read by rebuilds.")
+    page_cache_bytes: int = Field(
+        0, description="Of rebuild_bytes_read, bytes that were in the OS page cache when their read was queued "
+        "(mincore). page_cache_bytes + disk_bytes == rebuild_bytes_read where the split is known (Linux); both "
+        "0 with rebuild_bytes_read > 0 where it is not.")
+    disk_bytes: int = Field(
+        0, description="Of rebuild_bytes_read, bytes read from the disk (not in the page cache, or O_DIRECT).")
     h2d_bytes: int = Field(0, description="Bytes copied host tier -> slab.")
 
     def add_(self, other: "AdalnStats") -> None:
@@ -105,7 +116,8 @@ class RemoteTier(Protocol):
     Optional: `publish_group(plans: dict[PlanKey, PlanRows], ready: Event | None)` takes all of a request's
     built plans at once without waiting: their host tensors are filled by D2H copies still queued on the
     compute stream, complete once `ready` (None: already complete) has happened. It must return at once and
-    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`."""
+    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`. Both are
+    called from the cache's publish thread, never on the request path (`_Publisher`)."""
 
     def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
 
@@ -188,6 +200,9 @@ class PreparedPlans:
         self._spans = spans         # per step: (offset into row_index, M)
         self.stats = stats
         self.released = False
+        #: The background publish of this request's built plans (`_Publisher`): its result is the event the
+        #: copies out of the slab rows complete at; `release` orders later slab writes after it.
+        self.published: Future | None = None
 
     @property
     def num_steps(self) -> int:
@@ -212,6 +227,14 @@ class PreparedPlans:
         if self.released:
             return
         self.released = True
+        if self.published is not None:
+            # The publisher copies out of this request's slab rows; once freed they may be rebuilt or restored
+            # into. Wait until its copies are queued (long done after a denoise), then make the compute stream,
+            # which every later slab write follows, wait for them; without this a new plan could land in the rows
+            # mid-copy and the pool would get a torn plan.
+            done = self.published.result()
+            if done is not None:
+                self._cache.gpu.current_stream().wait_event(done)
         for slot in self._slots:
             self._cache.slab.index.free(slot)
 
@@ -231,6 +254,13 @@ class _Request:
     slot_of: dict[PlanKey, int] = dataclasses.field(default_factory=dict)
     held: list[int] = dataclasses.field(default_factory=list)  # references taken (hits and allocations)
     building: list[int] = dataclasses.field(default_factory=list)  # allocated, not yet committed
+    published: Future | None = None  # the background publish of the plans it built (`_Publisher`)
+
+    def wait_published(self) -> None:
+        """Before a failed request gives its slots back: the publisher's copies read those rows."""
+        if self.published is not None:
+            with contextlib.suppress(Exception):
+                self.published.result()
 
 
 @dataclasses.dataclass
@@ -273,7 +303,6 @@ class PlanCache:
         self.remote = remote
         self.shards = shards
         self.gpu = gpu if gpu is not None else make_device(self.device)  # streams, events, pinned memory
-        self._publish_memory = PinnedMemory(self.gpu, owner="AdaLN pool publish")
         dims = self.model  # the slab and host pages are shaped like the served model's projections
         self.slab = PlanSlab(
             num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=dims.num_blocks,
@@ -289,9 +318,39 @@ class PlanCache:
             direct_chunk_bytes=config.direct_chunk_mb << 20, num_buffers=config.staging_buffers,
             projection=config.projection, direct_io=config.direct_io,
         )
+        self._publisher = _Publisher(self.gpu, PinnedMemory(self.gpu, owner="AdaLN pool publish"))  # its thread starts with the first publish (or warm_up)
         self._units: list[AdalnUnit] | None = None
         self._generation = 0
         self.stats = AdalnStats()
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Set up now what the first miss would otherwise set up on the request path (the engine calls it at
+        start): every unit located and checked, the rebuild's pinned host staging and device buffers sized for
+        the largest unit, its reader threads and the publish thread started, and one small rebuild (the first
+        block and the final layer, once per plan width M) into scratch rows, which creates the cuBLAS handle
+        and loads the projection kernels of every M, and uses the copy stream. Reads one block's bytes; leaves
+        the slab and the tiers alone. Idempotent."""
+        units = self._resolved_units()
+        self.rebuilder.reserve(max(u.staging_bytes for u in units))
+        self.rebuilder.warm_up_readers()
+        if self.remote is not None:
+            self._publisher.start()
+        probe = [dataclasses.replace(units[0], block=0 if units[0].block is not None else None)]
+        if len(units) > 1:
+            probe.append(units[-1])
+        width, dims = self.config.plan_width, self.model
+        blocks = torch.empty(1, width, dims.adaln_width, dtype=dims.torch_dtype, device=self.device)
+        final = torch.empty(width, dims.final_adaln_width, dtype=dims.torch_dtype, device=self.device)
+        targets = [RebuildTarget(self._adaln_input(torch.linspace(999.0, 1.0, m).to(self.device)).to(self.device), 0)
+                   for m in range(1, width + 1)]
+        self.rebuilder.rebuild(probe, targets, blocks, final)
+
+    def _resolved_units(self) -> list[AdalnUnit]:
+        if self._units is None:
+            # Checks every tensor before any GPU work.
+            self._units = resolve_adaln_units(self.reader, self.model, self.model.unit_names())
+        return self._units
 
     # -- weights
     @property
@@ -341,6 +400,7 @@ class PlanCache:
 
     def close(self) -> None:
         self.rebuilder.close()
+        self._publisher.close()
         self.host.synchronize()
 
     # -- the walk
@@ -402,10 +462,13 @@ class PlanCache:
             self._store(request, compute)
             row_index, spans = self._index(request, step_keys)
         except BaseException:
+            request.wait_published()
             self._free(request.held)
             raise
         self.stats.add_(request.stats)
-        return PreparedPlans(self, request.held, row_index, spans, request.stats, tuple(request.distinct))
+        prepared = PreparedPlans(self, request.held, row_index, spans, request.stats, tuple(request.distinct))
+        prepared.published = request.published
+        return prepared
 
     def _rows_of(self, request: _Request, key: PlanKey) -> list[int]:
         """Slab rows of `key`'s slot in `request`."""
@@ -485,8 +548,11 @@ class PlanCache:
         stats.built_plans = len(to_build)
         stats.rebuild_s = report.seconds
         stats.rebuild_bytes_read = report.bytes_read
+        stats.page_cache_bytes = report.page_cache_bytes or 0
+        stats.disk_bytes = report.disk_bytes or 0
         if self.remote is not None:
-            stats.pool_published_plans = self._publish_built(to_build, request.slot_of, compute)
+            request.published = self._publish_built(to_build, request.slot_of, compute)
+            stats.pool_published_plans = len(to_build)
 
     def _commit(self, request: _Request) -> None:
         """Every row is written (or queued before the forward on the compute stream): make the plans visible."""
@@ -497,6 +563,7 @@ class PlanCache:
     def _abort(self, request: _Request) -> None:
         """Undo a request that failed before `_commit`: its new slots stay invisible and free, its hits'
         references are dropped."""
+        request.wait_published()
         index = self.slab.index
         for slot in request.building:
             index.abort(slot)
@@ -524,40 +591,19 @@ class PlanCache:
             rows.extend(self._rows_of(request, key))
         return torch.tensor(rows, dtype=torch.int64).to(self.device), spans
 
-    def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> int:
-        """Offer the plans just built to the remote tier without holding up the request.
-
-        The rows are copied D2H into fresh host tensors (per-request pinned staging) on the compute
-        stream: queued after the rebuild's writes and before the forward, so nothing here waits. The
-        request holds its slots until `release()`, which comes after the engine synchronised the compute
-        stream (results to the host), so the rows cannot be overwritten before the copies ran. A remote
-        with `publish_group` gets the tensors and an event to wait for on its own thread; a plain one gets
-        `publish` per plan after a wait for the copies.
-        """
-        plans: dict[PlanKey, PlanRows] = {}
+    def _publish_built(self, keys: list[PlanKey], slot_of: dict[PlanKey, int], compute: Any) -> Future:
+        """Offer the plans just built to the remote tier without holding up the request: the publish thread
+        (`_Publisher`) allocates their host tensors, copies the rows D2H on its own stream (after `written`,
+        the compute stream's point past the rebuild's writes) and hands them over. The request holds its slots
+        until `release()`, which orders later slab writes after those copies."""
+        sources = {}
         for key in keys:
             first, m = self.slab.first_row(slot_of[key]), len(key[1])
-            src_blocks, src_final = self.slab.blocks[:, first: first + m], self.slab.final[first: first + m]
-            blocks = self._publish_memory.staging(tuple(src_blocks.shape), src_blocks.dtype)
-            final = self._publish_memory.staging(tuple(src_final.shape), src_final.dtype)
-            self.gpu.copy_(blocks, src_blocks)
-            self.gpu.copy_(final, src_final)
-            plans[key] = PlanRows(blocks, final)
-        ready = compute.record_event()
-        publish_group = getattr(self.remote, "publish_group", None)
-        if publish_group is not None:
-            publish_group(plans, ready)
-        else:
-            if ready is not None:
-                ready.synchronize()
-            for key, rows in plans.items():
-                self.remote.publish(key, rows)
-        return len(plans)
+            sources[key] = PlanRows(self.slab.blocks[:, first: first + m], self.slab.final[first: first + m])
+        return self._publisher.submit(self.remote, sources, compute.record_event())
 
     def _rebuild(self, jobs: list[tuple[PlanKey, torch.Tensor, int]]):
-        if self._units is None:
-            # Checks every tensor before any GPU work.
-            self._units = resolve_adaln_units(self.reader, self.model, self.model.unit_names())
+        self._resolved_units()
         targets = []
         for _, timesteps, first_row in jobs:
             # [M, time_embed_dim] with the same M as resident (the model may live elsewhere under offload).
@@ -575,6 +621,73 @@ class PlanCache:
             self.shards.exchange_(self.slab.blocks[:, rows], self.slab.final[rows])
         report.seconds = time.perf_counter() - start
         return report
+
+
+class _Publisher:
+    """Offers built plans to a `RemoteTier` from one background thread, so that nothing of a publish sits on
+    the request path: not the host tensors' allocation (pinned on CUDA: cudaHostAlloc the first times), not the
+    D2H copies (on the publisher's own stream, so the forwards on the compute stream never queue behind them),
+    not a remote whose `publish` blocks. A remote with `publish_group` gets the tensors and the copies' event
+    (it waits on its own thread); a plain one gets `publish` per plan once the copies are done.
+
+    `submit` returns a Future of the copies' event, resolved once the copies are queued, before the remote is
+    called; the caller keeps the source rows unchanged until then and orders later writes after the event."""
+
+    def __init__(self, gpu: Device, memory: PinnedMemory):
+        self.gpu = gpu
+        self._memory = memory  # short-lived staging (pinned on CUDA)
+        self._stream = gpu.new_stream("publish")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaln-publish")
+
+    def start(self) -> None:
+        """Start the thread now (warm-up), not on the first publish."""
+        self._executor.submit(lambda: None).result()
+
+    def submit(self, remote: RemoteTier, sources: dict[PlanKey, PlanRows], written: Event) -> Future:
+        copied: Future = Future()
+        self._executor.submit(self._run, remote, sources, written, copied)
+        return copied
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _run(self, remote: RemoteTier, sources: dict[PlanKey, PlanRows], written: Event, copied: Future) -> None:
+        """Never raises (a publish is best effort: a lost plan is rebuilt elsewhere); `copied` gets the event
+        every copy issued here completes at before the remote is called."""
+        plans: dict[PlanKey, PlanRows] = {}
+        done = None
+        try:
+            plans = self._copy(sources, written)
+        except Exception:  # noqa: BLE001
+            logger.exception("copying built AdaLN plans for the remote tier failed")
+            plans = {}
+        finally:
+            done = self._stream.record_event()  # covers every copy issued, even before a failure
+            copied.set_result(done)
+        if not plans:
+            return
+        try:
+            publish_group = getattr(remote, "publish_group", None)
+            if publish_group is not None:
+                publish_group(plans, done)
+            else:
+                done.synchronize()
+                for key, rows in plans.items():
+                    remote.publish(key, rows)
+        except Exception:  # noqa: BLE001
+            logger.exception("offering built AdaLN plans to the remote tier failed")
+
+    def _copy(self, sources: dict[PlanKey, PlanRows], written: Event) -> dict[PlanKey, PlanRows]:
+        plans: dict[PlanKey, PlanRows] = {}
+        with self.gpu.use_stream(self._stream), torch.no_grad():
+            self._stream.wait_event(written)  # the rows are read only after the rebuild wrote them
+            for key, rows in sources.items():
+                blocks = self._memory.staging(tuple(rows.blocks.shape), rows.blocks.dtype)
+                final = self._memory.staging(tuple(rows.final.shape), rows.final.dtype)
+                self.gpu.copy_(blocks, rows.blocks)
+                self.gpu.copy_(final, rows.final)
+                plans[key] = PlanRows(blocks, final)
+        return plans
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
+from cache.residency import page_cache_bytes
 from cache.projection import Projection, prepare_weight, project, projection_guard
 from device.pinned import PinnedMemory
 from device.streams import Device, Event
@@ -141,10 +143,15 @@ class RebuildTarget:
 
 @dataclass
 class RebuildReport:
+    """What one rebuild did. `page_cache_bytes + disk_bytes == bytes_read` when the split is known (Linux:
+    `cache.residency`, asked just before each range is read; O_DIRECT reads count as disk); both None when not."""
+
     bytes_read: int
     seconds: float
     num_units: int
     num_plans: int
+    page_cache_bytes: int | None = None
+    disk_bytes: int | None = None
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, need: int, path: str) -> None:
@@ -208,6 +215,10 @@ class _Files:
                 return True
         return True
 
+    def page_cache_bytes(self, span: Span) -> int | None:
+        """Bytes of `span` in the page cache now (None: unknown on this platform)."""
+        return page_cache_bytes(self.fd(span.path), span.offset, span.nbytes)
+
     def use_direct(self, span: Span) -> int | None:
         if self.direct_io == "never" or (self.direct_io == "auto" and self.cached(span)):
             return None
@@ -254,9 +265,22 @@ class AdalnRebuilder:
         self._copied: list[Event | None] = [None] * num_buffers
         self._computed: list[Event | None] = [None] * num_buffers
         self.num_direct_units = 0  # units read with O_DIRECT so far (cumulative)
+        self.num_staging_allocations = 0  # times the staging buffers were (re)allocated (cumulative)
+        # Per rebuild: bytes queued for reading that were in the page cache / that go to the disk (None once
+        # any range's residency was unknown).
+        self._cached_bytes: int | None = 0
+        self._disk_bytes: int | None = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def warm_up_readers(self) -> None:
+        """Start every reader thread now (a ThreadPoolExecutor starts them lazily, one per submit, on the
+        first rebuild otherwise): `readers` tasks that each wait until all of them run."""
+        barrier = threading.Barrier(self.readers)
+        futures = [self._pool.submit(barrier.wait, 30.0) for _ in range(self.readers)]
+        for f in futures:
+            f.result()
 
     @property
     def staging_nbytes(self) -> int:
@@ -267,9 +291,13 @@ class AdalnRebuilder:
     def _bias_src(unit: AdalnUnit) -> int:
         return _align(unit.weight.nbytes) + _ALIGN
 
-    def _ensure_buffers(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> None:
+        """Staging for units of up to `nbytes` (`AdalnUnit.staging_bytes`), allocated now unless already held
+        (a rebuild calls it too; the engine calls it at start so no request pays for pinning and faulting in
+        ~1 GB of host memory and the device buffers)."""
         if self._host and self._host[0].numel() >= nbytes:
             return
+        self.num_staging_allocations += 1
         nbytes = _align(nbytes)
         for raw in self._raw:
             self._memory.free(raw)  # after the device finished the copies out of it
@@ -281,6 +309,8 @@ class AdalnRebuilder:
             self._raw.append(raw)
             self._host.append(raw[skip: skip + nbytes])
         self._host_views = [memoryview(h.numpy()) for h in self._host]
+        for h in self._host:  # fault the pages in now, not under the first rebuild's readers
+            h.zero_()
         self._device = [self.gpu.empty(nbytes, torch.uint8) for _ in range(self.num_buffers)]
         self._copied = [None] * self.num_buffers
         self._computed = [None] * self.num_buffers
@@ -298,6 +328,8 @@ class AdalnRebuilder:
 
         w, b = unit.weight, unit.bias
         direct = files.use_direct(w)
+        self._count_residency(files, w, direct is not None)
+        self._count_residency(files, b, False)
         if direct is not None:
             start = w.offset // _ALIGN * _ALIGN          # aligned superset of the weight's bytes
             delta = w.offset - start
@@ -310,6 +342,17 @@ class AdalnRebuilder:
             submit(files.fd(w.path), w.offset, w.nbytes, 0, chunk, w.nbytes, w.path)
         submit(files.fd(b.path), b.offset, b.nbytes, self._bias_src(unit), max(b.nbytes, 1), b.nbytes, b.path)
         return futures
+
+    def _count_residency(self, files: _Files, span: Span, direct: bool) -> None:
+        """Add `span` to this rebuild's page-cache / disk bytes (an O_DIRECT read always goes to the disk)."""
+        if self._cached_bytes is None:
+            return
+        cached = 0 if direct else files.page_cache_bytes(span)
+        if cached is None:
+            self._cached_bytes = self._disk_bytes = None
+            return
+        self._cached_bytes += cached
+        self._disk_bytes += span.nbytes - cached
 
     def _operands(self, unit: AdalnUnit, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self._device[k]
@@ -324,11 +367,12 @@ class AdalnRebuilder:
         start = time.perf_counter()
         if not targets:
             return RebuildReport(0, 0.0, 0, 0)
-        self._ensure_buffers(max(u.staging_bytes for u in units))
+        self.reserve(max(u.staging_bytes for u in units))
         compute = self.gpu.current_stream()
         copy = self._copy_stream
         S = self.num_buffers
         files = _Files(self.direct_io)
+        self._cached_bytes, self._disk_bytes = 0, 0
         pending: dict[int, list[Future]] = {}
         try:
             # A previous rebuild's copies out of staging[k] must be done before readers refill it.
@@ -377,5 +421,6 @@ class AdalnRebuilder:
             files.close()
         return RebuildReport(
             bytes_read=sum(u.nbytes for u in units), seconds=time.perf_counter() - start,
-            num_units=len(units), num_plans=len(targets),
+            num_units=len(units), num_plans=len(targets), page_cache_bytes=self._cached_bytes,
+            disk_bytes=self._disk_bytes,
         )

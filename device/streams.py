@@ -300,7 +300,7 @@ class FakeDevice(Device):
         self.lockable_bytes = lockable_bytes
         self.log = log
         self._compute = _FakeStream(self, "compute", immediate=True)
-        self._current: _FakeStream = self._compute
+        self._in_use = threading.local()  # the stream in use is per thread, as CUDA's current stream is
         self._side_streams: list[_FakeStream] = []
         self._num_events = 0
         self.locked_bytes = 0
@@ -323,14 +323,18 @@ class FakeDevice(Device):
         self._num_events += 1
         return _FakeEvent(self, f"e{self._num_events}")
 
+    @property
+    def _current(self) -> _FakeStream:
+        return getattr(self._in_use, "stream", self._compute)
+
     @contextlib.contextmanager
     def use_stream(self, stream: Stream) -> Iterator[None]:
         assert isinstance(stream, _FakeStream)
-        previous, self._current = self._current, stream
+        previous, self._in_use.stream = self._current, stream
         try:
             yield
         finally:
-            self._current = previous
+            self._in_use.stream = previous
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Garbage that cannot go unnoticed: a kernel that reads before its copy landed yields NaN.

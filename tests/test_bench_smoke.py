@@ -93,3 +93,43 @@ def test_engine_smoke_times_both_adaln_modes(tmp_path):
     assert rows["resident"]["tokens"] == rows["online"]["tokens"]
     assert rows["online"]["weights_gib"] < rows["resident"]["weights_gib"]  # online loads no adaln_proj
     assert all(row["model"] == "tiny" and row["blocks"] == 4 and row["steps"] == 3 for row in rows.values())
+
+
+def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
+    """bench.app on CPU: one replica of the real app on the tiny checkpoint. The tier sequence must land on the
+    tier each row names (the plan counters come back through the app), beside bench.adaln's numbers."""
+    from bench import app
+
+    assert app.main(["--smoke", "--repeats", "2", "--clients", "2", "--load-requests", "4",
+                     "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "app-cpu.json")
+    assert report["commit"] and report["command"].startswith("python")
+    tiers = report["tiers"]
+    num_plans = tiers["first miss after start (page cache)"]["built_plans"]
+    assert num_plans == 3  # 4 steps: 3 forwards, 3 distinct plans
+    shared = 1  # the first forward's plan (both sigmas 1) is every schedule's
+    expect = {
+        "miss, page cache": ("built_plans", num_plans - shared),
+        "GPU-slab hit": ("gpu_hit_plans", num_plans),
+        "miss, page cache (2nd)": ("built_plans", num_plans - shared),
+        "host hit": ("host_hit_plans", num_plans - shared),
+        "miss, cold (DONTNEED)": ("built_plans", num_plans - shared),
+        "pool hit": ("pool_hit_plans", num_plans - shared),
+    }
+    for tier, (counter, value) in expect.items():
+        assert tiers[tier][counter] == value, (tier, tiers[tier])
+    for tier in ("first miss after start (page cache)", "miss, page cache", "miss, cold (DONTNEED)"):
+        row = tiers[tier]
+        assert row["page_cache_bytes"] + row["disk_bytes"] == row["rebuild_bytes_read"] > 0, tier
+    assert tiers["first miss after start (page cache)"]["disk_bytes"] == 0  # the shards were just read
+    rows = {row["metric"]: row for row in report["rows"]}
+    for tier in ("first miss after start (page cache)", "miss, cold (DONTNEED)", "GPU-slab hit", "host hit"):
+        row = rows[f"plan_s: {tier}"]
+        assert row["app_s"] > 0 and row["bench_s"] > 0 and row["bench_after_s"] > 0, tier
+    assert rows["plan_s: miss, cold (DONTNEED)"]["floor_s"] > 0
+    assert rows["denoise per forward"]["bench_s"] > 0 and rows["denoise per forward"]["app_s"] > 0
+    overhead = [m for m in rows if m.startswith("Serve overhead")]
+    assert len(overhead) == 3 and any("queueing" in m for m in overhead)
+    assert len(report["overhead"]["HTTP, 1 client"]) == 2
+    assert rows["scale-up"]["detail"].startswith("n/a") and "n/a" in rows["GPU utilization under the load"]["detail"]
+    assert (tmp_path / "app-cpu.md").read_text().count("plan_s:") == 7

@@ -202,6 +202,18 @@ def test_the_second_request_of_a_schedule_finds_every_plan_in_the_gpu_slab(engin
     assert same_bits(first, second)
 
 
+def test_the_plan_rebuild_is_set_up_at_start_so_the_first_miss_allocates_no_staging(checkpoint_root):
+    fresh = make_engine(checkpoint_root)
+    rebuilder = fresh.plan_cache.rebuilder
+    assert rebuilder.num_staging_allocations == 1 and rebuilder.staging_nbytes > 0  # at start, sized to the units
+    assert fresh.plan_cache.slab.index.num_free == fresh.plan_cache.slab.index.capacity  # warm-up used scratch rows
+    result = fresh.generate(small_request(steps=4, flow_shift=9.5))
+    adaln = result.stats["adaln"]
+    assert adaln["built_plans"] == 3 and rebuilder.num_staging_allocations == 1
+    # The checkpoint was just read at start: the rebuild's bytes split into page cache + disk adds up.
+    assert adaln["page_cache_bytes"] + adaln["disk_bytes"] == adaln["rebuild_bytes_read"] > 0
+
+
 def test_health_and_describe(engine, checkpoint_root):
     assert engine.health()["status"] == "ok" and engine.health()["device"] == "cpu"
     card = engine.describe()

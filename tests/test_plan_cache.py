@@ -5,6 +5,7 @@ the tiny numbers are in tests/adaln_support.py."""
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,7 @@ def test_stats_per_request_and_cumulative(tiny):
         "requests": 1, "gpu_hit_plans": 2, "host_hit_plans": 0, "pool_hit_plans": 0,
         "pool_published_plans": 0, "pool_lookup_s": 0.0, "built_plans": 0,
         "gpu_evicted_plans": 0, "host_stored_plans": 0, "host_evicted_groups": 0, "host_pressure_skips": 0,
-        "rebuild_s": 0.0, "rebuild_bytes_read": 0, "h2d_bytes": 0,
+        "rebuild_s": 0.0, "rebuild_bytes_read": 0, "page_cache_bytes": 0, "disk_bytes": 0, "h2d_bytes": 0,
     }
     total = cache.stats
     assert (total.requests, total.built_plans, total.gpu_hit_plans, total.host_evicted_groups) == (3, 4, 2, 1)
@@ -264,6 +265,66 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
     got = other.prepare(A)
     assert (got.stats.pool_hit_plans, got.stats.built_plans) == (2, 0)
     assert_equal_to_resident(got, resident(tiny), A)
+
+
+def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
+    """The built plans reach the remote tier from the publish thread: `prepare` returns while `publish` is
+    still blocked, and the published rows are the slab's (copied before `release` lets the rows go)."""
+    entered, proceed = threading.Event(), threading.Event()
+
+    class SlowRemote:
+        def __init__(self):
+            self.plans: dict = {}
+
+        def lookup(self, keys):
+            return {}
+
+        def publish(self, key, rows: PlanRows):
+            entered.set()
+            assert proceed.wait(60), "the test never let the publish finish"
+            self.plans[key] = rows
+
+    remote = SlowRemote()
+    cache = online_cache(tiny)
+    cache.remote = remote
+    prepared = cache.prepare(A)           # would wait forever if the publish ran on the request path
+    assert prepared.stats.pool_published_plans == 2 and remote.plans == {}
+    assert entered.wait(60)               # the publish is running, blocked, while the request proceeds
+    want = {k: (cache.slab.blocks[:, r].clone(), cache.slab.final[r].clone())
+            for k, r in ((plan_key(p, cache.weights_version), prepared.step_rows(i)) for i, p in enumerate(A))}
+    proceed.set()
+    prepared.release()
+    cache.close()                         # waits for the publish thread
+    assert set(remote.plans) == set(want)
+    for key, (blocks, final) in want.items():
+        assert torch.equal(remote.plans[key].blocks, blocks) and torch.equal(remote.plans[key].final, final)
+
+
+def test_warm_up_sets_up_the_rebuild_so_the_first_miss_allocates_nothing(tiny):
+    cache = online_cache(tiny)
+    assert cache.rebuilder.num_staging_allocations == 0
+    cache.warm_up()
+    units = cache._resolved_units()
+    assert cache.rebuilder.num_staging_allocations == 1
+    assert cache.rebuilder.staging_nbytes >= cache.rebuilder.num_buffers * max(u.staging_bytes for u in units)
+    assert len(cache.rebuilder._pool._threads) == cache.rebuilder.readers  # every reader started
+    # Scratch rows only: the slab holds nothing and the tiers are untouched.
+    assert cache.slab.index.num_free == cache.slab.index.capacity and cache.host.num_free_pages == cache.host.num_pages
+    first = cache.prepare(A)
+    assert first.stats.built_plans == 2 and cache.rebuilder.num_staging_allocations == 1
+    assert_equal_to_resident(first, resident(tiny), A)
+    first.release()
+
+
+def test_rebuild_stats_split_bytes_into_page_cache_and_disk(tiny):
+    for name in tiny.reader.names():      # read every shard once: all of it is in the page cache
+        path = tiny.reader.location(name).path
+        Path(path).read_bytes()
+    prepared = online_cache(tiny).prepare(A)
+    stats = prepared.stats
+    assert stats.rebuild_bytes_read == TINY_ADALN_BYTES
+    assert (stats.page_cache_bytes, stats.disk_bytes) == (TINY_ADALN_BYTES, 0)
+    prepared.release()
 
 
 def test_walk_fences_host_restores_before_the_forward(tiny):
