@@ -154,8 +154,8 @@ def direct_engine(args, engine_config: Dict[str, Any]) -> Dict[str, float]:
     try:
         engine.generate(request)
         result = engine.generate(request)
-        return {"denoise_s": result.timings["denoise_s"], "forwards": result.stats["forwards"],
-                "total_s": result.timings["total_s"]}
+        return {"denoise_s": result.timings.denoise_s, "forwards": result.stats.forwards,
+                "total_s": result.timings.total_s}
     finally:
         if engine.plan_cache is not None:
             engine.plan_cache.close()

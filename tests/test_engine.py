@@ -208,10 +208,10 @@ def test_the_plan_rebuild_is_set_up_at_start_so_the_first_miss_allocates_no_stag
     assert rebuilder.num_staging_allocations == 1 and rebuilder.staging_nbytes > 0  # at start, sized to the units
     assert fresh.plan_cache.slab.index.num_free == fresh.plan_cache.slab.index.capacity  # warm-up used scratch rows
     result = fresh.generate(small_request(steps=4, flow_shift=9.5))
-    adaln = result.stats["adaln"]
-    assert adaln["built_plans"] == 3 and rebuilder.num_staging_allocations == 1
+    adaln = result.stats.adaln
+    assert adaln.built_plans == 3 and rebuilder.num_staging_allocations == 1
     # The checkpoint was just read at start: the rebuild's bytes split into page cache + disk adds up.
-    assert adaln["page_cache_bytes"] + adaln["disk_bytes"] == adaln["rebuild_bytes_read"] > 0
+    assert adaln.page_cache_bytes + adaln.disk_bytes == adaln.rebuild_bytes_read > 0
 
 
 def test_health_and_describe(engine, checkpoint_root):
