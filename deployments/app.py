@@ -173,6 +173,7 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
     )
     ingress = Ingress.options(
         max_ongoing_requests=config.http.max_ongoing_requests,
+        **({"ray_actor_options": {"resources": dict(config.http.resources)}} if config.http.resources else {}),
         **shutdown_options(config.http.graceful_shutdown_timeout_s),
     )
     return ingress.bind(

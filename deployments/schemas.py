@@ -267,6 +267,10 @@ class HttpOptions(BaseModel):
 
     max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Extra Ray resources per ingress replica, e.g. a custom resource of the "
+        "cluster's CPU/head nodes, so that losing a GPU node never takes an ingress replica (and every request it "
+        "holds, answered by Serve's proxy as a bare 500) with it.")
     health_timeout_s: float = Field(10.0, gt=0, description="Longest /healthz waits for the worker.")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one ingress replica holds at once; the HTTP proxy queues the rest. Open "
