@@ -368,9 +368,6 @@ class PoolClient:
 
     # -- publish (RemoteTier) ---------------------------------------------------------------------------------
 
-    def publish(self, key: Hashable, rows: PlanRows) -> None:
-        self.publish_group({key: rows}, None)
-
     def publish_group(self, plans: Mapping[Hashable, PlanRows], ready: Any = None) -> bool:
         """Queue a request's built plans (``{plan_key: PlanRows}`` of host tensors, complete once the event
         ``ready`` happened); never blocks. False when dropped because earlier groups are still being sent."""

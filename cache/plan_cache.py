@@ -108,20 +108,16 @@ class PlanRows:
 
 
 class RemoteTier(Protocol):
-    """Seam for a shared pool between the host tier and the rebuild (`actors.pool_tier.PoolRemoteTier`:
-    one pool per node). `lookup` returns the plans it has (host tensors, copied into the slab by the
-    cache); it must answer within its own budget and never raise (a miss is rebuilt). `publish` offers a
-    plan the cache just built.
-
-    Optional: `publish_group(plans: dict[PlanKey, PlanRows], ready: Event | None)` takes all of a request's
-    built plans at once without waiting: their host tensors are filled by D2H copies still queued on the
-    compute stream, complete once `ready` (None: already complete) has happened. It must return at once and
-    wait for `ready` on its own thread. Without it the cache waits for the copies and calls `publish`. Both are
-    called from the cache's publish thread, never on the request path (`_Publisher`)."""
+    """Seam for a shared pool between the host tier and the rebuild (`actors.host_cache_pool.PoolClient`:
+    one pool per node). `lookup` returns the plans it has (host tensors, copied into the slab by the cache); it
+    must answer within its own budget and never raise (a miss is rebuilt). `publish_group` offers all of a
+    request's built plans at once: their host tensors are filled by D2H copies still queued, complete once
+    `ready` has happened; it may wait for `ready` and must not raise. It is called from the cache's publish
+    thread, never on the request path (`_Publisher`)."""
 
     def lookup(self, keys: Sequence[PlanKey]) -> dict[PlanKey, PlanRows]: ...
 
-    def publish(self, key: PlanKey, rows: PlanRows) -> None: ...
+    def publish_group(self, plans: dict[PlanKey, PlanRows], ready: Event) -> object: ...
 
 
 class RebuildShards(Protocol):
@@ -318,7 +314,8 @@ class PlanCache:
             direct_chunk_bytes=config.direct_chunk_mb << 20, num_buffers=config.staging_buffers,
             projection=config.projection, direct_io=config.direct_io,
         )
-        self._publisher = _Publisher(self.gpu, PinnedMemory(self.gpu, owner="AdaLN pool publish"))  # its thread starts with the first publish (or warm_up)
+        # Its thread starts with the first publish (or warm_up).
+        self._publisher = _Publisher(self.gpu, PinnedMemory(self.gpu, owner="AdaLN pool publish"))
         self._units: list[AdalnUnit] | None = None
         self._generation = 0
         self.stats = AdalnStats()
@@ -627,8 +624,7 @@ class _Publisher:
     """Offers built plans to a `RemoteTier` from one background thread, so that nothing of a publish sits on
     the request path: not the host tensors' allocation (pinned on CUDA: cudaHostAlloc the first times), not the
     D2H copies (on the publisher's own stream, so the forwards on the compute stream never queue behind them),
-    not a remote whose `publish` blocks. A remote with `publish_group` gets the tensors and the copies' event
-    (it waits on its own thread); a plain one gets `publish` per plan once the copies are done.
+    not a remote whose `publish_group` blocks. The remote gets the tensors and the copies' event.
 
     `submit` returns a Future of the copies' event, resolved once the copies are queued, before the remote is
     called; the caller keeps the source rows unchanged until then and orders later writes after the event."""
@@ -667,13 +663,7 @@ class _Publisher:
         if not plans:
             return
         try:
-            publish_group = getattr(remote, "publish_group", None)
-            if publish_group is not None:
-                publish_group(plans, done)
-            else:
-                done.synchronize()
-                for key, rows in plans.items():
-                    remote.publish(key, rows)
+            remote.publish_group(plans, done)
         except Exception:  # noqa: BLE001
             logger.exception("offering built AdaLN plans to the remote tier failed")
 

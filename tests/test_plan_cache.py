@@ -252,8 +252,9 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
         def lookup(self, keys):
             return {k: self.plans[k] for k in keys if k in self.plans}
 
-        def publish(self, key, rows: PlanRows):
-            self.plans[key] = rows
+        def publish_group(self, plans, ready):
+            ready.synchronize()
+            self.plans.update(plans)
 
     remote = DictRemote()
     builder = online_cache(tiny)
@@ -279,10 +280,11 @@ def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
         def lookup(self, keys):
             return {}
 
-        def publish(self, key, rows: PlanRows):
+        def publish_group(self, plans, ready):
             entered.set()
             assert proceed.wait(60), "the test never let the publish finish"
-            self.plans[key] = rows
+            ready.synchronize()
+            self.plans.update(plans)
 
     remote = SlowRemote()
     cache = online_cache(tiny)
