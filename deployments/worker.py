@@ -89,15 +89,17 @@ class Worker(ScheduleAffinityReporter):
                  text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None) -> None:
         """`text_encoder` and `decoder`: the split app's other stages (both or neither); with them the engine
         is the denoiser alone and `generate` composes the three."""
-        install_client_error_log_filter()
+        install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
         if (text_encoder is None) != (decoder is None):
             raise ValueError("a split Worker needs both the TextEncoder and the Decoder handle")
-        self._stages = StageHandles(text_encoder, decoder) if text_encoder is not None else None  # a request over a model limit is one INFO line, not an ERROR traceback
+        self._stages = StageHandles(text_encoder, decoder) if text_encoder is not None else None
         config = EngineConfig.model_validate(engine_config)
-        self._engine = (engine_factory or default_engine_factory)(config)
         # One thread: the engine owns one device and runs one generation at a time; later requests queue here.
         # Fleet weight updates run on this same thread, so they always fall between two generations.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Built on that thread too: what its start sets up per thread (the cuBLAS handle of the plan cache's
+        # warm-up rebuild) is then the one the first request uses, not made on the request path.
+        self._engine = self._executor.submit(engine_factory or default_engine_factory, config).result()
         self._metrics = WorkerMetrics()
         self._outcomes = {"ok": 0, "cancelled": 0, "invalid": 0, "error": 0}
         self._last_request: dict[str, Any] = {}
