@@ -27,10 +27,10 @@ How "a dead rank is an error, never a hang" is achieved, and what each piece cov
 4. After a failed collective the group is unusable (an NCCL communicator is left in an undefined state, the
    ranks disagree on what ran): `SpGroup` remembers the failure and refuses every later collective with it, so
    a caught error cannot turn into a hang at the next collective. The replica must be torn down and rebuilt.
-   A failed group is abandoned, not destroyed: a process that must exit after a failure leaves with
-   `os._exit` (or is killed by its coordinator). Seen on CPU: in 2 of ~10 full-suite runs on a loaded 2-core
-   machine, a survivor whose gloo peer had been SIGKILLed died of SIGABRT after reporting the error, in
-   process-group teardown or interpreter exit, instead of exiting cleanly.
+   No group is ever torn down in-process: a rank's process leaves with `os._exit` (`parallel.launch`) or is
+   killed by its coordinator (the GPU worker actors). Seen on CPU, on a loaded 2-core machine, in about one
+   full-suite run in three: a rank whose gloo peer had exited (or been SIGKILLed) died of SIGABRT in
+   `destroy_process_group` or interpreter exit, after its work was done and reported.
 5. Not covered here: a rank stuck outside any collective (in host code or a kernel that never ends) makes its
    peers fail at their next collective, but it stays stuck itself. The coordinator that owns the rank actors
    must bound its own wait (`ray.get(..., timeout=)`) and kill such an actor.
@@ -140,10 +140,13 @@ class SpGroup:
         self.all_to_all(torch.empty_like(token), token, host_wait=True)
 
     def destroy(self) -> None:
-        """Leave the group (the process can then exit cleanly). Never call a collective after this."""
+        """Leave the group: wait until every rank got here (a healthy group), then refuse every later
+        collective. The process group itself is not torn down (gloo's teardown aborted processes whose peer
+        closed first, point 4): the process then exits with `os._exit` (`parallel.launch` does) or is killed
+        by its coordinator."""
+        if self._failure is None:
+            self.barrier()
         self._failure = self._failure or "the group was destroyed"
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     # --- plumbing ---------------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ hung (`RankExit.hung`), so a collective that never returns fails the caller inst
 from __future__ import annotations
 
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,22 @@ class RankExit:
         return self.exitcode == 0
 
 
+def _rank_main(target: Callable[..., None], *args) -> None:
+    """Run one rank, then leave with `os._exit`: no interpreter teardown, so no gloo teardown. A rank whose
+    peer had already closed its connections sometimes died of SIGABRT in gloo's teardown (a healthy group's
+    `destroy_process_group` or interpreter exit), after its work was done and reported (`parallel.group`)."""
+    code = 0
+    try:
+        target(*args)
+    except BaseException:  # noqa: BLE001 - reported here, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def launch_local(target: Callable[..., None], world_size: int, workdir: str | os.PathLike, *,
                  args: tuple = (), deadline_s: float = 120.0) -> list[RankExit]:
     """Start `world_size` processes (spawn) running `target(rank, world_size, init_method, *args)`, wait for all
@@ -50,7 +68,8 @@ def launch_local(target: Callable[..., None], world_size: int, workdir: str | os
     rendezvous = workdir / f"rendezvous-{os.getpid()}-{time.monotonic_ns()}"
     init_method = f"file://{rendezvous}"
     context = mp.get_context("spawn")
-    processes = [context.Process(target=target, args=(rank, world_size, init_method, *args), daemon=True)
+    processes = [context.Process(target=_rank_main, args=(target, rank, world_size, init_method, *args),
+                                 daemon=True)
                  for rank in range(world_size)]
     for process in processes:
         process.start()

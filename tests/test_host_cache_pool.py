@@ -154,10 +154,22 @@ def test_keys_spread_over_several_pools_per_node(ray_cluster):
     tier.close()
 
 
+def wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed pool actor still answers"
+        time.sleep(0.1)
+
+
 def test_killed_pool_is_a_miss_then_recreated_on_next_use(tier):
     publish_and_wait(tier, make_group_key([("k",)], "v1"), {("k",): page(5)})
     old = ray.get_actor(pool_actor_name(tier.node_id, 0), namespace=tier.namespace)
     ray.kill(old, no_restart=True)
+    wait_until_dead(old)  # the kill is asynchronous: a lookup racing it could still reach the old pool
 
     t0 = time.monotonic()
     assert tier.lookup_arrays([("k",)], timeout_s=5) == {}  # speed only: no error

@@ -69,7 +69,7 @@ def _collectives_then_kill(rank: int, world_size: int, init_method: str, out_dir
     except CollectiveError as exc:
         report["again"] = str(exc)
     _report(out_dir, rank, report)
-    os._exit(0)  # a failed group is abandoned, never torn down (parallel.group, point 4)
+    group.destroy()
 
 
 def _silent_peer(rank: int, world_size: int, init_method: str, out_dir: Path) -> None:

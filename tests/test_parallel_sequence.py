@@ -148,9 +148,6 @@ def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path) -
         except CollectiveError as exc:
             report["peer_killed"] = str(exc)
     torch.save(report, out_dir / f"rank{rank}.pt")
-    if group.failure is not None:
-        # A failed group is abandoned, never torn down (parallel.group, point 4): the survivor leaves at once.
-        os._exit(0)
     group.destroy()
 
 
