@@ -577,15 +577,16 @@ class ScheduleAffinityRouter(RequestRouter):
             return known
         return max(self._plans_of_key.values(), default=1)
 
-    def rank(self, candidate_replicas: List[RunningReplica], key: Optional[str]) -> List[RunningReplica]:
-        """Candidates in preference order for ``key`` (least loaded first when ``key`` is None)."""
+    def rank(self, candidate_replicas: List[RunningReplica], key: Optional[str],
+             views: Optional[Dict[str, SlabView]] = None) -> List[RunningReplica]:
+        """Candidates in preference order for ``key`` (least loaded first when ``key`` is None). ``views``:
+        the candidates' ``slab_views`` (None: no slab reports, rendezvous order)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
         if key is None:
             ids = list(by_id)
             random.shuffle(ids)  # ties between equally loaded replicas go to a random one
             return [by_id[rid] for rid in sorted(ids, key=loads.__getitem__)]
-        views = self.slab_views(candidate_replicas)
         if views is not None:
             ranked = rank_for_slab_key(key, loads, views, self._plans_of(key), self.popularity.count,
                                        self.load_factor, self.hold_factor)
@@ -593,10 +594,10 @@ class ScheduleAffinityRouter(RequestRouter):
         warm = {rid: self._reports_warm(r, key) for rid, r in by_id.items()}
         return [by_id[rid] for rid in rank_for_key(key, loads, self.load_factor, warm)]
 
-    def preferred(self, candidate_replicas: List[RunningReplica], key: str) -> List[RunningReplica]:
+    def preferred(self, candidate_replicas: List[RunningReplica], key: str,
+                  views: Optional[Dict[str, SlabView]]) -> List[RunningReplica]:
         """Where ``key`` goes when no replica is loaded: the holders of its plans, else its rendezvous first
         choice. Ranking anything else first is a spill, confirmed with a fresh probe of these."""
-        views = self.slab_views(candidate_replicas)
         if views is not None:
             # nobody holds it: a placement, not a spill
             return [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
@@ -632,18 +633,21 @@ class ScheduleAffinityRouter(RequestRouter):
         unknown = [r for r in candidate_replicas if self.replica_queue_len_cache.get(r.replica_id) is None]
         if unknown:
             await self.probe(unknown)
-        ranked = self.rank(candidate_replicas, key)
-        if key is None or len(ranked) < 2:
+        if key is None:
+            return self.rank(candidate_replicas, key)
+        views = self.slab_views(candidate_replicas)  # parsed once for the ranking and the spill check
+        ranked = self.rank(candidate_replicas, key, views)
+        if len(ranked) < 2:
             return ranked
-        preferred = self.preferred(candidate_replicas, key)
+        preferred = self.preferred(candidate_replicas, key, views)
         if preferred and ranked[0] not in preferred:
             # About to spill. The numbers may count a request that just finished (the caller can have its
             # result a few ms before the replica and this router stop counting it): give that a moment to
-            # settle, ask the replica itself, and decide again.
+            # settle, ask the replica itself, and decide again (reports and sends may have changed meanwhile).
             if self.spill_confirm_s > 0:
                 await asyncio.sleep(self.spill_confirm_s)
             await self.probe(preferred)
-            ranked = self.rank(candidate_replicas, key)
+            ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas))
         return ranked
 
     def _take(self, pending_request: PendingRequest, rid: str) -> None:
