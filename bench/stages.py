@@ -49,6 +49,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     engine["checkpoint_root"] = str(args.checkpoint_root.resolve())
     if args.checkpoint:
         engine["checkpoint"] = str(args.checkpoint)
+        engine["text_encoder"]["hidden_state_index"] = hidden_state_index(args.checkpoint, engine)
     else:
         engine["geometry"] = TINY_GEOMETRY
     config["worker"]["num_replicas"] = 1  # one denoiser: its busy fraction is the question
@@ -56,6 +57,14 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     config["jobs"].update({"state_dir": str(args.state_dir.resolve()), "max_queued_per_model": max(16, args.jobs),
                            "poll_s": 0.05, "events_poll_s": 0.1})
     return config
+
+
+def hidden_state_index(checkpoint: Path, engine: dict[str, Any]) -> int:
+    """The configured index, or one below the text encoder's depth for a bench checkpoint with fewer layers
+    (bench.checkpoints writes `--text-layers` of them, as bench.app: the last one feeds nothing)."""
+    text_config = json.loads((checkpoint / "text_encoder" / "config.json").read_text())
+    layers = text_config.get("text_config", text_config)["num_hidden_layers"]
+    return min(engine["text_encoder"]["hidden_state_index"], layers - 1)
 
 
 def job_body(args: argparse.Namespace, k: int) -> dict[str, Any]:
@@ -98,7 +107,31 @@ def idle_report(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [t / stage_sum(job) for t, job in zip(e2e, jobs)]
     return {"jobs": len(jobs), "e2e_over_stage_sum": ratios, "e2e_over_stage_sum_max": max(ratios), "e2e_s": e2e,
             "poll_s": POLL_S,
-            "stage_sum_s": [stage_sum(job) for job in jobs]}
+            "stage_sum_s": [stage_sum(job) for job in jobs],
+            "mean_s": {k: statistics.fmean(job["timings"][k] for job in jobs) for k in STAGE_KEYS + WAIT_KEYS}}
+
+
+def sharing_report(idle: dict[str, Any], stream: dict[str, Any]) -> dict[str, Any]:
+    """What overlapping bought: jobs per second of the stream over one-at-a-time jobs, and how much slower a step
+    ran while other stages (decode) shared its GPU; a busy denoiser can still be a slowed one."""
+    serial_job_s = statistics.fmean(idle["e2e_s"])
+    return {"throughput_over_serial": serial_job_s * stream["jobs_per_s"],
+            "denoise_s_stream_over_idle": stream["mean_s"]["denoise_s"] / idle["mean_s"]["denoise_s"]}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    idle, stream, sharing = summary["idle"], summary["stream"], summary["sharing"]
+    lines = [f"# stages ({summary['stages']})", "", f"- commit: `{summary['commit']}`", f"- device: {summary['device']}",
+             f"- command: `{summary['command']}`", f"- checkpoint {summary['checkpoint']}; job {summary['size']}, "
+             f"{summary['seconds']} s, {summary['steps']} steps", "",
+             "| metric | value | goal |", "|---|---|---|",
+             f"| denoiser busy fraction (stream of {stream['jobs']}) | {stream['denoiser_busy_fraction']:.3f} | >= 0.95 |",
+             f"| idle e2e / stage sum, max of {idle['jobs']} | {idle['e2e_over_stage_sum_max']:.3f} | <= 1.05 |",
+             f"| stream throughput / one-at-a-time | {sharing['throughput_over_serial']:.2f} | |",
+             f"| denoise_s in the stream / idle | {sharing['denoise_s_stream_over_idle']:.2f} | |", "",
+             "| stage | idle mean s | stream mean s |", "|---|---|---|"]
+    lines += [f"| {k} | {idle['mean_s'][k]:.3f} | {stream['mean_s'][k]:.3f} |" for k in STAGE_KEYS + WAIT_KEYS]
+    return "\n".join(lines) + "\n"
 
 
 def stream_report(jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         "idle": idle_report(idle), "stream": stream_report(stream),
         "goals": {"denoiser_busy_fraction": ">= 0.95", "e2e_over_stage_sum": "<= 1.05 (idle)"},
     }
+    summary["sharing"] = sharing_report(summary["idle"], summary["stream"])
     print(json.dumps(summary, indent=2))
     out = args.json or ROOT / "bench" / "results" / f"stages-{args.device}-{args.stages}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(summary))
     print(f"denoiser busy {summary['stream']['denoiser_busy_fraction']:.3f} of the window, idle e2e / stage sum "
           f"max {summary['idle']['e2e_over_stage_sum_max']:.3f}; wrote {out}")
     return 0
