@@ -49,6 +49,7 @@ from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult
 from engine.config import EngineConfig
 from engine.engine import Engine, check_parallel_config, resolve_device
 from engine.errors import EngineError, ServerFault, WeightsRejected
+from engine.startup import EngineStartup
 from parallel.group import init_group
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,9 @@ class GpuWorkerActor:
     def describe(self) -> dict[str, Any]:
         return self.engine.describe()
 
+    def startup(self) -> EngineStartup:
+        return self.engine.startup
+
     def placement_group_id(self) -> str | None:
         """Hex id of the placement group this rank runs in (operators, tests)."""
         return ray.get_runtime_context().get_placement_group_id()
@@ -308,6 +312,8 @@ class ParallelEngine:
             self._started([rank.start.remote(address, config) for rank in self.ranks],
                           f"join the group at {address} and load the engine")
             (description,) = self._started([self.ranks[0].describe.remote()], "describe the model")
+            #: Rank 0's start-up (every rank loads the same parts at once, rank 0 also the VAEs).
+            (self.startup,) = self._started([self.ranks[0].startup.remote()], "report its start-up")
         except BaseException:
             self.close()
             raise

@@ -56,6 +56,7 @@ from bench.adaln import LIMITS, component_tiers, drop_page_cache
 from bench.common import command_line, write_results
 from bench.routing import percentile
 from cache.config import AdalnConfig
+from engine.startup import EngineStartup, ReplicaStartup
 from model.layout import H3Checkpoint
 from model.schedule import H3Schedule
 from model.weights import TransformerWeights
@@ -287,27 +288,73 @@ async def concurrent_load(args, handle, clients: int, requests: int) -> List[Dic
     return records
 
 
+async def worker_cards(seen: set, want_new: bool, tries: int = 40) -> List[Dict[str, Any]]:
+    """`describe()` of Worker replicas (replica id + start-up timings) by asking until one outside `seen`
+    answers (`want_new`) or `tries` calls; calls without a schedule key go to a random idle replica."""
+    worker = serve.get_deployment_handle("Worker", APP_NAME)
+    cards: Dict[str, Dict[str, Any]] = {}
+    for _ in range(tries):
+        card = await worker.describe.remote()
+        cards[card["replica"]] = card
+        if want_new and set(cards) - seen:
+            break
+    return list(cards.values())
+
+
 async def scale_up(args, engine: Dict[str, Any], replicas: int) -> Dict[str, Any]:
     """Redeploy with `replicas`; seconds until serve.run returns (all ready) and until the first answer that came
-    from a new replica (plans from the pool or rebuilt: the old replica holds every served schedule)."""
+    from a new replica (plans from the pool or rebuilt: the old replica holds every served schedule), each
+    request's own completion time (not the end of its batch); then the new replica's start-up breakdown."""
     from deployments.app import build_app
 
+    old = {card["replica"] for card in await worker_cards(set(), want_new=False, tries=4)}
     start = time.perf_counter()
     await asyncio.to_thread(serve.run, build_app(app_args(args, engine, replicas)), name=APP_NAME, route_prefix="/")
     ready_s = time.perf_counter() - start
     handle = serve.get_app_handle(APP_NAME)
+
+    async def timed(body: Dict[str, Any]) -> Dict[str, Any]:
+        out = await via_handle(handle, body, "scale")
+        return {**out, "answered_s": time.perf_counter() - start}
+
     first_new: Optional[Dict[str, Any]] = None
     deadline = time.perf_counter() + args.timeout_s
     i = 0
     while first_new is None and time.perf_counter() < deadline:
-        batch = await asyncio.gather(*(via_handle(handle, request_body(args, SHIFTS[s], 300 + i + j), "scale")
-                                       for j, s in enumerate(SHIFTS)))
+        batch = await asyncio.gather(*(timed(request_body(args, SHIFTS[s], 300 + i + j)) for j, s in enumerate(SHIFTS)))
         i += len(SHIFTS)
         news = [r for r in batch if r["pool_hit_plans"] or r["built_plans"]]
         if news:
-            first_new = dict(min(news, key=lambda r: r["latency_s"]))
-    return {"ready_s": ready_s, "answered_s": time.perf_counter() - start if first_new else None,
-            "first": first_new}
+            first_new = dict(min(news, key=lambda r: r["answered_s"]))
+    new_cards = [card for card in await worker_cards(old, want_new=True) if card["replica"] not in old]
+    return {"ready_s": ready_s, "answered_s": first_new["answered_s"] if first_new else None, "first": first_new,
+            "startup": new_cards[0]["startup"] if new_cards else None}
+
+
+def startup_rows(replicas: int, startup: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The new replica's start-up (`engine.startup.ReplicaStartup` / `EngineStartup`, from its describe())."""
+    if startup is None:
+        return [{"metric": f"scale-up 1 -> {replicas}: new replica start-up", "app_s": None,
+                 "detail": "n/a: no new replica answered describe()"}]
+    prefix = f"scale-up 1 -> {replicas}: new replica"
+    rows = [{"metric": f"{prefix}: {name}", "app_s": startup[key], "detail": detail} for name, key, detail in (
+        ("process age at its constructor", "process_s", "Ray worker start, Serve replica set-up, module imports"),
+        ("model imports in the constructor", "imports_s", "what the replica's own imports had not pulled in"),
+        ("engine build", "build_s", "pool client + Engine constructor, on the engine thread"),
+        ("process age at ready", "ready_s", "constructor done (Serve then runs its first health check)"))]
+    engine = startup.get("engine")
+    if engine:
+        gbps = engine["transformer_bytes"] / engine["transformer_s"] / 1e9 if engine["transformer_s"] else 0.0
+        for key, detail in (
+                ("device_init_s", "CUDA context"), ("checkpoint_s", "layout, config, index, shard headers"),
+                ("transformer_s", f"{engine['transformer_bytes'] / 1e9:.2f} GB at {gbps:.1f} GB/s, "
+                                  f"{engine['num_readers']} readers"),
+                ("hooks_s", "ExternalModulation, offload, Cache-DiT"), ("plan_cache_s", "slab + host tier"),
+                ("warm_up_s", "plan cache warm-up"), ("text_encoder_s", "Qwen3-VL (fused engines)"),
+                ("vae_s", "VAEs (fused engines)"), ("fingerprint_s", "weights fingerprint"),
+                ("total_s", "the Engine constructor")):
+            rows.append({"metric": f"{prefix}: engine {key}", "app_s": engine[key], "detail": detail})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -432,6 +479,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         serve.run(build_app(app_args(args, engine, 1)), name=APP_NAME, route_prefix="/")
         handle = serve.get_app_handle(APP_NAME)
         notes.append(f"Ray + Serve + first replica ready in {time.perf_counter() - t0:.1f} s")
+        first = asyncio.run(worker_cards(set(), want_new=False, tries=1))[0]["startup"]
+        notes.append("first replica: " + ReplicaStartup(**{**first, "engine": EngineStartup(**first["engine"])
+                                                           if first["engine"] else None}).summary())
         log("tier sequence ...")
         tiers = asyncio.run(tier_sequence(args, handle, shards))
         data["tiers"] = tiers
@@ -471,8 +521,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "app_s": scaled["ready_s"], "detail": "includes the new replica's engine load and warm-up"})
             rows.append({"metric": f"scale-up 1 -> {replicas}: first answer from a new replica",
                          "app_s": scaled["answered_s"],
-                         "detail": f"its plan_s {first.get('plan_s')}, pool_hit_plans {first.get('pool_hit_plans')}, "
+                         "detail": f"that request's own completion; its latency {first.get('latency_s')}, plan_s "
+                                   f"{first.get('plan_s')}, pool_hit_plans {first.get('pool_hit_plans')}, "
                                    f"built_plans {first.get('built_plans')}"})
+            rows += startup_rows(replicas, scaled["startup"])
+            data["scale_up"] = scaled
         else:
             rows.append({"metric": "scale-up", "app_s": None, "detail": "n/a: one replica (no second GPU)"})
         rows.append({"metric": "GPU utilization under the load", "app_s": None,

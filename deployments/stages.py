@@ -10,6 +10,7 @@ prompt the encoder refuses), so callers sort them as they sort the worker's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +22,12 @@ from ray import serve
 from deployments.errors import install_client_error_log_filter
 from engine.config import EngineConfig
 from engine.stages import DecodedVideo, PromptEmbedding
+from engine.startup import ReplicaStartup, process_age_s
 from jobs.outputs import OutputStore, VideoVariant
 
 __all__ = ["Decoder", "StoredVideo", "TextEncoder"]
+
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(name="TextEncoder", ray_actor_options={"num_cpus": 0.5})
@@ -31,15 +35,24 @@ class TextEncoder:
     """Qwen3-VL on its device (`engine.text_encoder.device`) and the LRU prompt-embedding cache."""
 
     def __init__(self, engine_config: dict[str, Any]) -> None:
+        entered_s, start = process_age_s(), time.perf_counter()
         from engine.engine import prompt_stage  # loads the model: not at import time
 
+        imports_s, start = time.perf_counter() - start, time.perf_counter()
         install_client_error_log_filter()
         self._stage = prompt_stage(EngineConfig.model_validate(engine_config))
+        self._startup = ReplicaStartup(role="text_encoder", process_s=entered_s, imports_s=imports_s,
+                                       build_s=time.perf_counter() - start, ready_s=process_age_s())
+        logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
     async def validate(self, prompt: str) -> int:
         """The prompt's tokens; ClientError (message `prompt: ...`) when the encoder cannot take it. Cheap."""
         return await asyncio.to_thread(self._stage.check, prompt)
+
+    async def describe(self) -> dict[str, Any]:
+        """This replica's start-up timings."""
+        return {"startup": self._startup.as_dict()}
 
     async def encode(self, prompt: str) -> PromptEmbedding:
         """The prompt's embedding on the CPU (ClientError for a prompt the encoder refuses)."""
@@ -69,10 +82,15 @@ class Decoder:
     (`jobs.output_url`) video jobs are written to."""
 
     def __init__(self, engine_config: dict[str, Any], output_url: str) -> None:
+        entered_s, start = process_age_s(), time.perf_counter()
         from engine.engine import decode_stage  # loads the VAEs: not at import time
 
+        imports_s, start = time.perf_counter() - start, time.perf_counter()
         self._stage = decode_stage(EngineConfig.model_validate(engine_config))
         self._outputs = OutputStore(output_url)
+        self._startup = ReplicaStartup(role="decoder", process_s=entered_s, imports_s=imports_s,
+                                       build_s=time.perf_counter() - start, ready_s=process_age_s())
+        logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 
     async def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
@@ -88,6 +106,10 @@ class Decoder:
         await asyncio.to_thread(self._outputs.put, output_key, VideoVariant.THUMBNAIL, decoded.thumbnail_png)
         return StoredVideo(num_frames=decoded.num_frames, fps=decoded.fps, sample_rate=decoded.sample_rate,
                            decode_s=decoded.decode_s, mux_s=decoded.mux_s, upload_s=time.perf_counter() - start)
+
+    async def describe(self) -> dict[str, Any]:
+        """This replica's start-up timings."""
+        return {"startup": self._startup.as_dict()}
 
     async def check_health(self) -> None:
         pass

@@ -43,6 +43,7 @@ from engine.api import EngineProtocol, GenerationRequest, GenerationResult, Gene
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 from engine.stages import PromptEmbedding
+from engine.startup import ReplicaStartup, process_age_s
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,6 +74,20 @@ def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
     return Engine(config, remote=remote, parts=EngineParts.DENOISER)
 
 
+#: The factories that build the real engine: the worker times the model stack's import before calling them.
+REAL_FACTORIES = (default_engine_factory, denoiser_engine_factory)
+
+
+def import_model_stack() -> float:
+    """Import what the real engine needs (torch, diffusers, transformers, the engine and the pool client);
+    seconds (about 0 when the replica's own imports already pulled it in)."""
+    start = time.perf_counter()
+    import actors.host_cache_pool  # noqa: F401
+    import engine.engine  # noqa: F401
+
+    return time.perf_counter() - start
+
+
 @dataclasses.dataclass(frozen=True)
 class StageHandles:
     """The other stages of a split app, as a Worker composes them for `/v1/generations`."""
@@ -89,6 +104,7 @@ class Worker(ScheduleAffinityReporter):
                  text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None) -> None:
         """`text_encoder` and `decoder`: the split app's other stages (both or neither); with them the engine
         is the denoiser alone and `generate` composes the three."""
+        entered_s = process_age_s()
         install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
         if (text_encoder is None) != (decoder is None):
             raise ValueError("a split Worker needs both the TextEncoder and the Decoder handle")
@@ -99,7 +115,12 @@ class Worker(ScheduleAffinityReporter):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Built on that thread too: what its start sets up per thread (the cuBLAS handle of the plan cache's
         # warm-up rebuild) is then the one the first request uses, not made on the request path.
-        self._engine = self._executor.submit(engine_factory or default_engine_factory, config).result()
+        factory = engine_factory or default_engine_factory
+        imports_s = self._executor.submit(import_model_stack).result() if factory in REAL_FACTORIES else 0.0
+        built = time.perf_counter()
+        self._engine = self._executor.submit(factory, config).result()
+        self._startup = ReplicaStartup(role="worker", process_s=entered_s, imports_s=imports_s,
+                                       build_s=time.perf_counter() - built, ready_s=None, engine=self._engine.startup)
         self._metrics = WorkerMetrics()
         self._outcomes = {"ok": 0, "cancelled": 0, "invalid": 0, "error": 0}
         self._last_request: dict[str, Any] = {}
@@ -111,6 +132,8 @@ class Worker(ScheduleAffinityReporter):
             self._engine.update_weights, self._debug_state, self._on_weights_applied,
         )
         self._weights.start()  # applies the fleet's weights target (if any) before the first request
+        self._startup = dataclasses.replace(self._startup, ready_s=process_age_s())
+        logger.info("replica %s: %s", self._replica_id, self._startup.summary())
 
     # ---------------------------------------------------------------------------------------------
     # Generation
@@ -322,7 +345,8 @@ class Worker(ScheduleAffinityReporter):
         return self._engine.health()
 
     async def describe(self) -> dict[str, Any]:
-        return self._engine.describe()
+        """The engine's model card, with this replica's id and start-up timings (`engine.startup`)."""
+        return {**self._engine.describe(), "replica": self._replica_id, "startup": self._startup.as_dict()}
 
     async def check_health(self) -> None:
         """Serve's periodic replica health check: an engine that raises here gets its replica restarted."""

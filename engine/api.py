@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
+from engine.startup import EngineStartup
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
 from model.text_encoder import PromptCacheStats
 from offload.layerwise import OffloadStats
@@ -211,3 +212,6 @@ class EngineProtocol(Protocol):
     def health(self) -> dict[str, Any]: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+    #: How the engine's constructor spent its time (None for an engine that does not measure it, e.g. a fake).
+    startup: EngineStartup | None

@@ -62,13 +62,14 @@ from engine.api import (
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
 from engine.served import ServedSchedules
+from engine.startup import EngineStartup
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
-from model.loading import load_transformer
+from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.schedule import H3Schedule, Task
 from model.text_encoder import PromptEncoder, language_model_config
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
@@ -180,6 +181,13 @@ def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> Geometry
                           min_seconds=config.min_seconds, max_seconds=config.max_seconds)
 
 
+def _init_device(device: torch.device) -> None:
+    """Create the device's context now (CUDA: ~1 s on first use), so the load timings do not include it."""
+    if device.type == "cuda":
+        torch.empty(1, device=device)
+        torch.cuda.synchronize(device)
+
+
 class EngineParts(enum.Enum):
     """What an engine holds: everything (prompt -> MP4), or the denoiser alone (the text encoder and the VAEs
     run in their own processes: `engine.stages`, deployed as the app's TextEncoder and Decoder)."""
@@ -199,18 +207,34 @@ class Engine:
         a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device.
         `parts`: DENOISER loads neither the text encoder nor the VAEs (`generate` is then refused; `denoise`
         takes the prompt's embedding)."""
+        begin = time.perf_counter()
         self.config = config
         self.group = _checked_group(config, group)
         self.rank = self.group.rank if self.group is not None else 0
         self.device = self.group.device if self.group is not None else resolve_device(config.device)
+        if parts is EngineParts.DENOISER and self.group is not None:
+            raise ValueError("a sequence-parallel engine runs every stage (only rank 0 decodes): parts=FULL")
+        self.parts = parts
+        t = time.perf_counter()
+        _init_device(self.device)
+        device_init_s, t = time.perf_counter() - t, time.perf_counter()
         self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
+        checkpoint_s = time.perf_counter() - t
         online = config.adaln.mode == "online"
         offload = config.offload.enabled
+        self.prompt_stage: PromptStage | None = None
+        self.decode_stage: DecodeStage | None = None
+        # One after the other: accelerate's `init_empty_weights` (diffusers' and transformers' loaders, ours)
+        # patches `torch.nn.Module.register_parameter` process-wide, so a load on another thread would put this
+        # one's parameters on meta.
+        t = time.perf_counter()
         # With offload the blocks are loaded on the host and streamed; the offloader moves the rest.
         self.transformer = load_transformer(self.weights, "cpu" if offload else self.device,
                                             skip=is_adaln_param if online else None)
+        transformer_s = time.perf_counter() - t
+        t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
         self.modulation = ExternalModulation.install(self.transformer) if online else None
         # Sequence parallel hooks the transformer's own forward and attention processors; installed before the
@@ -229,6 +253,7 @@ class Engine:
             if self.sequence_parallel is not None:  # a rank that skips while another computes would deadlock
                 install_rank_consistent_similarity(self.transformer._context_manager, self.group,
                                                    self._num_local_real_rows)
+        hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
         self.sharded_rebuild: RankShardedRebuild | None = None
@@ -240,35 +265,21 @@ class Engine:
             self.sharded_rebuild = RankShardedRebuild(self.group, self.model_config.num_blocks)
             self.plan_cache = PlanCache(config.adaln, self.weights, self.transformer, self.device, remote=remote,
                                         shards=self.sharded_rebuild)
+        plan_cache_s, t = time.perf_counter() - t, time.perf_counter()
         if self.plan_cache is not None:
             # Staging buffers, reader threads, the cuBLAS handle and the projection kernels now, so the first
             # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
             self.plan_cache.warm_up()
+        warm_up_s = time.perf_counter() - t
+        text_encoder_s = self._load_text_encoder() if parts is EngineParts.FULL else 0.0
+        vae_s = self._load_vaes() if parts is EngineParts.FULL else 0.0
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
-        if parts is EngineParts.DENOISER and self.group is not None:
-            raise ValueError("a sequence-parallel engine runs every stage (only rank 0 decodes): parts=FULL")
-        self.parts = parts
-        self.prompt_stage: PromptStage | None = None
-        self.decode_stage: DecodeStage | None = None
-        if parts is EngineParts.FULL:
-            text_device = resolve_device(config.text_encoder.device, self.device)
-            # Tensor parallel encoder: its all-reduces run on the group, so it lives on the rank's device.
-            text_split = None
-            if self.group is not None and config.parallel.text_encoder_tp:
-                if text_device != self.device:
-                    raise ValueError(
-                        f"engine.parallel.text_encoder_tp splits the text encoder over the ranks' devices; "
-                        f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
-                        "use text_encoder.device: engine, or text_encoder_tp: false")
-                text_split = TextTensorParallel(self.group)
-            self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split)
-            # Only rank 0 decodes and muxes; the other ranks do not hold the VAEs (11 GB for H3).
-            if self.rank == 0:
-                self.decode_stage = DecodeStage(self.checkpoint, resolve_device(config.decode.device, self.device))
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
+        t = time.perf_counter()
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
+        fingerprint_s = time.perf_counter() - t
         self._lock = threading.Lock()
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
@@ -277,8 +288,39 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
-        logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s)", self.model_name,
-                    self.checkpoint.layout.value, self.device, config.adaln.mode, offload, config.cache_dit.enabled)
+        self.startup = EngineStartup(
+            device_init_s=device_init_s, checkpoint_s=checkpoint_s, transformer_s=transformer_s,
+            transformer_bytes=sum(p.nbytes for p in self.transformer.parameters() if not p.is_meta),
+            num_readers=DEFAULT_NUM_READERS, text_encoder_s=text_encoder_s, vae_s=vae_s,
+            hooks_s=hooks_s, plan_cache_s=plan_cache_s, warm_up_s=warm_up_s, fingerprint_s=fingerprint_s,
+            total_s=time.perf_counter() - begin)
+        logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s); start-up: %s",
+                    self.model_name, self.checkpoint.layout.value, self.device, config.adaln.mode, offload,
+                    config.cache_dit.enabled, self.startup.summary())
+
+    def _load_text_encoder(self) -> float:
+        """Build the prompt stage; its seconds."""
+        start = time.perf_counter()
+        config = self.config
+        text_device = resolve_device(config.text_encoder.device, self.device)
+        # Tensor parallel encoder: its all-reduces run on the group, so it lives on the rank's device.
+        text_split = None
+        if self.group is not None and config.parallel.text_encoder_tp:
+            if text_device != self.device:
+                raise ValueError(
+                    f"engine.parallel.text_encoder_tp splits the text encoder over the ranks' devices; "
+                    f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
+                    "use text_encoder.device: engine, or text_encoder_tp: false")
+            text_split = TextTensorParallel(self.group)
+        self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split)
+        return time.perf_counter() - start
+
+    def _load_vaes(self) -> float:
+        """Build the decode stage on rank 0 (the other ranks do not hold the VAEs: 11 GB for H3); its seconds."""
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.decode_stage = DecodeStage(self.checkpoint, resolve_device(self.config.decode.device, self.device))
+        return time.perf_counter() - start
 
     @property
     def prompt_encoder(self) -> PromptEncoder | None:
@@ -507,6 +549,7 @@ class Engine:
             },
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
+            "startup": dataclasses.asdict(self.startup),
         }
 
     # --- Stages ------------------------------------------------------------------------------------

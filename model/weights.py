@@ -365,15 +365,46 @@ def _pread_exact(fd: int, view: memoryview, offset: int) -> int:
 
 def _read(loc: TensorLocation, stored: str, pieces: list[_Piece], shape: tuple[int, ...]) -> torch.Tensor:
     """Fill one host tensor of `shape` from `pieces` of the stored tensor at `loc`."""
-    host = torch.empty(sum(p.nbytes for p in pieces), dtype=torch.uint8)
-    view = memoryview(host.numpy())
+    read = TensorRead(stored, stored, loc, tuple(pieces), shape)
+    host = torch.empty(read.nbytes, dtype=torch.uint8)
     with open(loc.path, "rb", buffering=0) as f:
-        for piece in pieces:
-            target = view[piece.target_offset:piece.target_offset + piece.nbytes]
-            if _pread_exact(f.fileno(), target, loc.offset + piece.source_offset) != piece.nbytes:
-                raise CheckpointError(f"truncated shard {loc.path}: tensor {stored!r} needs bytes up to "
-                                      f"{loc.offset + loc.nbytes}, the file has {os.fstat(f.fileno()).st_size}")
+        read.read_into(f.fileno(), memoryview(host.numpy()), 0, read.nbytes)
     return host.view(loc.dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """How diffusers parameter `name` is read: byte `pieces` of the stored tensor `stored` at `location`, each
+    to its offset in the diffusers tensor of `shape` (dtype: the stored one). Parallel loaders split a tensor
+    into byte ranges of its diffusers layout (`read_into(fd, view, begin, end)`), so any number of threads can
+    fill one tensor, each range straight into its destination (or a staging buffer)."""
+
+    name: str
+    stored: str
+    location: TensorLocation
+    pieces: tuple[_Piece, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.location.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.nbytes for piece in self.pieces)
+
+    def read_into(self, fd: int, view: memoryview, begin: int, end: int) -> None:
+        """Fill `view` (len `end - begin`) with bytes [begin, end) of the diffusers tensor from the shard open
+        as `fd`; CheckpointError naming the shard when it is cut short."""
+        for piece in self.pieces:  # the pieces tile [0, nbytes) of the target: copy each one's overlap
+            lo, hi = max(begin, piece.target_offset), min(end, piece.target_offset + piece.nbytes)
+            if lo >= hi:
+                continue
+            file_offset = self.location.offset + piece.source_offset + (lo - piece.target_offset)
+            if _pread_exact(fd, view[lo - begin:hi - begin], file_offset) != hi - lo:
+                raise CheckpointError(f"truncated shard {self.location.path}: tensor {self.stored!r} needs bytes up "
+                                      f"to {self.location.offset + self.location.nbytes}, the file has "
+                                      f"{os.fstat(fd).st_size}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -466,6 +497,11 @@ class TransformerWeights:
         """Read diffusers parameter `name` in its stored dtype, laid out as diffusers expects, onto `device`.
 
         One host buffer of the tensor's size is filled by preads of its pieces and moved to `device`."""
+        read = self.read_plan(name)
+        return _read(read.location, read.stored, list(read.pieces), read.shape).to(device)
+
+    def read_plan(self, name: str) -> TensorRead:
+        """How diffusers parameter `name` is read (its stored tensor checked against the expected shape)."""
         source = self.source(name)
         loc = self._stored_location(source.name, name)
         shape = parameter_specs(self.config)[name].shape
@@ -473,7 +509,7 @@ class TransformerWeights:
             raise CheckpointError(f"shape mismatch for tensor {source.name!r} in {loc.path}: {list(loc.shape)}, "
                                   f"expected {list(stored_shape(source.transform, shape))}")
         pieces = _pieces(source.transform, loc, self.config.num_attention_heads)
-        return _read(loc, source.name, pieces, shape).to(device)
+        return TensorRead(name, source.name, loc, tuple(pieces), shape)
 
     def stored_tensor(self, stored: str, device: str | torch.device = "cpu") -> torch.Tensor:
         """Read a tensor by its stored name, as stored (e.g. a native `blocks.0.attn.qkv_proj.weight`)."""

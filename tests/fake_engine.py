@@ -22,6 +22,7 @@ import torch
 from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
+from engine.startup import EngineStartup
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
 from model.mp4 import thumbnail_png
 
@@ -31,6 +32,9 @@ FAKE_TEXT_TOKENS = 8
 
 
 class FakeEngine:
+    #: A fake measures no start-up.
+    startup: EngineStartup | None = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.limits = GeometryLimits(short_edge=None)

@@ -100,7 +100,7 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
     tier each row names (the plan counters come back through the app), beside bench.adaln's numbers."""
     from bench import app
 
-    assert app.main(["--smoke", "--repeats", "2", "--clients", "2", "--load-requests", "4",
+    assert app.main(["--smoke", "--repeats", "2", "--clients", "2", "--load-requests", "4", "--replicas", "2",
                      "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
     report = load(tmp_path / "app-cpu.json")
     assert report["commit"] and report["command"].startswith("python")
@@ -131,5 +131,14 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
     overhead = [m for m in rows if m.startswith("Serve overhead")]
     assert len(overhead) == 3 and any("queueing" in m for m in overhead)
     assert len(report["overhead"]["HTTP, 1 client"]) == 2
-    assert rows["scale-up"]["detail"].startswith("n/a") and "n/a" in rows["GPU utilization under the load"]["detail"]
+    # Scale-up to a second replica: its first answer after serve.run returned, and its start-up breakdown.
+    ready, answered = (rows[f"scale-up 1 -> 2: {what}"]["app_s"] for what in
+                       ("serve.run returned (replicas ready)", "first answer from a new replica"))
+    assert 0 < ready < answered
+    new = {m.removeprefix("scale-up 1 -> 2: new replica: "): row["app_s"] for m, row in rows.items()
+           if m.startswith("scale-up 1 -> 2: new replica: ")}
+    assert 0 < new["process age at its constructor"] < new["process age at ready"]
+    assert new["engine transformer_s"] > 0 and new["engine total_s"] <= new["engine build"]
+    assert new["engine text_encoder_s"] == 0  # stages: split: the worker holds the denoiser alone
+    assert "n/a" in rows["GPU utilization under the load"]["detail"]
     assert (tmp_path / "app-cpu.md").read_text().count("plan_s:") == 7

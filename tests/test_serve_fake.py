@@ -101,6 +101,14 @@ def test_models_healthz_and_docs(base_url):
     assert "prompt" in body_schema["properties"] and body_schema["properties"]["steps"]["description"]
 
 
+def test_worker_describe_reports_its_replica_and_start_up(base_url):
+    card = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]
+    startup = card["startup"]
+    assert card["replica"] and startup["role"] == "worker" and startup["engine"] is None  # a fake measures nothing
+    assert 0 <= startup["process_s"] <= startup["ready_s"]  # the process's age at the constructor, then at ready
+    assert startup["imports_s"] == 0.0 and startup["build_s"] >= 0  # a fake factory imports no model stack
+
+
 def test_handle_generate_matches_http(base_url):
     from ray import serve
 

@@ -1,0 +1,118 @@
+"""Start-up: the parallel transformer loader gives exactly the serial reader's tensors (both layouts, in place on
+the CPU and through staging buffers on a deferring fake device), a reader's error reaches the caller, and the
+start-up timings are filled in by the engine and reported by `describe()`."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from device.streams import FakeDevice
+from engine.config import EngineConfig
+from engine.engine import Engine, EngineParts
+from engine.startup import EngineStartup, ReplicaStartup, process_age_s
+from model.layout import CheckpointError, H3Checkpoint, Layout
+from model.loading import load_transformer, read_tensors
+from model.weights import TransformerWeights, is_adaln_param
+from tests.adaln_support import Models, open_weights
+
+#: (readers, chunk bytes, staged): the serial reader; many readers on ranges that cut tensors (and the native
+#: layout's per-head q/k/v pieces) mid-way; the staged path, whose copies the fake device defers until waited
+#: for, so a staging buffer refilled before its copy ran shows as wrong bytes.
+LOADERS = {"serial": (1, 32 << 20, False), "parallel": (4, 1000, False), "staged": (3, 1000, True)}
+
+
+@pytest.fixture(params=list(Layout), ids=lambda layout: layout.value)
+def models(request) -> Models:
+    return request.getfixturevalue("tiny" if request.param is Layout.DIFFUSERS else "tiny_native")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+@pytest.mark.parametrize("online", [False, True], ids=["resident", "online"])
+def test_loaded_parameters_are_the_serial_readers_bit_for_bit(models, loader, online):
+    readers, chunk_bytes, staged = LOADERS[loader]
+    weights = models.reader
+    model = load_transformer(weights, "cpu", skip=is_adaln_param if online else None, num_readers=readers,
+                             chunk_bytes=chunk_bytes, staging=FakeDevice() if staged else None)
+    params = dict(model.named_parameters())
+    assert set(params) == set(weights.names())
+    for name in weights.names():
+        if online and is_adaln_param(name):
+            assert params[name].is_meta, name  # left for the plan cache
+        else:
+            assert same_bits(params[name].contiguous(), weights.tensor(name)), name
+
+
+def test_staged_reader_waits_for_each_copy_before_refilling_its_buffer(tiny):
+    """Each reader's copies are deferred by the fake device until waited for; with one reader and a chunk
+    smaller than most tensors, every buffer is refilled many times, so a missing wait would show."""
+    weights = tiny.reader
+    reads = [weights.read_plan(name) for name in weights.names()]
+    device = FakeDevice()
+    tensors = read_tensors(reads, num_readers=1, chunk_bytes=512, staging=device)
+    assert device.num_copies == sum(-(-read.nbytes // 512) for read in reads)
+    for read, tensor in zip(reads, tensors):
+        assert same_bits(tensor, weights.tensor(read.name)), read.name
+
+
+def test_a_truncated_shard_fails_the_load_naming_the_shard(tiny, tmp_path):
+    root = shutil.copytree(tiny.path, tmp_path / "tiny")
+    weights = open_weights(root)  # headers read while the shard was whole
+    reads = [weights.read_plan(name) for name in weights.names()]
+    shard = max({read.location.path for read in reads}, key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"truncated shard {shard}"):
+        read_tensors(reads, num_readers=4, chunk_bytes=4096)
+
+
+def test_process_age_counts_from_the_process_start():
+    mine = process_age_s()
+    child = subprocess.run([sys.executable, "-c", "from engine.startup import process_age_s; print(process_age_s())"],
+                           capture_output=True, text=True, check=True)
+    assert mine is not None and mine > 0
+    assert 0 <= float(child.stdout) < mine  # the child started after this process
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict[EngineParts, Engine]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    config = EngineConfig(checkpoint_root=str(root), device="cpu", adaln={"host_cache_gb": 0.01})
+    return {parts: Engine(config, parts=parts) for parts in EngineParts}
+
+
+@pytest.mark.parametrize("parts", list(EngineParts), ids=lambda parts: parts.value)
+def test_engine_startup_is_filled_and_described(engines, parts):
+    engine = engines[parts]
+    startup = engine.startup
+    phases = (startup.device_init_s, startup.checkpoint_s, startup.transformer_s, startup.hooks_s,
+              startup.plan_cache_s, startup.warm_up_s, startup.text_encoder_s, startup.vae_s, startup.fingerprint_s)
+    assert all(phase >= 0 for phase in phases)
+    assert startup.total_s >= sum(phases)  # disjoint parts of the constructor
+    assert startup.transformer_s > 0 and startup.warm_up_s > 0  # online AdaLN: the plan cache warms up
+    # Online AdaLN: every tensor but the AdaLN projections, as the checkpoint's headers size them.
+    weights = TransformerWeights(engine.checkpoint.transformer_dir, engine.checkpoint.layout)
+    assert startup.transformer_bytes == sum(weights.read_plan(name).nbytes for name in weights.names()
+                                            if not is_adaln_param(name))
+    held = parts is EngineParts.FULL
+    assert (startup.text_encoder_s > 0, startup.vae_s > 0) == (held, held)
+    assert EngineStartup(**engine.describe()["startup"]) == startup
+
+
+def test_replica_startup_summary_names_every_phase(engines):
+    replica = ReplicaStartup(role="worker", process_s=1.5, imports_s=0.25, build_s=2.0, ready_s=3.75,
+                             engine=engines[EngineParts.FULL].startup)
+    line = replica.summary()
+    for part in ("process 1.50 s", "imports 0.25 s", "build 2.00 s", "ready at 3.75 s", "transformer",
+                 "warm-up", "text encoder", "VAEs", "fingerprint"):
+        assert part in line
+    assert replica.as_dict()["engine"] == dataclasses.asdict(replica.engine)
+    assert "n/a" in dataclasses.replace(replica, process_s=None).summary()
