@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -276,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows, notes = measure(args)
     rows.append(summary(rows))
-    notes.append(f"total wall time {time.perf_counter() - start:.0f} s (checkpoint making and loading included)")
+    notes.append(f"total wall time {time.perf_counter() - start:.0f} s (checkpoint making and loading included); "
+                 f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (step times of a "
+                 "shared machine carry its other work)")
     md, js = write_results("quality", rows, device=device_tag(args.device), command=command_line(),
                            columns=COLUMNS, notes=notes, out_dir=args.out)
     print(md.read_text())
