@@ -77,21 +77,11 @@ SHIFTS = {"W": 1.5, "A": 2.0, "B": 2.5, "C": 3.5}
 def ensure_checkpoint(args) -> Path:
     """`--checkpoint`, else made once: the tiny one (`model.tiny`) for --smoke, else a random h3-width one with
     `--num-blocks` blocks and released-size components (`bench.checkpoints`)."""
+    from bench.checkpoints import ensure_bench_checkpoint
+
     default = "tiny-diffusers" if args.smoke else f"h3-b{args.num_blocks}-t{args.text_layers}"
-    path = Path(args.checkpoint or ROOT / "checkpoints" / default)
-    if (path / "model_index.json").exists() or (path / "FL2VA").is_dir():
-        return path
-    if args.smoke:
-        from model.tiny import make_tiny_checkpoint
-
-        make_tiny_checkpoint(path, "diffusers", seed=0)
-        return path
-    from bench.checkpoints import PRESETS, make_random_checkpoint, write_h3_components
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    make_random_checkpoint(path, PRESETS["h3"], "diffusers", seed=0, num_blocks=args.num_blocks, device=device)
-    write_h3_components(path, "diffusers", 0, text_layers=args.text_layers + 1, device=device)
-    return path
+    return ensure_bench_checkpoint(args.checkpoint or ROOT / "checkpoints" / default, tiny=args.smoke,
+                                   num_blocks=args.num_blocks, text_layers=args.text_layers)
 
 
 def transformer_shards(checkpoint: Path) -> List[str]:

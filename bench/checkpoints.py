@@ -379,6 +379,25 @@ def write_h3_components(root: str | os.PathLike, layout: Layout | str, seed: int
     return param_bytes
 
 
+def ensure_bench_checkpoint(path: str | os.PathLike, *, tiny: bool, num_blocks: int, text_layers: int) -> Path:
+    """The checkpoint a benchmark runs on, made at `path` on first use and reused afterwards: the tiny one
+    (`model.tiny`), else an h3-width one with `num_blocks` blocks and released-size components whose Qwen3-VL
+    has `text_layers` layers to read (one more is written: conditioning is `hidden_states[text_layers]`).
+    Drawn on CUDA when there is one (~100x faster at h3 sizes)."""
+    path = Path(path)
+    if (path / "model_index.json").exists() or (path / "FL2VA").is_dir():
+        return path
+    if tiny:
+        from model.tiny import make_tiny_checkpoint
+
+        make_tiny_checkpoint(path, "diffusers", seed=0)
+        return path
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    make_random_checkpoint(path, PRESETS["h3"], "diffusers", seed=0, num_blocks=num_blocks, device=device)
+    write_h3_components(path, "diffusers", 0, text_layers=text_layers + 1, device=device)
+    return path
+
+
 def _latent_statistics(channels: int, seed: int) -> tuple[list[float], list[float]]:
     """Per-channel latent mean and std (the release ships measured ones; any fixed values time the same)."""
     generator = torch.Generator().manual_seed(seed + channels)

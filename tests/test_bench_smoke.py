@@ -5,11 +5,13 @@ mean nothing."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from bench import adaln, engine, h3, offload
+from bench import adaln, engine, h3, offload, quality
 
 
 def load(path: Path) -> dict:
@@ -142,3 +144,36 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
     assert new["engine text_encoder_s"] == 0  # stages: split: the worker holds the denoiser alone
     assert "n/a" in rows["GPU utilization under the load"]["detail"]
     assert (tmp_path / "app-cpu.md").read_text().count("plan_s:") == 7
+
+
+def test_psnr_is_inf_for_identical_outputs_and_uses_the_reference_range():
+    reference = torch.tensor([0.0, 10.0])
+    assert quality.psnr(reference, reference.clone()) == math.inf
+    # MSE ((0)^2 + (10 - 9)^2) / 2 = 0.5; peak = 10 - 0: 10 log10(100 / 0.5)
+    assert quality.psnr(reference, torch.tensor([0.0, 9.0])) == pytest.approx(10 * math.log10(200))
+    assert quality.psnr(reference, torch.tensor([0.0, 9.0]), peak=255.0) == pytest.approx(10 * math.log10(255**2 / 0.5))
+
+
+def test_quality_quick_compares_high_with_lossless_on_the_same_clips(tmp_path):
+    """bench.quality on CPU: the lossless run runs every block of every forward, the high run skips exactly
+    the middle blocks of its cached steps (counted, not derived), and the two differ exactly when a step was
+    cached."""
+    from deployments.schemas import AppConfig
+
+    assert quality.main(["--quick", "--prompts", "1", "--seeds", "5", "--steps", "12",
+                         "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "quality-cpu.json")
+    assert report["commit"] and report["command"].startswith("python")
+    clip, total = report["rows"]
+    assert (clip["seed"], clip["forwards"], total["prompt"]) == (5, 11, "all")
+    profile = AppConfig().videos.high_quality
+    num_blocks = clip["num_blocks"]
+    cached = int(clip["cached_steps"].split("/")[0])
+    assert clip["blocks_run_lossless"] == 11 * num_blocks
+    skipped_per_step = num_blocks - profile.Fn_compute_blocks - profile.Bn_compute_blocks
+    assert clip["blocks_run_high"] == clip["blocks_run_lossless"] - cached * skipped_per_step
+    assert clip["skipped_frac"] == pytest.approx(cached * skipped_per_step / (11 * num_blocks))
+    for key in ("psnr_frames_db", "psnr_video_latents_db", "psnr_audio_latents_db"):
+        assert (clip[key] is None) == (cached == 0), key  # null: identical outputs
+    assert clip["step_ms_lossless"] > 0 and clip["step_ms_high"] > 0
+    assert "random weights, not the trained model" in (tmp_path / "quality-cpu.md").read_text()
