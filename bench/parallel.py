@@ -3,6 +3,7 @@ the plan miss, the all-to-all floor and the prompt encode (tensor parallel vs wh
 
     python -m bench.parallel --smoke                               # CPU, gloo, tiny checkpoint: seconds
     python -m bench.parallel --num-blocks 8 --workdir /dev/shm/sp  # 2 GPUs (NCCL), h3 width, 8 of the 50 blocks
+    python -m bench.parallel ... --profile   # + per rank, ms per step by kernel category (bench.profile)
 
 No Ray: `parallel.launch.launch_local` starts one process per rank; each builds `engine.Engine(config,
 group=...)` exactly as a GPU worker actor does (online AdaLN through ExternalModulation + the plan cache,
@@ -10,7 +11,8 @@ Cache-DiT and offload off) and runs the engine's denoising loop (`bench.h3.run_s
 Results come back through files in the work directory.
 
 Runs (`RUNS`), one launch each: `sp1` (one device), `sp2` (ours: `parallel.sequence` + the tensor parallel text
-encoder) and, on GPUs only, `diffusers-sp2`: the one-device engine on each rank with diffusers' own context
+encoder, all-to-alls overlapped in `--head-chunks` chunks) and, on GPUs only, `sp2-serial` (ours, every
+all-to-all waited at once: what the overlap buys) and `diffusers-sp2`: the one-device engine on each rank with diffusers' own context
 parallel applied to its transformer (`enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`, its
 `_cp_plan` for MiniMaxH3Transformer3DModel; `ulysses_anything=True` when a shape's packed length is odd, which
 plain Ulysses refuses). diffusers' path has no CPU/gloo support (it takes the rank modulo the accelerator count),
@@ -55,6 +57,7 @@ import torch
 from bench.checkpoints import PRESETS, QWEN3_VL_TEXT, SMALL_COMPONENTS, ComponentSizes, make_random_checkpoint, \
     write_h3_components
 from bench.common import write_results
+from bench.profile import CATEGORIES, StepProfile
 from bench.h3 import H3_SHAPES, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, SMOKE_PROMPT, SMOKE_SHAPES, Rig, Shape, \
     run_steps, sync
 
@@ -72,9 +75,15 @@ class Run:
     label: str
     world_size: int
     impl: str
+    serial: bool = False  # ours: every all-to-all waited at once, one head chunk (no overlap)
+
+    @property
+    def gpu_only(self) -> bool:
+        return self.impl == "diffusers" or self.serial
 
 
-RUNS = (Run("sp1", 1, "ours"), Run("sp2", 2, "ours"), Run("diffusers-sp2", 2, "diffusers"))
+RUNS = (Run("sp1", 1, "ours"), Run("sp2", 2, "ours"), Run("sp2-serial", 2, "ours", serial=True),
+        Run("diffusers-sp2", 2, "diffusers"))
 #: Text encoder layers written for the GPU run (released sizes: ~1 GB each in bf16); smoke reads 2 of the tiny's.
 TEXT_LAYERS = 8
 SMOKE_TEXT_LAYERS = 2
@@ -93,6 +102,8 @@ class RunSpec:
     a2a_bytes: int
     budget_s: float                  # no new shape is started past this many seconds into the rank's run
     text_layers: int                 # text encoder layers loaded (hidden_states[text_layers] is read)
+    head_chunks: int = 2             # ours, overlapped: parallel.a2a_head_chunks
+    profile_steps: int = 0           # > 0: after the timed forwards, this many more under torch.profiler
 
 
 def _allow_engine_import_without_av() -> None:
@@ -104,14 +115,15 @@ def _allow_engine_import_without_av() -> None:
         sys.modules["av"] = types.ModuleType("av")
 
 
-def _engine_config(spec: RunSpec, world_size: int):
+def _engine_config(spec: RunSpec, world_size: int, run: Run):
     from engine.config import EngineConfig
 
     return EngineConfig(
         checkpoint=spec.checkpoint, device=spec.device_type, text_encoder={"hidden_state_index": spec.text_layers},
         adaln={"mode": "online", "gpu_plans": 64, "host_cache_gb": 0.05 if spec.smoke else 2.0},
         offload={"enabled": False}, cache_dit={"enabled": False}, pool={"enabled": False},
-        parallel={"sp": world_size, "timeout_s": 120.0},
+        parallel={"sp": world_size, "timeout_s": 120.0, "a2a_overlap": not run.serial,
+                  "a2a_head_chunks": 1 if run.serial else spec.head_chunks},
         geometry={"short_edge": None, "min_seconds": 0.1} if spec.smoke else None,
     )
 
@@ -195,7 +207,7 @@ def rank_main(rank: int, world_size: int, init_method: str, spec: RunSpec, run: 
     ours = run.impl == "ours"
     t0 = time.perf_counter()
     # diffusers' context parallel wraps a one-device engine's transformer; its group is only torch's default one.
-    engine = Engine(_engine_config(spec, world_size if ours else 1), group=group if ours else None)
+    engine = Engine(_engine_config(spec, world_size if ours else 1, run), group=group if ours else None)
     result["load_s"] = round(time.perf_counter() - t0, 2)
     if group is not None and ours:
         result["all_to_all_GBps"] = measure_all_to_all(group, spec.a2a_bytes) / 1e9
@@ -256,8 +268,14 @@ def rank_main(rank: int, world_size: int, init_method: str, spec: RunSpec, run: 
             break  # a rank that failed mid-collective leaves the group unusable
         if rank == 0:
             torch.save(first.velocity.float().cpu(), out / f"velocity-{run.label}-{shape.label}.pt")
-        result["shapes"].append({"label": shape.label, "tokens": geometry.num_tokens(text.shape[0]),
-                                 "seconds_per_step": timed.seconds_per_step, "peak_GiB": _peak_gib(device)})
+        entry = {"label": shape.label, "tokens": geometry.num_tokens(text.shape[0]),
+                 "seconds_per_step": timed.seconds_per_step, "peak_GiB": _peak_gib(device)}
+        if spec.profile_steps and ours:  # the next forwards of the same schedule, profiled
+            after = 1 + spec.repeats
+            with StepProfile(device) as profile:
+                run_steps(rig, denoiser, text, prepared, range(after, after + spec.profile_steps), device)
+            entry["profile"] = profile.breakdown(spec.profile_steps)
+        result["shapes"].append(entry)
         save()
     prepared.release()
     if group is not None:
@@ -303,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-layers", type=int, default=TEXT_LAYERS,
                     help="text encoder layers at released size (ignored by --smoke)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
+    ap.add_argument("--head-chunks", type=int, default=2,
+                    help="sp2 (overlapped): head chunks per rank (engine parallel.a2a_head_chunks)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each shape's timed forwards, profile --profile-steps more per rank (ours) and "
+                    "write parallel-profile-<device> (ms per step by category: gemm, attention, comm, other, idle)")
+    ap.add_argument("--profile-steps", type=int, default=2, help="forwards profiled per shape with --profile")
     args = ap.parse_args(argv)
     command = "python -m bench.parallel " + shlex.join(argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -331,10 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = RunSpec(checkpoint=str(root), device_type="cuda" if on_gpu else "cpu", shapes=tuple(shapes),
                        repeats=args.repeats or (1 if smoke else 3), smoke=smoke, workdir=str(workdir),
                        a2a_bytes=SMOKE_A2A_BYTES if smoke else A2A_BYTES,
-                       budget_s=args.budget_s or (120.0 if smoke else 150.0), text_layers=text_layers)
+                       budget_s=args.budget_s or (120.0 if smoke else 150.0), text_layers=text_layers,
+                       head_chunks=args.head_chunks, profile_steps=args.profile_steps if args.profile else 0)
         from bench.parallel import rank_main as target  # by module name: spawned ranks import it again
 
-        runs = tuple(run for run in RUNS if on_gpu or run.impl == "ours")  # diffusers' CP: accelerators only
+        runs = tuple(run for run in RUNS if on_gpu or not run.gpu_only)  # diffusers' CP: accelerators only
         launches = {}
         for run in runs:
             t0 = time.perf_counter()
@@ -342,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             launches[run.label] = {"seconds": round(time.perf_counter() - t0, 1), "exits": [e.exitcode for e in exits]}
             logger.info("%s launch: %s", run.label, launches[run.label])
         rows, notes = assemble(workdir, config, num_blocks, spec, runs, launches, checkpoint_s)
+        profile_rows = assemble_profiles(workdir, spec, runs)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -349,7 +375,46 @@ def main(argv: list[str] | None = None) -> int:
         if "H200" in torch.cuda.get_device_name(0) else "cuda-x2"
     md, _ = write_results("parallel", rows, device=tag, command=command, notes=notes, out_dir=args.out)
     print(md.read_text())
+    if spec.profile_steps:
+        md, _ = write_results("parallel-profile", profile_rows, device=tag, command=command,
+                              notes=profile_notes(spec), out_dir=args.out)
+        print(md.read_text())
     return 0 if all(code == 0 for launch in launches.values() for code in launch["exits"]) else 1
+
+
+def profile_notes(spec: RunSpec) -> list[str]:
+    return [
+        f"{spec.profile_steps} forwards per shape and run under torch.profiler, after the timed ones; ms per step, "
+        "one row per rank",
+        "cuda: the rank's kernels by name (bench.profile.category_of): gemm, attention, comm (nccl), other "
+        "(elementwise, norms, copies, index ops); categories can overlap (an all-to-all beside a GEMM), so "
+        "busy = time any kernel ran, idle = window - busy (host-bound gaps, waits on the peer), comm_exposed = "
+        "time only communication ran (what overlap did not hide); window = first kernel start to last kernel end"
+        if spec.device_type == "cuda" else
+        "cpu (degraded): host leaf ops on every thread by their nearest categorised ancestor; idle = host time "
+        "in no op (Python); gloo's threads count as comm",
+        "runs: sp2 = overlapped exchange in --head-chunks chunks; sp2-serial (GPU only) = every all-to-all "
+        "waited at once, one chunk",
+    ]
+
+
+def assemble_profiles(workdir: Path, spec: RunSpec, runs: tuple[Run, ...]) -> list[dict]:
+    """One row per shape, profiled run and rank (ms per step by category), from the ranks' files."""
+    rows = []
+    for shape in spec.shapes:
+        for run in runs:
+            for rank in range(run.world_size):
+                info = _read(workdir / f"rank{rank}-{run.label}.json") or {}
+                entry = next((s for s in info.get("shapes", []) if s["label"] == shape.label), None)
+                if entry is None or "profile" not in entry:
+                    continue
+                profile = entry["profile"]
+                row = {"shape": shape.label, "run": run.label, "rank": rank, "tokens": entry["tokens"],
+                       "ms_per_step": profile["window_ms"]}
+                row.update({f"{c}_ms": profile[f"{c}_ms"] for c in CATEGORIES})
+                row.update({key: profile[key] for key in ("busy_ms", "idle_ms", "comm_exposed_ms")})
+                rows.append(row)
+    return rows
 
 
 def _read(path: Path) -> dict | None:
@@ -369,9 +434,12 @@ def assemble(workdir: Path, config, num_blocks: int, spec: RunSpec, runs: tuple[
         f"sizes, {spec.text_layers} layers (hidden_states[{spec.text_layers}] read); small VAEs (not measured)"
         if not spec.smoke else "smoke: tiny checkpoint on CPU with gloo; timings are not meaningful",
         "runs: sp1 = one device; sp2 = ours (engine.Engine(config, group=SpGroup) per rank: parallel.sequence, text "
-        "encoder tensor parallel); diffusers-sp2 = the one-device engine per rank with diffusers' "
-        "enable_parallelism(ContextParallelConfig(ulysses_degree=2)) on its transformer"
-        + ("" if any(run.impl == "diffusers" for run in runs) else " (not run: diffusers' CP needs accelerators)"),
+        f"encoder tensor parallel; attention all-to-alls overlapped with compute, {spec.head_chunks} head chunks "
+        "per rank); sp2-serial = ours with every all-to-all waited at once, one chunk; diffusers-sp2 = the "
+        "one-device engine per rank with diffusers' enable_parallelism(ContextParallelConfig(ulysses_degree=2)) "
+        "on its transformer"
+        + ("" if any(run.impl == "diffusers" for run in runs)
+           else " (not run: diffusers' CP needs accelerators; sp2-serial is GPU-only too)"),
         "engine path: online AdaLN through ExternalModulation + plan cache, Cache-DiT and offload off, the engine's "
         f"loop via bench.h3.run_steps; {spec.repeats} timed forwards after one warm-up; launched with "
         "parallel.launch (no Ray)",
@@ -409,7 +477,7 @@ def assemble(workdir: Path, config, num_blocks: int, spec: RunSpec, runs: tuple[
             p = run.world_size
             entries = [next((s for s in info.get("shapes", []) if s["label"] == shape.label), None)
                        for info in one[run.label]]
-            base = {"what": f"step {shape.label}", "impl": run.impl, "sp": p}
+            base = {"what": f"step {shape.label}", "run": run.label, "impl": run.impl, "sp": p}
             if any(e is None or "skipped" in e for e in entries):
                 why = next((e["skipped"] for e in entries if e is not None and "skipped" in e), None)
                 why = why or next((info["error"] for info in one[run.label] if "error" in info), "rank failed")
@@ -434,7 +502,7 @@ def assemble(workdir: Path, config, num_blocks: int, spec: RunSpec, runs: tuple[
                     row["comm_floor_ms"] = round(1e3 * comm / (bandwidth * 1e9), 2)
                     row["comm_share_of_step"] = round(comm / (bandwidth * 1e9) / step_s, 3)
             rows.append(row)
-    ours = [run for run in runs if run.impl == "ours"]
+    ours = [run for run in runs if run.impl == "ours" and not run.serial]  # serial: same miss and encode
     miss1 = one["sp1"][0].get("plan_miss_s")
     for run in ours:
         misses = [info.get("plan_miss_s") for info in one[run.label]]

@@ -107,6 +107,19 @@ class ParallelConfig(BaseModel):
         "device (text_encoder.device: engine). false: every rank loads and runs the whole encoder. Ignored at "
         "sp: 1.",
     )
+    a2a_overlap: bool = Field(
+        True,
+        description="With sp > 1: run the attention's all-to-alls beside compute (q's exchange while k is "
+        "projected, one head chunk's exchanges while another is attended: `parallel.sequence.Exchange`); false: "
+        "wait for each exchange at once. The outputs are the same bits either way.",
+    )
+    a2a_head_chunks: int = Field(
+        2, ge=1,
+        description="With sp > 1: each rank's attention heads (heads / sp) are exchanged and attended in this "
+        "many chunks (the largest divisor of heads / sp not above it), so that the exchange of one chunk "
+        "overlaps the attention of another; more chunks hide more of the exchange but make smaller attention "
+        "calls. 1: one exchange per tensor.",
+    )
     timeout_s: float = Field(
         120.0, gt=0,
         description="Bound on the ranks' rendezvous, on every collective between them, and on every coordinator "

@@ -79,7 +79,7 @@ from offload.layerwise import LayerwiseOffloader
 from parallel.adaln import AdalnShard, exchange_modulation_
 from parallel.cache_decision import install_rank_consistent_similarity
 from parallel.group import CollectiveError, SpGroup
-from parallel.sequence import SequenceParallel, check_degree
+from parallel.sequence import Exchange, SequenceParallel, check_degree
 from parallel.text_encoder import TextTensorParallel, check_text_degree
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,8 @@ class Engine:
         # offloader and Cache-DiT wrap the blocks (so its input and output hooks stay outermost).
         self.sequence_parallel: SequenceParallel | None = None
         if self.group is not None:
-            self.sequence_parallel = SequenceParallel.install(self.transformer, self.group)
+            exchange = Exchange(overlap=config.parallel.a2a_overlap, head_chunks=config.parallel.a2a_head_chunks)
+            self.sequence_parallel = SequenceParallel.install(self.transformer, self.group, exchange)
         self.offloader: LayerwiseOffloader | None = None
         if offload:
             self.offloader = LayerwiseOffloader(

@@ -104,12 +104,18 @@ class SpGroup:
 
     def all_to_all(self, output: Tensor, input: Tensor, *, host_wait: bool = False) -> None:
         """Equal split along dim 0: chunk j of `input` goes to rank j; chunk i of `output` comes from rank i."""
+        self.start_all_to_all(output, input).wait(host_wait=host_wait)
+
+    def start_all_to_all(self, output: Tensor, input: Tensor) -> PendingCollective:
+        """`all_to_all`, returned before it is done: the caller computes on, then calls `wait()` before it
+        reads `output` (or writes `input`). On NCCL the exchange runs on the communicator's stream beside the
+        caller's kernels; on gloo on gloo's threads beside the caller's host code."""
         if input.shape != output.shape or input.shape[0] % self.world_size:
             raise ValueError(f"all_to_all: input {list(input.shape)} and output {list(output.shape)} must have "
                              f"one shape whose dim 0 divides by the world size {self.world_size}")
         self._check_tensors("all_to_all", input, output)
-        self._run("all_to_all", lambda: dist.all_to_all_single(
-            output, input, group=self.process_group, async_op=True), host_wait)
+        return self._start("all_to_all", lambda: dist.all_to_all_single(
+            output, input, group=self.process_group, async_op=True), (output, input))
 
     def all_gather(self, output: Tensor, input: Tensor, *, host_wait: bool = False) -> None:
         """`output` ([world_size * n, ...]) receives every rank's `input` ([n, ...]) in rank order."""
@@ -160,23 +166,52 @@ class SpGroup:
             raise ValueError(f"{op}: input is {input.dtype}, output is {output.dtype}")
 
     def _run(self, op: str, launch: Callable[[], dist.Work], host_wait: bool) -> None:
+        self._start(op, launch, ()).wait(host_wait=host_wait)
+
+    def _start(self, op: str, launch: Callable[[], dist.Work], tensors: tuple[Tensor, ...]) -> PendingCollective:
         if self._failure is not None:
             raise CollectiveError(f"{op} on rank {self.rank}/{self.world_size}: the group failed earlier "
                                   f"({self._failure}); rebuild the replica")
         try:
             work = launch()
+        except RuntimeError as exc:
+            raise self._failed(op, exc) from exc
+        return PendingCollective(self, op, work, tensors)
+
+    def _failed(self, op: str, exc: RuntimeError) -> CollectiveError:
+        """Remember the first failure (the group is unusable after it) and the error to raise."""
+        self._failure = self._failure or f"{op} failed: {exc}"
+        return CollectiveError(
+            f"{op} on rank {self.rank}/{self.world_size} ({self.backend}, timeout "
+            f"{self.timeout.total_seconds():g} s) failed: a peer died or stopped answering: {exc}")
+
+
+@dataclass(eq=False)
+class PendingCollective:
+    """A collective started by `SpGroup.start_*`; `wait` once before its output is read. It holds its tensors,
+    so their memory cannot be handed to another tensor while the exchange still reads or writes it."""
+
+    group: SpGroup
+    op: str
+    work: dist.Work | None
+    tensors: tuple[Tensor, ...]
+
+    def wait(self, *, host_wait: bool = False) -> None:
+        """Order the caller after the collective: on NCCL the current stream waits for it (and the host too,
+        bounded by the group's timeout, with `host_wait`); gloo always waits on the host. A failure raises
+        CollectiveError and leaves the group unusable."""
+        if self.work is None:
+            raise RuntimeError(f"{self.op}: waited on twice")
+        work, self.work, self.tensors = self.work, None, ()
+        try:
             # wait(timeout) blocks the host until the op is done or raises after `timeout`; wait() with no
             # timeout only orders the current stream after it on NCCL (gloo always waits on the host).
             if host_wait:
-                work.wait(self.timeout)
+                work.wait(self.group.timeout)
             else:
                 work.wait()
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo/NCCL timeouts
-            self._failure = f"{op} failed: {exc}"
-            raise CollectiveError(
-                f"{op} on rank {self.rank}/{self.world_size} ({self.backend}, timeout "
-                f"{self.timeout.total_seconds():g} s) failed: a peer died or stopped answering: {exc}"
-            ) from exc
+            raise self.group._failed(self.op, exc) from exc
 
 
 def init_group(rank: int, world_size: int, init_method: str, device: torch.device | str, *,

@@ -19,11 +19,13 @@ How one forward runs at degree N (S rows in the packed `[text | audio | video]` 
    through 2 blocks) and a forward hook on it keeps this rank's text rows.
 3. Blocks. Norms, AdaLN modulation (`adaln_indices` are built from the local tags and timestep indices),
    rotary embedding (built from the local positions) and MLP are row-local and run on the shard unchanged.
-   Attention (`UlyssesAttnProcessor` on every `transformer_blocks[i].attn`): one all-to-all turns this rank's
-   rows x all heads of q, k, v into all S_pad rows x H/N heads; keys and values are cut to the S real rows,
+   Attention (`UlyssesAttnProcessor` on every `transformer_blocks[i].attn`): all-to-alls turn this rank's
+   rows x all heads of q, k, v into all S_pad rows x H/N heads (per tensor and head chunk, started as soon as
+   the tensor is written and overlapped with the next projection or chunk: `Exchange`, the processor's
+   docstring has the layout that needs no permute copies); keys and values are cut to the S real rows,
    so pad rows contribute nothing to any real row (no mask: every attention backend, flash included, stays
-   usable; pad queries compute garbage that is never read); a second all-to-all returns this rank's rows x
-   all heads. Pads also never reach a real row anywhere else, every other op being row-local.
+   usable; pad queries compute garbage that is never read); per head chunk, an all-to-all returns this
+   rank's rows x those heads, overlapping the next chunk's attention. Pads also never reach a real row anywhere else, every other op being row-local.
 4. Gather (forward hook on the transformer): the output heads produced this rank's video and audio rows;
    they are all-gathered and put back in `video_indices` / `audio_indices` order. This gather waits on the
    host with the group's timeout: the forward's one point where a dead peer becomes a `CollectiveError`.
@@ -44,8 +46,8 @@ where to gather; we follow it but do not run it (`enable_parallelism`), because 
 shard sizes before every exchange and runs variable-size all-to-alls, where padding keeps every exchange one
 equal-split all-to-all, and (c) it splits the hidden states at `transformer_blocks.0`, but cache-dit's block
 wrapper runs in front of that block and would diff its unsplit input against block 0's split output. Ours:
-input sharding with pads, the local text rows, the key cut, the all-to-alls (one for q, k, v together) and
-the ordered gather. Not done yet (GPU work): overlapping the all-to-alls with the projections.
+input sharding with pads, the local text rows, the key cut, the all-to-alls (written in place by rotary, and
+overlapped with compute) and the ordered gather.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Atten
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from parallel.group import SpGroup
+from parallel.group import PendingCollective, SpGroup
 
 #: Released MiniMax-H3: 56 heads of 128 (h3.md section 2).
 H3_NUM_HEADS = 56
@@ -167,6 +169,24 @@ class SequenceShard:
 # The installed feature
 # ---------------------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Exchange:
+    """How the attention's all-to-alls run (`UlyssesAttnProcessor`); results are the same bits either way.
+
+    overlap: start each exchange and wait for it only where its result is read, so it runs beside the
+        next projection or the next chunk's attention (NCCL: on the communicator's stream); False: wait at once.
+    head_chunks: split each rank's head group in this many chunks (the largest divisor of heads / degree not
+        above it), exchanged and attended one after another so that the exchanges of one chunk overlap the
+        attention of another. More chunks hide more of the exchange but make smaller attention calls."""
+
+    overlap: bool = True
+    head_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.head_chunks, bool) or not isinstance(self.head_chunks, int) or self.head_chunks < 1:
+            raise SequenceParallelError(f"head_chunks={self.head_chunks!r} must be an integer >= 1")
+
+
 #: Per-row inputs of the transformer's forward, cut to the rank's rows (pads zero).
 _PER_ROW_INPUTS = ("position_ids", "token_tags", "timestep_indices")
 
@@ -178,9 +198,10 @@ class SequenceParallel:
     processors read it, so a processor called outside a forward raises instead of using a stale split.
     """
 
-    def __init__(self, transformer: MiniMaxH3Transformer3DModel, group: SpGroup):
+    def __init__(self, transformer: MiniMaxH3Transformer3DModel, group: SpGroup, exchange: Exchange = Exchange()):
         self.transformer = transformer
         self.group = group
+        self.exchange = exchange
         self.degree = group.world_size
         self._shard: SequenceShard | None = None
         #: The last layout's split: ((num_rows, video/audio/text index tensors), split); see `_split_of`.
@@ -194,15 +215,17 @@ class SequenceParallel:
         self._forward_signature = signature.replace(parameters=list(signature.parameters.values())[1:])
 
     @classmethod
-    def install(cls, transformer: MiniMaxH3Transformer3DModel, group: SpGroup) -> SequenceParallel:
-        """Shard `transformer`'s forwards over `group` (degree = group.world_size). Every rank installs it."""
+    def install(cls, transformer: MiniMaxH3Transformer3DModel, group: SpGroup,
+                exchange: Exchange = Exchange()) -> SequenceParallel:
+        """Shard `transformer`'s forwards over `group` (degree = group.world_size). Every rank installs it,
+        with the same `exchange`."""
         if not isinstance(transformer, MiniMaxH3Transformer3DModel):
             raise TypeError(f"sequence parallel serves MiniMaxH3Transformer3DModel, got {type(transformer).__name__}")
         check_degree(group.world_size, transformer.config.num_attention_heads)
         attentions = [block.attn for block in transformer.transformer_blocks]
         if any(isinstance(attn.processor, UlyssesAttnProcessor) for attn in attentions):
             raise RuntimeError("sequence parallel is already installed on this transformer")
-        sp = cls(transformer, group)
+        sp = cls(transformer, group, exchange)
         sp._original_processors = [attn.processor for attn in attentions]
         for attn in attentions:
             processor = UlyssesAttnProcessor(sp)
@@ -298,37 +321,65 @@ class SequenceParallel:
 
     # --- the exchange around attention ------------------------------------------------------------------
 
-    def heads_to_sequence(self, qkv: Tensor) -> Tensor:
-        """[3, B, S_loc, H, D] (this rank's rows, all heads) -> [3, B, S_pad, H/N, D] (all rows, its heads)."""
-        if self.degree == 1:
-            return qkv
-        n = self.degree
-        three, batch, rows, heads, dim = qkv.shape
-        # Chunk j of dim 0 goes to rank j: this rank's rows of head group j.
-        send = qkv.view(three, batch, rows, n, heads // n, dim).permute(3, 0, 1, 2, 4, 5).contiguous()
-        received = torch.empty_like(send)  # chunk i: rank i's rows of this rank's head group
-        self.group.all_to_all(received, send)
-        return received.permute(1, 2, 0, 3, 4, 5).reshape(three, batch, n * rows, heads // n, dim)
+    def chunks_for(self, heads: int) -> int:
+        """Head chunks each rank's head group is exchanged and attended in: the largest divisor of the group's
+        heads (heads / degree) not above `exchange.head_chunks`."""
+        per_rank = heads // self.degree
+        return max(c for c in range(1, min(self.exchange.head_chunks, per_rank) + 1) if per_rank % c == 0)
 
-    def sequence_to_heads(self, out: Tensor) -> Tensor:
-        """[B, S_pad, H/N, D] (all rows, this rank's heads) -> [B, S_loc, H, D] (its rows, all heads)."""
+    def start_exchange(self, output: Tensor, input: Tensor) -> PendingCollective | None:
+        """One all-to-all of the attention (dim 0 of both: the degree); None at degree 1 (`output` is `input`).
+        Without `exchange.overlap` it is waited for at once (nothing runs beside it)."""
         if self.degree == 1:
-            return out
-        n = self.degree
-        batch, padded_rows, head_group, dim = out.shape
-        rows = padded_rows // n
-        # Chunk j of dim 0 goes to rank j: rank j's rows of this rank's head group.
-        send = out.reshape(batch, n, rows, head_group, dim).permute(1, 0, 2, 3, 4).contiguous()
-        received = torch.empty_like(send)  # chunk i: this rank's rows of head group i
-        self.group.all_to_all(received, send)
-        return received.permute(1, 2, 0, 3, 4).reshape(batch, rows, n * head_group, dim)
+            return None
+        pending = self.group.start_all_to_all(output, input)
+        if not self.exchange.overlap:
+            pending.wait()
+            return None
+        return pending
+
+
+def _wait(pending: PendingCollective | None) -> None:
+    if pending is not None:
+        pending.wait()
+
+
+def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """diffusers' `_apply_rotary_emb(x, cos, sin)` written into `out` (any strides), bit for bit, for x and out of
+    shape [B, S, *heads, D] and cos, sin [S, rotary_dim]: `x_rot * cos + cat(-x2, x1) * sin` is, per half,
+    x1 * cos - x2 * sin and x2 * cos + x1 * sin (negating a product or a summand is exact), then the
+    unrotated channels. No concatenated temporaries, and the result lands where the all-to-all reads it."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    broadcast = (1, cos.shape[0]) + (1,) * (x.dim() - 3) + (rotary_dim,)
+    cos = cos.to(x.dtype).view(broadcast)
+    sin = sin.to(x.dtype).view(broadcast)
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    torch.sub(x1 * cos[..., :half], x2 * sin[..., :half], out=out[..., :half])
+    torch.add(x2 * cos[..., half:], x1 * sin[..., half:], out=out[..., half:rotary_dim])
+    out[..., rotary_dim:].copy_(x[..., rotary_dim:])
 
 
 class UlyssesAttnProcessor:
     """`MiniMaxH3AttnProcessor`'s computation with the Ulysses exchange around the attention kernel.
 
     Projections, per-head norms and rotary run on this rank's rows; attention runs on all rows of H/N heads,
-    with keys and values cut to the real rows (pads contribute nothing)."""
+    with keys and values cut to the real rows (pads contribute nothing).
+
+    Layout (N ranks, this rank's S_loc rows, H = N * C * hc heads of D: head group j of rank j, split in C
+    chunks of hc heads): q, k and v are each written once, by rotary (q, k) or one copy (v), into a send
+    buffer [C, N, B, S_loc, hc, D], so that send[c, j] is exactly what rank j needs of chunk c: contiguous,
+    no permute copy before the exchange. The receive buffer's chunk c, [N, B, S_loc, hc, D], is for B = 1
+    already [B, S_pad, hc, D] (rank i's rows in rank order): no copy after it either. The attention output
+    of a chunk, [B, S_pad, hc, D], is for B = 1 already [N, B, S_loc, hc, D] (rows for rank j at j); what
+    comes back is reordered to [B, S_loc, H, D] in the one copy left, in front of `to_out`.
+
+    Overlap (`Exchange.overlap`): q's all-to-alls start once q is written and run while k is projected,
+    k's while v is projected; chunk c's attention waits only for chunk c of q, k, v, so v's later chunks move
+    while chunk 0 is attended; chunk c's output all-to-all runs while chunk c + 1 is attended. Left in the
+    open: v's chunk 0 and the last chunk's output, 2 / C of one of the four tensors. Every byte and every
+    kernel's input is the same as without overlap: only when the exchanges run changes.
+    """
 
     _attention_backend = None  # set by install / diffusers' set_attention_backend; None: diffusers' default
     _parallel_config = None  # diffusers' own context parallel stays off: the exchange is done here
@@ -340,23 +391,60 @@ class UlyssesAttnProcessor:
                  rotary_emb: tuple[Tensor, Tensor] | None = None, attention_mask: Tensor | None = None) -> Tensor:
         if attention_mask is not None:
             raise ValueError("UlyssesAttnProcessor takes no attention_mask (MiniMax-H3 passes none)")
+        sp = self.sp
+        num_rows = sp.shard.num_rows
+        n, heads = sp.degree, attn.heads
+        chunks = sp.chunks_for(heads)
+        head_chunk = heads // n // chunks
+        batch, rows = hidden_states.shape[:2]
+
         if attn.fused_projections:
-            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+            projections = dict(zip("qkv", attn.to_qkv(hidden_states).chunk(3, dim=-1)))
         else:
-            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))  # [B, S_loc, H, D]
-        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-        value = value.unflatten(-1, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+            projections = {"q": None, "k": None, "v": None}
+        received: dict[str, Tensor] = {}
+        pending: dict[str, list[PendingCollective | None]] = {}
+        # q, k, v in turn: each one's exchange starts as soon as it is written, beside the next projection.
+        for name, projection, norm in (("q", attn.to_q, attn.norm_q), ("k", attn.to_k, attn.norm_k),
+                                       ("v", attn.to_v, None)):
+            x = projections[name]
+            if x is None:
+                x = projection(hidden_states)  # [B, S_loc, H * D]
+            x = x.unflatten(-1, (heads, -1))  # [B, S_loc, H, D]
+            send = x.new_empty((chunks, n, batch, rows, head_chunk, x.shape[-1]))
+            target = send.permute(2, 3, 1, 0, 4, 5)  # [B, S_loc, N, C, hc, D]: head (j, c, i) = j*C*hc + c*hc + i
+            if norm is not None:
+                x = norm(x)
+            x = x.unflatten(2, (n, chunks, head_chunk))
+            if norm is not None and rotary_emb is not None:
+                _rotate_into(target, x, *rotary_emb)
+            else:
+                target.copy_(x)
+            received[name] = torch.empty_like(send) if n > 1 else send
+            pending[name] = [sp.start_exchange(received[name][c], send[c]) for c in range(chunks)]
 
-        query, key, value = self.sp.heads_to_sequence(torch.stack((query, key, value)))  # [B, S_pad, H/N, D]
-        num_rows = self.sp.shard.num_rows
-        out = dispatch_attention_fn(query, key[:, :num_rows], value[:, :num_rows], attn_mask=None, dropout_p=0.0,
-                                    is_causal=False, backend=self._attention_backend)
-        out = self.sp.sequence_to_heads(out)  # [B, S_loc, H, D]
-
-        out = out.flatten(2, 3).type_as(query)
+        out_received = None
+        out_pending = []
+        for c in range(chunks):
+            for name in "qkv":
+                _wait(pending[name][c])
+            # [N, B, S_loc, hc, D] -> [B, S_pad, hc, D]: a view for B = 1
+            query, key, value = (received[name][c].transpose(0, 1).reshape(batch, n * rows, head_chunk, -1)
+                                 for name in "qkv")
+            out = dispatch_attention_fn(query, key[:, :num_rows], value[:, :num_rows], attn_mask=None,
+                                        dropout_p=0.0, is_causal=False, backend=self._attention_backend)
+            # [B, S_pad, hc, D] -> [N, B, S_loc, hc, D]: rows for rank j at j (a view for B = 1)
+            send = out.reshape(batch, n, rows, head_chunk, -1).transpose(0, 1).contiguous()
+            if out_received is None:
+                out_received = send.new_empty((chunks, *send.shape))
+            if n > 1:
+                out_pending.append(sp.start_exchange(out_received[c], send))
+            else:
+                out_received[c] = send
+        for one in out_pending:
+            _wait(one)
+        # [C, N, B, S_loc, hc, D] (chunk c of head group i at [c, i]) -> [B, S_loc, H * D]: the one copy
+        out = out_received.permute(2, 3, 1, 0, 4, 5).reshape(batch, rows, heads * out_received.shape[-1])
+        out = out.to(query.dtype)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)

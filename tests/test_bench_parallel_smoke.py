@@ -20,10 +20,22 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("out")
-    code = parallel.main(["--smoke", "--shapes", "s", "--out", str(out),
+    code = parallel.main(["--smoke", "--shapes", "s", "--profile", "--out", str(out),
                           "--workdir", str(tmp_path_factory.mktemp("work"))])
     assert code == 0
-    return json.loads((out / "parallel-smoke-cpu.json").read_text())
+    report = json.loads((out / "parallel-smoke-cpu.json").read_text())
+    report["profile"] = json.loads((out / "parallel-profile-smoke-cpu.json").read_text())
+    return report
+
+
+def test_profile_has_a_row_per_rank_with_every_category(report):
+    rows = report["profile"]["rows"]
+    assert [(row["run"], row["rank"]) for row in rows] == [("sp1", 0), ("sp2", 0), ("sp2", 1)]
+    for row in rows:
+        parts = [row[f"{c}_ms"] for c in ("gemm", "attention", "comm", "other")]
+        assert all(part >= 0 for part in parts) and row["ms_per_step"] > 0
+        assert row["busy_ms"] + row["idle_ms"] == pytest.approx(row["ms_per_step"], abs=2e-3)
+    assert rows[0]["comm_ms"] == 0 and all(row["comm_ms"] > 0 for row in rows[1:])  # sp2's gloo all-to-alls
 
 
 def test_provenance_is_recorded(report):

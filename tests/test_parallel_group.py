@@ -45,6 +45,17 @@ def _collectives_then_kill(rank: int, world_size: int, init_method: str, out_dir
     group.all_to_all(received, sent)
     report["all_to_all"] = received.tolist()
 
+    # Two exchanges in flight at once, waited in the other order: each gets its own bytes.
+    first, second = torch.empty(4), torch.empty(4)
+    pending = [group.start_all_to_all(first, sent), group.start_all_to_all(second, sent + 100.0)]
+    for one in reversed(pending):
+        one.wait()
+    report["started"] = (first.tolist(), second.tolist())
+    try:
+        pending[0].wait()
+    except RuntimeError as exc:
+        report["waited_twice"] = str(exc)
+
     gathered = torch.empty(4, 2, dtype=torch.bfloat16)
     group.all_gather(gathered, torch.full((2, 2), rank + 0.5, dtype=torch.bfloat16), host_wait=True)
     report["all_gather"] = gathered[:, 0].tolist()
@@ -140,6 +151,15 @@ def test_collectives_move_exact_values(killed):
     assert report["all_to_all"] == [0.0, 1.0, 10.0, 11.0]  # rank 0's chunk 0, then rank 1's chunk 0
     assert report["all_gather"] == [0.5, 0.5, 1.5, 1.5]  # bf16 rows of rank 0, then of rank 1
     assert report["broadcast"] == 1.0  # rank 1's value
+
+
+def test_started_all_to_alls_run_side_by_side_and_are_waited_once(killed):
+    _, out_dir = killed
+    report = _load(out_dir, 0)  # rank 1 is killed before it reports
+    first, second = report["started"]
+    assert first == report["all_to_all"] == [0.0, 1.0, 10.0, 11.0]
+    assert second == [100.0, 101.0, 110.0, 111.0]
+    assert report["waited_twice"] == "all_to_all: waited on twice"
 
 
 def test_killed_rank_fails_the_survivor_instead_of_hanging(killed):

@@ -39,7 +39,7 @@ from model.geometry import GeometryLimits, VideoGeometry
 from model.schedule import H3Schedule
 from model.tiny import TINY_TRANSFORMER, tiny_transformer
 from parallel.launch import RankExit, launch_local
-from parallel.sequence import SequenceParallelError, check_degree, valid_degrees
+from parallel.sequence import Exchange, SequenceParallelError, check_degree, valid_degrees
 
 WORLD_SIZE = 2
 TIMEOUT_S = 20.0
@@ -54,6 +54,10 @@ CASES = {
     "tiny-odd": (2, 4, 7, 5, 64, 64),
     "wide-odd": (6, 3, 41, 22, 128, 96),
 }
+#: Exchanges run on a model of 12 heads (6 per rank: head chunks of 6, 3, 2 or 1 heads), 2 blocks, on
+#: wide-odd's inputs. (overlap, head_chunks asked) -> chunks used: the largest divisor of 6 not above the ask.
+EXCHANGES = [(False, 1), (True, 1), (True, 2), (True, 3), (False, 3), (True, 4), (True, 6), (True, 64)]
+EXCHANGE_HEADS, EXCHANGE_BLOCKS = 12, 2
 DENOISE_STEPS = 5  # sigma grid points: 4 forwards
 DENOISE_SEED = 7
 
@@ -115,6 +119,13 @@ def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path) -
                 if rank == 0:  # alone: a forward still sharded would wait for rank 1 and fail
                     report[f"{case}/removed"] = request(case).run(transformer)
 
+        # Every way of running the exchange: the same bits (only when the all-to-alls run changes).
+        for overlap, head_chunks in EXCHANGES:
+            transformer = build_transformer(EXCHANGE_HEADS, EXCHANGE_BLOCKS)
+            sp = SequenceParallel.install(transformer, group, Exchange(overlap=overlap, head_chunks=head_chunks))
+            report[f"exchange/{overlap}/{head_chunks}"] = request("wide-odd").run(transformer)
+            report[f"exchange/{overlap}/{head_chunks}/chunks"] = sp.chunks_for(EXCHANGE_HEADS)
+
         # The AdaLN seam under SP: blocks fed precomputed rows (model.adaln) instead of their projections.
         resident = build_transformer(2, 4)
         external_model = build_transformer(2, 4)
@@ -171,6 +182,7 @@ def one_process() -> dict:
     with torch.no_grad():
         for case, (heads, blocks, *_) in CASES.items():
             reference[case] = request(case).run(build_transformer(heads, blocks))
+        reference["exchange"] = request("wide-odd").run(build_transformer(EXCHANGE_HEADS, EXCHANGE_BLOCKS))
         _, _, num_text_tokens, frames, width, height = CASES["tiny-odd"]
         reference["denoise"] = denoise(build_transformer(2, 4), text_embeds(num_text_tokens),
                                        geometry_of(frames, width, height), H3Schedule.build(DENOISE_STEPS),
@@ -217,6 +229,24 @@ def test_each_rank_runs_its_padded_half_of_the_sequence(ranks, case, rows_per_ra
     # (rows block 0 received, real rows among them) in the first forward of `case`, rank by rank
     assert [report[f"{case}/block_rows"][0] for report in ranks.reports] == \
         [(rows_per_rank, real) for real in real_rows]
+
+
+@pytest.mark.parametrize("overlap, head_chunks", EXCHANGES)
+def test_every_exchange_gives_the_one_process_forward_bit_for_bit(ranks, one_process, overlap, head_chunks):
+    # overlapped or waited at once, in 1 to 6 head chunks: the same bytes reach the same kernels
+    for report in ranks.reports:
+        assert_bitwise(report[f"exchange/{overlap}/{head_chunks}"], one_process["exchange"])
+
+
+def test_head_chunks_are_the_largest_divisor_of_the_rank_heads_not_above_the_ask(ranks):
+    chunks = {ask: ranks.reports[0][f"exchange/{overlap}/{ask}/chunks"] for overlap, ask in EXCHANGES}
+    assert chunks == {1: 1, 2: 2, 3: 3, 4: 3, 6: 6, 64: 6}  # 6 heads per rank
+
+
+@pytest.mark.parametrize("head_chunks", [0, -1, True, 1.5])
+def test_bad_head_chunks_are_refused(head_chunks):
+    with pytest.raises(SequenceParallelError, match="head_chunks=.* must be an integer >= 1"):
+        Exchange(head_chunks=head_chunks)
 
 
 def test_positional_and_keyword_calls_are_sharded_alike(ranks, one_process):
