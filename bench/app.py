@@ -10,8 +10,10 @@ the same bytes in the same process:
   each beside `bench.adaln.component_tiers` for the same checkpoint and schedule (run before Serve starts and
   again after the load, in this process), and beside its floor (bytes / bandwidth);
 - denoise time per forward, served vs a direct `engine.Engine` call in this process (before Serve starts);
-- Serve overhead (client latency minus the engine's total_s) at p50/p99: one client (no queueing) over the
-  handle and over HTTP, then `--clients` concurrent clients (queueing);
+- Serve overhead (client latency minus the engine's total_s, the stages' own work) at p50/p99: one client (no
+  queueing) over the handle and over HTTP, then `--clients` concurrent clients (queueing), each split by hop from
+  the response's `serve_timings` (`overhead_hops`: client <-> ingress, ingress <-> worker, the worker's own work,
+  the TextEncoder and Decoder round trips, the engine call beyond its phases, the response's encoding);
 - scale-up: `serve.run` again with one replica per GPU; seconds until it returns (every replica ready) and
   until a new replica first answers (its first requests for served schedules find their plans in the pool);
 - GPU utilization per device under the concurrent load (pynvml, else nvidia-smi; "n/a" without either).
@@ -219,24 +221,54 @@ def http_generate(url: str, body: Dict[str, Any], timeout_s: float) -> Dict[str,
         return json.loads(response.read())
 
 
-def record(kind: str, latency_s: float, timings: Dict[str, float], stats: Dict[str, Any]) -> Dict[str, Any]:
+def record(kind: str, latency_s: float, timings: Dict[str, float], stats: Dict[str, Any],
+           serve_timings: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     adaln = stats.get("adaln", {})
     return {"kind": kind, "latency_s": latency_s, **timings, "forwards": stats.get("forwards"),
             **{k: adaln.get(k, 0) for k in ("gpu_hit_plans", "host_hit_plans", "pool_hit_plans", "built_plans",
                                              "rebuild_s", "rebuild_bytes_read", "page_cache_bytes", "disk_bytes",
-                                             "h2d_bytes", "pool_lookup_s")}}
+                                             "h2d_bytes", "pool_lookup_s")},
+            "hops": overhead_hops(latency_s, timings, serve_timings or {})}
+
+
+#: The parts of the serving overhead (client latency - the engine's total_s), in request order.
+HOPS = ("client <-> ingress", "ingress <-> worker", "worker own work", "TextEncoder round trip",
+        "engine call outside its phases", "Decoder round trip", "response encoding")
+
+
+def overhead_hops(latency_s: float, timings: Dict[str, float], serve: Dict[str, Any]) -> Dict[str, float]:
+    """latency - total_s split by the response's `serve_timings` (deployments.schemas.ServeTimings); the parts
+    sum to it. Stage round trips are their calls minus the work the stage reported (encode_s, decode_s + mux_s);
+    the engine call's part is its wait minus the phases it ran (plan + denoise; every stage when fused)."""
+    if not serve:
+        return {}
+    encode_call, decode_call = serve.get("encode_call_s"), serve.get("decode_call_s")
+    engine_work = timings["plan_s"] + timings["denoise_s"]
+    engine_work += timings["encode_s"] if encode_call is None else 0.0
+    engine_work += timings["decode_s"] + timings["mux_s"] if decode_call is None else 0.0
+    calls = serve["engine_call_s"] + (encode_call or 0.0) + (decode_call or 0.0)
+    return {
+        "client <-> ingress": latency_s - serve["ingress_s"],
+        "ingress <-> worker": serve["ingress_s"] - serve["worker_s"],
+        "worker own work": serve["worker_s"] - calls - serve["respond_s"],
+        "TextEncoder round trip": encode_call - timings["encode_s"] if encode_call is not None else 0.0,
+        "engine call outside its phases": serve["engine_call_s"] - engine_work,
+        "Decoder round trip": decode_call - timings["decode_s"] - timings["mux_s"] if decode_call is not None else 0.0,
+        "response encoding": serve["respond_s"],
+    }
 
 
 async def via_handle(handle, body: Dict[str, Any], kind: str) -> Dict[str, Any]:
     start = time.perf_counter()
     out = await handle.generate.remote(body)
-    return record(kind, time.perf_counter() - start, out.timings.model_dump(), out.stats)
+    return record(kind, time.perf_counter() - start, out.timings.model_dump(), out.stats,
+                  out.serve_timings.model_dump() if out.serve_timings is not None else None)
 
 
 async def via_http(url: str, body: Dict[str, Any], kind: str, timeout_s: float) -> Dict[str, Any]:
     start = time.perf_counter()
     out = await asyncio.to_thread(http_generate, url, body, timeout_s)
-    return record(kind, time.perf_counter() - start, out["timings"], out["stats"])
+    return record(kind, time.perf_counter() - start, out["timings"], out["stats"], out.get("serve_timings"))
 
 
 async def tier_sequence(args, handle, shards: List[str]) -> Dict[str, Dict[str, Any]]:
@@ -385,11 +417,18 @@ def plan_rows(tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict], after: 
     return rows
 
 
-def overhead_row(metric: str, records: List[Dict[str, Any]]) -> Dict[str, Any]:
+def overhead_rows(metric: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The overhead's p50/p99, then one row per hop (p50 of each part; the parts' p50s need not sum exactly)."""
     over = [r["latency_s"] - r["total_s"] for r in records]
-    return {"metric": metric, "app_s": percentile(over, 50), "bench_s": None,
-            "detail": f"p50 {1e3 * percentile(over, 50):.1f} ms, p99 {1e3 * percentile(over, 99):.1f} ms over "
-                      f"{len(over)} requests; latency p50 {percentile([r['latency_s'] for r in records], 50):.3f} s"}
+    rows = [{"metric": metric, "app_s": percentile(over, 50), "bench_s": None,
+             "detail": f"p50 {1e3 * percentile(over, 50):.1f} ms, p99 {1e3 * percentile(over, 99):.1f} ms over "
+                       f"{len(over)} requests; latency p50 {percentile([r['latency_s'] for r in records], 50):.3f} s"}]
+    with_hops = [r["hops"] for r in records if r.get("hops")]
+    for hop in HOPS if with_hops else ():
+        values = [h[hop] for h in with_hops]
+        rows.append({"metric": f"  - {hop}", "app_s": percentile(values, 50),
+                     "detail": f"p50 {1e3 * percentile(values, 50):.2f} ms, p99 {1e3 * percentile(values, 99):.2f} ms"})
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -504,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        detail=f"served median of {len(served_step)}; bench = direct Engine.generate in this process")
         rows.append(row)
         for name, records in runs.items():
-            rows.append(overhead_row(f"Serve overhead (latency - engine total_s): {name}", records))
+            rows += overhead_rows(f"Serve overhead (latency - engine total_s): {name}", records)
         if scaled is not None:
             first = scaled["first"] or {}
             rows.append({"metric": f"scale-up 1 -> {replicas}: serve.run returned (replicas ready)",

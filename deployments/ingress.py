@@ -23,6 +23,7 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator
 
@@ -124,11 +125,13 @@ class Ingress:
     # The one generation path (HTTP and handle callers both come through here)
     # ---------------------------------------------------------------------------------------------
 
-    async def _generate(self, request: GenerationRequest, request_id: str) -> GenerationResponse:
+    async def _generate(self, request: GenerationRequest, request_id: str, start: float) -> GenerationResponse:
+        """The worker's response (encoded there: latents travel only when asked for), with `ingress_s` since
+        `start` (when this replica got the request) in its `serve_timings`."""
         # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
-        response = self._worker.generate.remote(request, schedule_key=request.schedule_key)
+        response = self._worker.generate.remote(request, request_id, schedule_key=request.schedule_key)
         try:
-            result = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
+            result: GenerationResponse = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
         except asyncio.TimeoutError:
             response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
             raise self._timeout_error() from None
@@ -136,10 +139,9 @@ class Ingress:
             raise worker_error(exc, request_id) from None
         finally:
             self._routing_metrics.update()
-        # Encoding latents and the PNG is CPU work: keep it off the event loop.
-        return await asyncio.to_thread(
-            GenerationResponse.from_result, result, request_id=request_id, return_latents=request.return_latents
-        )
+        if result.serve_timings is not None:
+            result.serve_timings.ingress_s = time.perf_counter() - start
+        return result
 
     def _timeout_error(self) -> RequestError:
         return RequestError(
@@ -190,8 +192,9 @@ class Ingress:
     async def generate(self, request: dict[str, Any] | GenerationRequest) -> GenerationResponse:
         """Handle API: `serve.get_app_handle(app).generate.remote({...})`. Raises ClientError (a ValueError)
         on bad input."""
+        start = time.perf_counter()
         try:
-            return await self._generate(parse_request(request), _new_id())
+            return await self._generate(parse_request(request), _new_id(), start)
         except RequestError as exc:
             raise exc.for_handle_caller() from None
 
@@ -214,10 +217,11 @@ class Ingress:
     async def create_generation(self, http_request: Request) -> JSONResponse:
         if http_request.query_params.get("stream", "").lower() in ("1", "true", "yes"):
             return await self._create_generation_stream(http_request)
+        start = time.perf_counter()
         request_id = _new_id()
         try:
             payload = await self._read_json(http_request)
-            response = await self._generate(parse_request(payload), request_id)
+            response = await self._generate(parse_request(payload), request_id, start)
         except RequestError as exc:
             if exc.status < 500:
                 logger.info("request %s refused (%d): %s", request_id, exc.status, exc.message)

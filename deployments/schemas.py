@@ -31,6 +31,7 @@ __all__ = [
     "GenerationResponse",
     "HttpOptions",
     "ProgressEvent",
+    "ServeTimings",
     "StageOptions",
     "Timings",
     "VideoOptions",
@@ -49,6 +50,26 @@ PREVIEW_PX = 128
 
 #: Seconds spent per phase inside the engine: the engine's own type, serialized as is.
 Timings = GenerationTimings
+
+
+class ServeTimings(BaseModel):
+    """Seconds one generation spent as the Serve layer saw it, beside the engine's own phases (`timings`):
+    what the client waited minus `timings.total_s` (the stages' work) is the serving overhead, and these split
+    it by hop. Client latency - `ingress_s`: the client <-> ingress hop (HTTP proxy or handle); `ingress_s` -
+    `worker_s`: the ingress <-> worker hop and the ingress's own work; `encode_call_s` - `timings.encode_s`: the
+    TextEncoder round trip; `engine_call_s` - the phases the engine ran in it: the engine thread's queue, request
+    checks and bookkeeping; `decode_call_s` - decode and mux: the Decoder round trip."""
+
+    ingress_s: float = Field(0.0, description="The ingress: request received (body read) to response ready.")
+    worker_s: float = Field(0.0, description="The worker: call received to response ready.")
+    encode_call_s: float | None = Field(
+        None, description="The TextEncoder call, as the worker waited for it. None: the engine encodes (fused).")
+    engine_call_s: float = Field(
+        0.0, description="The worker's engine-thread call (queue wait included): plan + denoise (split stages), "
+        "or every stage (fused).")
+    decode_call_s: float | None = Field(
+        None, description="The Decoder call, as the worker waited for it. None: no decode or the engine's (fused).")
+    respond_s: float = Field(0.0, description="Encoding this response in the worker (preview PNG; latents if asked).")
 
 
 class GenerationResponse(BaseModel):
@@ -80,6 +101,9 @@ class GenerationResponse(BaseModel):
         "forwards, frames, tokens, text_tokens, adaln_mode, schedule_key, adaln (plan cache), prompt_cache, and "
         "cache_dit / offload / parallel when on.",
     )
+    serve_timings: ServeTimings | None = Field(
+        None, description="Where the time outside the engine went (hops between the app's processes); "
+        "None on a streamed result.")
 
     @classmethod
     def from_result(cls, result: GenerationResult, *, request_id: str, return_latents: bool) -> "GenerationResponse":

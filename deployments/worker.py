@@ -13,7 +13,9 @@ Stages (`stages: split` in serve_config.yaml): the engine holds the denoiser alo
 returns latents, so the replica is free for the next job when the loop ends (the video job flow drives the
 stages itself: `deployments/video_backend.py`). `generate` / `generate_stream` (the research route
 `/v1/generations`) then compose the stages through the handles the builder passes: encode, denoise here,
-decode in the Decoder (the engine thread is already free while it decodes).
+decode in the Decoder (the engine thread is already free while it decodes). `generate` answers with the
+response itself (`GenerationResponse`, encoded here), so latents the client did not ask for never travel to the
+ingress, and its `serve_timings` say how long each stage call and this replica took.
 
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
 `serve run` stops within seconds of Ctrl-C), then calls `__del__`, which stops the weights follower, asks
@@ -37,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
-from deployments.schemas import ProgressEvent
+from deployments.schemas import GenerationResponse, ProgressEvent, ServeTimings
 from deployments.weights import WeightFollower
 from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, SlabState
 from engine.config import EngineConfig
@@ -86,6 +88,15 @@ def import_model_stack() -> float:
     import engine.engine  # noqa: F401
 
     return time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class StageCalls:
+    """Seconds one generation's worker waited on each stage call (`ServeTimings`); None: not called."""
+
+    encode_s: float | None = None  # the TextEncoder (split)
+    engine_s: float = 0.0  # the engine thread: plan + denoise (split), every stage (fused)
+    decode_s: float | None = None  # the Decoder (split, return_video)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,20 +203,34 @@ class Worker(ScheduleAffinityReporter):
         if self._stages is not None:
             await self._stages.text_encoder.validate.remote(request.prompt)
 
-    async def generate(self, request: GenerationRequest, schedule_key: str | None = None) -> GenerationResult:
-        """Run one generation off the event loop. Raises ClientError for requests the model cannot take.
-        `schedule_key` is read by the router (and recorded here as recently served)."""
+    async def generate(self, request: GenerationRequest, request_id: str,
+                       schedule_key: str | None = None) -> GenerationResponse:
+        """Run one generation off the event loop and answer with the response the ingress sends, encoded here:
+        the latents cross to the ingress only inside it (when the client asked for them). `serve_timings` says
+        where this replica's time went. Raises ClientError for requests the model cannot take. `schedule_key`
+        is read by the router (and recorded here as recently served)."""
+        start = time.perf_counter()
         cancelled = threading.Event()
+        calls = StageCalls()
         with self.track_schedule(schedule_key):
-            future = self._start(request, cancelled)
+            future = self._start(request, cancelled, calls=calls)
             try:
                 # shield: a cancelled caller must not cancel the executor future (the thread runs on regardless);
                 # the engine sees `cancelled` between steps and stops.
-                return await asyncio.shield(future)
+                result = await asyncio.shield(future)
             except asyncio.CancelledError:
                 cancelled.set()
                 logger.info("generation cancelled by the caller; the engine stops after the current step")
                 raise
+        encoding = time.perf_counter()
+        # The preview PNG (and latents when asked) is CPU work: off the event loop, not on the engine thread.
+        response = await asyncio.to_thread(
+            GenerationResponse.from_result, result, request_id=request_id, return_latents=request.return_latents)
+        done = time.perf_counter()
+        response.serve_timings = ServeTimings(
+            worker_s=done - start, encode_call_s=calls.encode_s, engine_call_s=calls.engine_s,
+            decode_call_s=calls.decode_s, respond_s=done - encoding)
+        return response
 
     async def generate_stream(
         self, request: GenerationRequest, schedule_key: str | None = None
@@ -234,23 +259,43 @@ class Worker(ScheduleAffinityReporter):
             await self._stages.text_encoder.validate.remote(request.prompt)
 
     def _start(self, request: GenerationRequest, cancelled: threading.Event,
-               on_progress: Callable[[int, int], None] | None = None) -> asyncio.Future:
-        """A whole generation: on the engine thread (fused), or composed through the stage handles (split)."""
+               on_progress: Callable[[int, int], None] | None = None,
+               calls: StageCalls | None = None) -> asyncio.Future:
+        """A whole generation: on the engine thread (fused), or composed through the stage handles (split).
+        `calls` gets the seconds waited on each stage."""
+        calls = calls if calls is not None else StageCalls()
         if self._stages is None:
-            return self._submit(request, cancelled, on_progress)
-        return asyncio.ensure_future(self._composed(self._stages, request, cancelled, on_progress))
+            future = asyncio.ensure_future(self._engine_call(request, cancelled, on_progress, None, calls))
+        else:
+            future = asyncio.ensure_future(self._composed(self._stages, request, cancelled, on_progress, calls))
+        # A caller that went away never reads the outcome: mark the exception retrieved (no asyncio warning).
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
+
+    async def _engine_call(self, request: GenerationRequest, cancelled: threading.Event,
+                           on_progress: Callable[[int, int], None] | None, embedding: PromptEmbedding | None,
+                           calls: StageCalls) -> GenerationResult:
+        start = time.perf_counter()
+        try:
+            return await asyncio.shield(self._submit(request, cancelled, on_progress, embedding))
+        finally:
+            calls.engine_s = time.perf_counter() - start
 
     async def _composed(self, stages: StageHandles, request: GenerationRequest, cancelled: threading.Event,
-                        on_progress: Callable[[int, int], None] | None) -> GenerationResult:
+                        on_progress: Callable[[int, int], None] | None, calls: StageCalls) -> GenerationResult:
+        start = time.perf_counter()
         embedding: PromptEmbedding = await stages.text_encoder.encode.remote(request.prompt)
+        calls.encode_s = time.perf_counter() - start
         if cancelled.is_set():
             raise GenerationCancelled("generation cancelled by the caller")
-        result = await asyncio.shield(self._submit(request, cancelled, on_progress, embedding))
+        result = await self._engine_call(request, cancelled, on_progress, embedding, calls)
         decoded = None
         if request.return_video:
             if cancelled.is_set():
                 raise GenerationCancelled("generation cancelled by the caller")
+            start = time.perf_counter()
             decoded = await stages.decoder.decode.remote(result.video, result.audio)
+            calls.decode_s = time.perf_counter() - start
             result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
         return dataclasses.replace(result, timings=result.timings.with_stages(
             encode_s=embedding.encode_s, decode_s=decoded.decode_s if decoded else 0.0,

@@ -415,3 +415,20 @@ def test_online_adaln_gives_the_resident_bits_on_cuda(checkpoint_root):
     online = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cuda"))
     resident = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cuda", adaln={"mode": "resident"}))
     assert same_bits(online.generate(small_request(steps=5)), resident.generate(small_request(steps=5)))
+
+
+def test_a_schedule_is_built_once_per_steps_and_shifts_and_a_bad_one_is_refused_every_time():
+    """Requests of one schedule share its build (read-only tensors); the build is the scheduler's, bit for bit."""
+    from engine.engine import request_schedule
+    from model.schedule import H3Schedule, ScheduleError
+
+    first = request_schedule(5, 2.25, 3.0)
+    assert request_schedule(5, 2.25, 3.0) is first
+    assert request_schedule(5, 2.5, 3.0) is not first
+    fresh = H3Schedule.build(5, 2.25, 3.0)
+    assert first.key == fresh.key
+    assert all(a.equal(b) for a, b in zip(first.plans, fresh.plans))
+    assert first.video_sigmas.equal(fresh.video_sigmas) and first.audio_sigmas.equal(fresh.audio_sigmas)
+    for _ in range(2):
+        with pytest.raises(ScheduleError, match="num_steps"):
+            request_schedule(1, 2.25, 3.0)

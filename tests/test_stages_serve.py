@@ -67,6 +67,43 @@ def test_split_stages_give_the_fused_latents_and_mp4_bytes(apps):
         assert split["timings"][key] > 0, key
 
 
+@pytest.mark.parametrize("stages", STAGES)
+def test_serve_timings_nest_each_hop_in_the_one_around_it(apps, stages):
+    """ingress >= worker >= its stage calls + the response's encoding; each stage call >= the work the stage
+    reported. Split: the TextEncoder and Decoder calls are timed; fused: the engine ran them (None)."""
+    r = requests.post(f"{apps[stages]}/v1/generations", json=GENERATION, timeout=300)
+    assert r.status_code == 200, r.text
+    timings, serve = r.json()["timings"], r.json()["serve_timings"]
+    engine_work = timings["plan_s"] + timings["denoise_s"]
+    if stages == "split":
+        assert serve["encode_call_s"] >= timings["encode_s"] > 0
+        assert serve["decode_call_s"] >= timings["decode_s"] + timings["mux_s"] > 0
+    else:
+        assert serve["encode_call_s"] is None and serve["decode_call_s"] is None
+        engine_work += timings["encode_s"] + timings["decode_s"] + timings["mux_s"]
+    assert serve["engine_call_s"] >= engine_work > 0
+    calls = serve["engine_call_s"] + (serve["encode_call_s"] or 0) + (serve["decode_call_s"] or 0)
+    assert serve["worker_s"] >= calls + serve["respond_s"] and serve["respond_s"] > 0
+    assert serve["ingress_s"] >= serve["worker_s"]
+
+
+@pytest.mark.parametrize("return_latents", [False, True])
+def test_the_worker_answers_with_the_encoded_response(apps, return_latents):
+    """The worker encodes the response: latents leave its process only when the client asked for them."""
+    from ray import serve
+
+    from deployments.schemas import GenerationRequest, GenerationResponse
+
+    request = GenerationRequest(**{**GENERATION, "return_video": False, "return_latents": return_latents})
+    worker = serve.get_deployment_handle("Worker", "split")
+    response = worker.generate.remote(request, "gen-test", schedule_key=request.schedule_key).result(timeout_s=300)
+    assert isinstance(response, GenerationResponse) and response.id == "gen-test"
+    assert (response.latents is not None) == return_latents and response.video_mp4 is None
+    if return_latents:
+        assert list(decode_latents(response.latents)["video"].shape) == response.video_shape
+    assert response.serve_timings is not None and response.serve_timings.ingress_s == 0.0  # no ingress on this path
+
+
 def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
     jobs = {}
     for stages, url in apps.items():
