@@ -326,8 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="after each shape's timed forwards, profile --profile-steps more per rank (ours) and "
                     "write parallel-profile-<device> (ms per step by category: gemm, attention, comm, other, idle)")
+    ap.add_argument("--runs", type=lambda text: tuple(text.split(",")), default=None,
+                    help=f"comma-separated runs of {','.join(run.label for run in RUNS)} (default: all; sp1 is "
+                         "every speedup's baseline)")
     ap.add_argument("--profile-steps", type=int, default=2, help="forwards profiled per shape with --profile")
     args = ap.parse_args(argv)
+    labels = {run.label for run in RUNS}
+    if args.runs is not None and (not set(args.runs) <= labels or "sp1" not in args.runs):
+        ap.error(f"--runs {','.join(args.runs)}: choose from {sorted(labels)}, sp1 included (the baseline)")
     command = "python -m bench.parallel " + shlex.join(argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     _allow_engine_import_without_av()
@@ -359,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                        head_chunks=args.head_chunks, profile_steps=args.profile_steps if args.profile else 0)
         from bench.parallel import rank_main as target  # by module name: spawned ranks import it again
 
-        runs = tuple(run for run in RUNS if on_gpu or not run.gpu_only)  # diffusers' CP: accelerators only
+        runs = tuple(run for run in RUNS if (on_gpu or not run.gpu_only)  # diffusers' CP: accelerators only
+                     and (args.runs is None or run.label in args.runs))
         launches = {}
         for run in runs:
             t0 = time.perf_counter()
