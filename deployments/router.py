@@ -27,6 +27,13 @@ plans are all resident, each one's plan count, the slab's capacity in plans; see
   its holder is over the bound.
 - Replicas over every bound come last (stale loads), least loaded first.
 
+With ``placement=True`` (opt-in) a placement computed from the observed request rates comes first
+(``deployments.placement``: a disjoint partition of the most requested schedules over the slabs, a schedule
+hotter than ``load_factor`` x a replica's share replicated, the tail sent to scratch slots): a request goes to
+the replicas the placement names for its key while within ``hold_factor``'s bound, then as above. It is off by
+default: in ``bench.routing_sim`` it raised the Zipf hit rate by at most ~0.02 while doubling p99 (the scratch
+replica queues rebuilds), and lowered both under uniform load.
+
 Policy when they do not (rendezvous hashing with bounded load):
 
 - Every replica gets the weight ``H(schedule_key, replica_unique_id)``; replicas are tried in descending
@@ -470,7 +477,9 @@ class ScheduleAffinityRouter(RequestRouter):
     ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
     skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 3; the bound for a replica whose slab
     holds the key), ``spill_confirm_s`` (default 0.01), ``popularity_window`` (keyed requests remembered to
-    rank evictions, default 1000) and ``key_kwarg`` (default ``"schedule_key"``).
+    rank evictions, and the rates placements are computed from; default 1000), ``placement`` (default False:
+    see the module docstring), ``miss_cost`` (placement only: a rebuilding request's load in warm requests,
+    default 1.5) and ``key_kwarg`` (default ``"schedule_key"``).
 
     Load of a replica = Serve's queue-length cache for it (the replica's own count from its last reply, plus
     this process's sends, minus this process's completions) + requests this router chose for it that have not

@@ -449,3 +449,25 @@ def test_placed_rank_of_a_key_placed_nowhere_is_the_slab_rank():
     loads = {rid: 0 for rid in ids}
     assert (rank_for_placed_key("new", loads, views, Placement(), 8, lambda k: 1)
             == rank_for_slab_key("new", loads, views, 8, lambda k: 1))
+
+
+def test_router_replans_every_replan_every_requests_and_when_the_replicas_change():
+    from deployments.router import REPLAN_EVERY
+
+    state = type("State", (), {})()
+    ScheduleAffinityRouter.initialize_state(state, placement=True)
+    state.popularity = KeyPopularity()
+    state._placement, state._placement_replicas, state._routed_since_placement = None, frozenset(), 0
+    state._plans_of = lambda k: 8
+    views = {"r0": view(), "r1": view()}
+    for _ in range(10):
+        state.popularity.record("a")
+    first = ScheduleAffinityRouter.placement(state, views)
+    assert set(first.targets["a"]) == {"r0", "r1"}  # all the requests: more than one replica may carry
+    state.popularity.record("b")  # a new key, but fewer than REPLAN_EVERY requests since: same placement
+    state._routed_since_placement = REPLAN_EVERY - 1
+    assert ScheduleAffinityRouter.placement(state, views) is first
+    state._routed_since_placement = REPLAN_EVERY
+    assert "b" in ScheduleAffinityRouter.placement(state, views).targets
+    again = ScheduleAffinityRouter.placement(state, views)
+    assert ScheduleAffinityRouter.placement(state, {**views, "r2": view()}) is not again  # replica set changed
