@@ -286,6 +286,7 @@ async def measure_overhead(num_calls: int) -> List[Dict[str, Any]]:
 
 
 async def run_all(args) -> Dict[str, Any]:
+    loadavg_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rows = []
     for workload in args.workloads:
         schedules = draw_schedules(workload, args.requests, args.num_schedules, args.zipf_alpha, args.seed)
@@ -313,7 +314,7 @@ async def run_all(args) -> Dict[str, Any]:
     overhead = await measure_overhead(args.overhead_calls)
     for row in overhead:
         print(json.dumps(row), flush=True)
-    loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    loadavg = f"{loadavg_start} at the start, " + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"
     return {"rows": rows, "overhead": overhead, "loadavg": loadavg}
 
 

@@ -9,6 +9,7 @@ are deterministic for a seed.
 
     python -m bench.routing_sim                 # slab vs placed (and placed with the true rates) per workload
     python -m bench.routing_sim --seeds 0 1 2   # several request draws
+    python -m bench.routing_sim --seeds 0 1 2 --requests 3000 --warmup 500 --write   # bench/results/routing-sim-cpu.md
 """
 
 from __future__ import annotations
@@ -171,14 +172,42 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--load-factor", type=float, default=SimConfig.load_factor)
     parser.add_argument("--hold-factor", type=float, default=SimConfig.hold_factor)
     parser.add_argument("--miss-cost", type=float, default=SimConfig.miss_cost)
+    parser.add_argument("--write", action="store_true",
+                        help="write bench/results/routing-sim-cpu.md/json: the mean over --seeds per workload, "
+                             "router and hold_factor (the given one and 6.0, where a holder never spills here)")
     args = parser.parse_args(argv)
-    cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
-                    hold_factor=args.hold_factor, miss_cost=args.miss_cost)
-    from bench.common import markdown_table
+    from bench.common import command_line, markdown_table, write_results
 
-    rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
-    print(markdown_table(rows, ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms",
-                                "p99_ms", "req_per_s"]))
+    columns = ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"]
+    if not args.write:
+        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                        hold_factor=args.hold_factor, miss_cost=args.miss_cost)
+        rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
+        print(markdown_table(rows, columns))
+        return
+    rows = []
+    for hold_factor in dict.fromkeys([args.hold_factor, 6.0]):
+        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                        hold_factor=hold_factor, miss_cost=args.miss_cost)
+        for workload in args.workloads:
+            for router in args.routers:
+                runs = [simulate(workload, router, cfg, s) for s in args.seeds]
+                row = {"workload": workload, "router": router, "hold_factor": hold_factor}
+                for k in ("plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
+                    row[k] = round(float(np.mean([r[k] for r in runs])), 4)
+                rows.append(row)
+                print(row, flush=True)
+    columns = ["workload", "router", "hold_factor", *columns[3:]]
+    notes = [
+        f"Discrete-event simulation of bench.routing (virtual time, exact loads and slab contents): "
+        f"{NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, 6 closed-loop clients, "
+        f"{args.requests} requests per run, first {args.warmup} left out; mean over seeds {args.seeds}; "
+        f"load_factor {args.load_factor}, miss_cost {args.miss_cost}.",
+        "slab: the default policy (rank_for_slab_key). placed: placement=True (deployments/placement.py) from "
+        "the observed counts; placed-true-rates: the same fed the sampled distribution (its ceiling).",
+    ]
+    write_results("routing-sim", rows, device="cpu", command=command_line(), columns=columns, notes=notes)
+    print(markdown_table(rows, columns))
 
 
 if __name__ == "__main__":
