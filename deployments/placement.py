@@ -18,6 +18,12 @@ schedule to the replicas its placement names, so the slabs hold what is worth ho
 
 Pure functions of the rates, capacities and current slab contents: every router with similar counts computes
 about the same placement. Ties go by rendezvous weight, never by process-local order.
+
+The router uses it only with ``placement=True`` (off by default). Measured (bench/results/routing-sim-cpu.md,
+routing-cpu.md): against the slab policy it gains at most ~0.02 of Zipf plan hit rate and doubles p99, because
+the workers' slabs are LRU: a tail request still evicts the least recent schedule of the scratch replica (often
+a stable one), and concentrating rebuilds on the scratch replicas queues them. The pooled Belady bound is out of
+reach of any LRU-slab placement here; the sim's best (true rates, no spill) is ~0.92 of it.
 """
 
 from __future__ import annotations
