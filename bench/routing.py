@@ -37,7 +37,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.router import ScheduleAffinityReporter, ScheduleAffinityRouter, schedule_affinity_stats
+from deployments.router import (
+    DEFAULT_MISS_COST,
+    ScheduleAffinityReporter,
+    ScheduleAffinityRouter,
+    schedule_affinity_stats,
+)
 from engine.api import SlabState
 
 NUM_REPLICAS = 4
@@ -202,10 +207,11 @@ async def run_load(handle, schedules: List[int], num_clients: int, warmup: int) 
 
 
 def parse_router(spec: str) -> tuple:
-    """`affinity`, `affinity:2.0` (another load_factor), `default` or `oracle`."""
+    """`affinity`, `affinity:2.0` (another load_factor), `placed` (affinity with a rate-based placement, see
+    deployments/placement.py), `placed:2.0`, `default` or `oracle`."""
     name, _, load_factor = spec.partition(":")
-    if name not in ("affinity", "default", "oracle") or (load_factor and name != "affinity"):
-        raise ValueError(f"router {spec!r}: use affinity, affinity:<load_factor>, default or oracle.")
+    if name not in ("affinity", "placed", "default", "oracle") or (load_factor and name not in ("affinity", "placed")):
+        raise ValueError(f"router {spec!r}: use affinity[:<load_factor>], placed[:<load_factor>], default or oracle.")
     return name, float(load_factor) if load_factor else None
 
 
@@ -222,11 +228,12 @@ def worker_deployment(router: str, args, name: str, load_factor: Optional[float]
         warm_s=args.warm_ms / 1e3,
         rebuild_s_per_plan=args.rebuild_ms_per_plan / 1e3,
     )
-    if router == "affinity":
+    if router in ("affinity", "placed"):
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ScheduleAffinityRouter,
             request_router_kwargs={"load_factor": load_factor or args.load_factor, "hold_factor": args.hold_factor,
-                                   "spill_confirm_s": args.spill_confirm_s},
+                                   "spill_confirm_s": args.spill_confirm_s, "miss_cost": args.miss_cost,
+                                   "placement": router == "placed"},
             request_routing_stats_period_s=args.stats_period_s,
         )
     elif router == "oracle":
@@ -279,6 +286,7 @@ async def measure_overhead(num_calls: int) -> List[Dict[str, Any]]:
 
 
 async def run_all(args) -> Dict[str, Any]:
+    loadavg_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     rows = []
     for workload in args.workloads:
         schedules = draw_schedules(workload, args.requests, args.num_schedules, args.zipf_alpha, args.seed)
@@ -295,9 +303,10 @@ async def run_all(args) -> Dict[str, Any]:
             after = schedule_affinity_stats(name)
             spilled = after["spills"] - before["spills"]
             routed = spilled + after["hits"] - before["hits"]
-            label = f"affinity (load_factor {load_factor or args.load_factor})" if router == "affinity" else router
+            affinity = router in ("affinity", "placed")
+            label = f"{router} (load_factor {load_factor or args.load_factor})" if affinity else router
             row = {"workload": workload, "router": label, **result}
-            row["spill_rate"] = (spilled / routed) if router == "affinity" and routed else None
+            row["spill_rate"] = (spilled / routed) if affinity and routed else None
             row["of_belady"] = row["plan_hit_rate"] / bound["plan_hit_rate"] if bound["plan_hit_rate"] else None
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -305,7 +314,7 @@ async def run_all(args) -> Dict[str, Any]:
     overhead = await measure_overhead(args.overhead_calls)
     for row in overhead:
         print(json.dumps(row), flush=True)
-    loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    loadavg = f"{loadavg_start} at the start, " + ", ".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"
     return {"rows": rows, "overhead": overhead, "loadavg": loadavg}
 
 
@@ -323,13 +332,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rebuild-ms-per-plan", type=float, default=10.0, help="extra cost per missing plan")
     parser.add_argument("--load-factor", type=float, default=1.25)
     parser.add_argument("--hold-factor", type=float, default=3.0)
+    parser.add_argument("--miss-cost", type=float, default=DEFAULT_MISS_COST,
+                        help="the router's miss_cost: a request that rebuilds its plans, in warm requests")
     parser.add_argument("--spill-confirm-s", type=float, default=0.01)
     parser.add_argument("--stats-period-s", type=float, default=1.0,
                         help="how often replicas report ongoing count and warm schedules to the routers")
     parser.add_argument("--overhead-calls", type=int, default=500)
     parser.add_argument("--routers", nargs="+", default=None,
-                        help="affinity[:load_factor] | default | oracle (default: affinity affinity:2.0 default "
-                             "oracle; --quick leaves out affinity:2.0)")
+                        help="affinity[:load_factor] | placed[:load_factor] | default | oracle (default: affinity "
+                             "affinity:2.0 placed default oracle; --quick: affinity default oracle)")
     parser.add_argument("--workloads", nargs="+", default=["zipf", "uniform"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")
@@ -337,7 +348,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.quick:
         args.requests, args.warmup, args.overhead_calls = 240, 40, 150
     if args.routers is None:
-        args.routers = ["affinity", "default", "oracle"] if args.quick else ["affinity", "affinity:2.0", "default", "oracle"]
+        args.routers = (["affinity", "default", "oracle"] if args.quick
+                        else ["affinity", "affinity:2.0", "placed", "default", "oracle"])
 
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
@@ -361,13 +373,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         f"(zipf alpha {args.zipf_alpha} | uniform); warm request {args.warm_ms} ms, "
         f"+{args.rebuild_ms_per_plan} ms per missing plan; {args.clients} closed-loop clients, "
         f"{args.requests} requests per row, first {args.warmup} left out; load_factor {args.load_factor}, "
-        f"hold_factor {args.hold_factor}, "
+        f"hold_factor {args.hold_factor}, miss_cost {args.miss_cost}, "
         f"spill_confirm_s {args.spill_confirm_s}, routing stats every {args.stats_period_s} s.",
         "oracle: knows every slab and queue exactly, sends each request where it finishes first.",
         "belady bound: Belady's rule over the same request order with the 4 slabs pooled into one cache (an upper "
         "bound for any router: it needs no load balance and no split of schedules over replicas).",
         "affinity: the replicas report which schedules their slab holds (and its capacity); the router sends a "
         "schedule to a holder within hold_factor x the mean load, else places it where eviction hurts least.",
+        "placed: the affinity router with placement on: stable schedules partitioned (replicated when hotter than "
+        "load_factor x a replica's share) from observed rates, the tail sent to scratch slots (deployments/placement.py).",
         "spill_rate: share of keyed requests the affinity router sent to a replica not expected to hold their plans.",
         f"load average while running: {results['loadavg']} (other work on this machine inflates latencies).",
     ]

@@ -1,0 +1,214 @@
+"""Discrete-event simulation of the routing benchmark: the router's policy functions without Ray, in seconds.
+
+Same model as `bench.routing`: replicas serving one request at a time (FIFO), each with an LRU slab of plans;
+a request for schedule ``s`` needs plans ``(s, 0..P-1)`` and costs ``warm_ms`` plus ``rebuild_ms_per_plan`` per
+missing plan; closed-loop clients. The router is the real policy (`rank_for_slab_key`, or `plan_placement` +
+`rank_for_placed_key`) fed with exact loads and slab contents (the Serve bench sees reports up to a period
+old), so this isolates the policy from Serve's timing noise and the machine's load. Virtual time: the results
+are deterministic for a seed.
+
+    python -m bench.routing_sim                 # slab vs placed (and placed with the true rates) per workload
+    python -m bench.routing_sim --seeds 0 1 2   # several request draws
+    python -m bench.routing_sim --seeds 0 1 2 --requests 3000 --warmup 500 --write   # bench/results/routing-sim-cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from bench.routing import NUM_REPLICAS, belady_row, draw_schedules, schedule_key, zipf_weights
+from deployments.placement import Placement, plan_placement
+from deployments.router import (
+    DEFAULT_HOLD_FACTOR,
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_MISS_COST,
+    REPLAN_EVERY,
+    KeyPopularity,
+    SlabView,
+    rank_for_placed_key,
+    rank_for_slab_key,
+)
+
+ROUTERS = ("slab", "placed", "placed-true-rates")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    requests: int = 1200
+    warmup: int = 200
+    clients: int = 6
+    num_schedules: int = 32
+    zipf_alpha: float = 1.1
+    plans_per_schedule: int = 8
+    slab_plans: int = 32
+    warm_ms: float = 20.0
+    rebuild_ms_per_plan: float = 10.0
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    hold_factor: float = DEFAULT_HOLD_FACTOR
+    miss_cost: float = DEFAULT_MISS_COST
+
+
+def true_rates(workload: str, cfg: SimConfig, seed: int) -> Dict[str, float]:
+    """The distribution `draw_schedules` samples from, by schedule key."""
+    n = cfg.num_schedules
+    p = zipf_weights(n, cfg.zipf_alpha) if workload == "zipf" else np.full(n, 1.0 / n)
+    perm = np.random.default_rng(seed + 1).permutation(n)  # as in draw_schedules
+    return {schedule_key(int(perm[r])): float(p[r]) for r in range(n)}
+
+
+def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int = 0) -> Dict[str, float]:
+    """One row: plan hit rate (after warm-up), its share of the Belady bound, latency percentiles (ms)."""
+    if router not in ROUTERS:
+        raise ValueError(f"router {router!r}: use one of {ROUTERS}")
+    schedules = draw_schedules(workload, cfg.requests, cfg.num_schedules, cfg.zipf_alpha, seed)
+    P = cfg.plans_per_schedule
+    ids = [f"r{i}" for i in range(NUM_REPLICAS)]
+    slabs: Dict[str, "OrderedDict[tuple, None]"] = {rid: OrderedDict() for rid in ids}
+    queues: Dict[str, Deque[int]] = {rid: deque() for rid in ids}
+    popularity = KeyPopularity()
+    known: Optional[Mapping[str, float]] = true_rates(workload, cfg, seed) if router == "placed-true-rates" else None
+    placement: Optional[Placement] = None
+    since_placement = 0
+    hits = [0] * cfg.requests
+    started = [0.0] * cfg.requests
+    latency = [0.0] * cfg.requests
+    events: List[tuple] = []  # (finish time, replica id)
+
+    def view(rid: str) -> SlabView:
+        complete: Dict[int, int] = {}
+        for s, _ in reversed(slabs[rid]):  # most recent first
+            complete[s] = complete.get(s, 0) + 1
+        keys = tuple(schedule_key(s) for s, c in complete.items() if c == P)
+        v = SlabView(keys, (P,) * len(keys), cfg.slab_plans)
+        for i in queues[rid]:  # queued requests will have their plans resident
+            v = v.with_served(schedule_key(schedules[i]), P)
+        return v
+
+    def route(i: int) -> str:
+        nonlocal placement, since_placement
+        key = schedule_key(schedules[i])
+        loads = {rid: len(queues[rid]) for rid in ids}
+        views = {rid: view(rid) for rid in ids}
+        if known is not None:
+            count = lambda k: known.get(k, 0.0)  # noqa: E731
+        else:
+            count = popularity.count
+        if router == "slab":
+            ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor)
+        else:
+            if placement is None or since_placement >= REPLAN_EVERY:
+                rates = dict(known) if known is not None else popularity.counts()
+                placement = plan_placement(rates, {rid: cfg.slab_plans for rid in ids}, lambda k: P,
+                                           {rid: set(v.keys) for rid, v in views.items()}, cfg.load_factor,
+                                           cfg.miss_cost)
+                since_placement = 0
+            ranked = rank_for_placed_key(key, loads, views, placement, P, count,
+                                         cfg.load_factor, cfg.hold_factor)
+        popularity.record(key)
+        since_placement += 1
+        return ranked[0]
+
+    def start(rid: str, now: float) -> None:
+        i = queues[rid][0]
+        plans = [(schedules[i], j) for j in range(P)]
+        slab = slabs[rid]
+        hits[i] = sum(p in slab for p in plans)
+        for p in plans:
+            slab[p] = None
+            slab.move_to_end(p)
+        while len(slab) > cfg.slab_plans:
+            slab.popitem(last=False)
+        cost_ms = cfg.warm_ms + (P - hits[i]) * cfg.rebuild_ms_per_plan
+        heapq.heappush(events, (now + cost_ms / 1e3, rid))
+
+    next_request = 0
+
+    def submit(now: float) -> None:
+        nonlocal next_request
+        if next_request >= cfg.requests:
+            return
+        i, next_request = next_request, next_request + 1
+        started[i] = now
+        rid = route(i)
+        queues[rid].append(i)
+        if len(queues[rid]) == 1:
+            start(rid, now)
+
+    for _ in range(cfg.clients):
+        submit(0.0)
+    now = 0.0
+    while events:
+        now, rid = heapq.heappop(events)
+        i = queues[rid].popleft()
+        latency[i] = now - started[i]
+        if queues[rid]:
+            start(rid, now)
+        submit(now)
+    measured = range(cfg.warmup, cfg.requests)
+    hit_rate = sum(hits[i] for i in measured) / (P * len(measured))
+    bound = belady_row(workload, schedules, P, cfg.slab_plans, cfg.warmup)["plan_hit_rate"]
+    lat_ms = 1e3 * np.asarray([latency[i] for i in measured])
+    return {
+        "workload": workload, "router": router, "seed": seed, "plan_hit_rate": round(hit_rate, 4),
+        "belady": round(bound, 4), "of_belady": round(hit_rate / bound, 4),
+        "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99)),
+        "req_per_s": round(cfg.requests / now, 1),
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--workloads", nargs="+", default=["zipf", "uniform"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--requests", type=int, default=SimConfig.requests)
+    parser.add_argument("--warmup", type=int, default=SimConfig.warmup)
+    parser.add_argument("--load-factor", type=float, default=SimConfig.load_factor)
+    parser.add_argument("--hold-factor", type=float, default=SimConfig.hold_factor)
+    parser.add_argument("--miss-cost", type=float, default=SimConfig.miss_cost)
+    parser.add_argument("--write", action="store_true",
+                        help="write bench/results/routing-sim-cpu.md/json: the mean over --seeds per workload, "
+                             "router and hold_factor (the given one and 6.0, where a holder never spills here)")
+    args = parser.parse_args(argv)
+    from bench.common import command_line, markdown_table, write_results
+
+    columns = ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"]
+    if not args.write:
+        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                        hold_factor=args.hold_factor, miss_cost=args.miss_cost)
+        rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
+        print(markdown_table(rows, columns))
+        return
+    rows = []
+    for hold_factor in dict.fromkeys([args.hold_factor, 6.0]):
+        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                        hold_factor=hold_factor, miss_cost=args.miss_cost)
+        for workload in args.workloads:
+            for router in args.routers:
+                runs = [simulate(workload, router, cfg, s) for s in args.seeds]
+                row = {"workload": workload, "router": router, "hold_factor": hold_factor}
+                for k in ("plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
+                    row[k] = round(float(np.mean([r[k] for r in runs])), 4)
+                rows.append(row)
+                print(row, flush=True)
+    columns = ["workload", "router", "hold_factor", *columns[3:]]
+    notes = [
+        f"Discrete-event simulation of bench.routing (virtual time, exact loads and slab contents): "
+        f"{NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, 6 closed-loop clients, "
+        f"{args.requests} requests per run, first {args.warmup} left out; mean over seeds {args.seeds}; "
+        f"load_factor {args.load_factor}, miss_cost {args.miss_cost}.",
+        "slab: the default policy (rank_for_slab_key). placed: placement=True (deployments/placement.py) from "
+        "the observed counts; placed-true-rates: the same fed the sampled distribution (its ceiling).",
+    ]
+    write_results("routing-sim", rows, device="cpu", command=command_line(), columns=columns, notes=notes)
+    print(markdown_table(rows, columns))
+
+
+if __name__ == "__main__":
+    main()
