@@ -248,7 +248,7 @@ def rank_main(rank: int, world_size: int, init_method: str, spec: RunSpec, run: 
             group.destroy()
             return
     save()
-    rig = Rig(engine.transformer, modulation=engine.modulation)
+    rig = Rig(engine.transformer, modulation=engine.modulation, sequence_parallel=engine.sequence_parallel)
     for shape in spec.shapes:
         if time.monotonic() - start > spec.budget_s:
             result["shapes"].append({"label": shape.label, "skipped": "out of time budget"})
