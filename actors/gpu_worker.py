@@ -15,8 +15,12 @@ builds its `Engine` with it, all bounded by `engine.parallel.load_timeout_s`.
 Generation. The coordinator fixes the seed (every rank must draw the same noise) and sends the request to every
 rank. Rank 0 reports progress: the coordinator polls it and calls `progress` once per forward, in order.
 Cancellation: `cancelled()` is polled too; when it turns true every rank's cancel flag is set, and the engines
-stop at the same step boundary because each rank stops on rank 0's flag, broadcast at every boundary (a rank
-deciding on its own flag could stop a step before another and leave it waiting in a collective).
+stop at the same step boundary because each rank stops on rank 0's flag, broadcast at every boundary and read
+one boundary later (`parallel.late_flag`: no host wait on the GPU queue; a rank deciding on its own flag could
+stop a step before another and leave it waiting in a collective). The polls are rank-0-only host work (a
+threaded actor call, ~10 per second); they stay off the step's critical path because under sequence parallelism
+the host never waits for the GPU queue inside the loop (it runs up to a forward ahead), and progress then
+counts forwards issued, at most one ahead of the GPU.
 
 Faults. Every wait on a rank is bounded. A rank whose actor dies fails its call at once (Ray reports the death);
 its peers fail their next collective within `timeout_s` (`parallel.group`); once one rank failed, the others get

@@ -198,6 +198,7 @@ class Rig:
     modulation: Any = None          # model.adaln.ExternalModulation
     offloader: Any = None           # offload.layerwise.LayerwiseOffloader
     cache: Any = None               # cache.cache_dit.CacheDit
+    sequence_parallel: Any = None   # parallel.sequence.SequenceParallel: settled after each run, as the engine does
 
 
 @dataclass
@@ -221,6 +222,8 @@ def run_steps(rig: Rig, denoiser: Any, text: torch.Tensor, prepared: Any, forwar
     first_velocity = None
     with Peak(device) as peak:
         start = time.perf_counter()
+        if rig.sequence_parallel is not None:
+            rig.sequence_parallel.begin_loop()
         for i in forwards:
             inputs = denoiser.transformer_inputs(i, latents, text)
             if rig.modulation is not None:
@@ -231,6 +234,8 @@ def run_steps(rig: Rig, denoiser: Any, text: torch.Tensor, prepared: Any, forwar
             if keep_velocity and first_velocity is None:
                 first_velocity = video.clone()
             latents = denoiser.step(i, latents, video, audio)
+        if rig.sequence_parallel is not None:  # the last forward's host check, before the host waits unbounded
+            rig.sequence_parallel.settle()
         sync(device)
         seconds = time.perf_counter() - start
     run = StepRun(seconds / len(forwards), len(forwards), peak_gib=peak.peak_gib, velocity=first_velocity)

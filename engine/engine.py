@@ -25,7 +25,8 @@ rank's `parallel.group.SpGroup` (`actors.gpu_worker` starts them). Every rank ru
 seed, the noise is drawn on the CPU, so the same latents), with `parallel.sequence.SequenceParallel` sharding
 each forward over the group and `parallel.cache_decision` making Cache-DiT decide alike on every rank; only
 rank 0 holds the VAEs, decodes and muxes. What must not differ between ranks is agreed on through the group:
-cancellation (rank 0's answer, at every step boundary) and the AdaLN plan cache's admission and eviction (a
+cancellation (rank 0's answer, before the loop and at every step boundary, there one boundary late:
+`parallel.late_flag`, so the host never waits for the GPU queue) and the AdaLN plan cache's admission and eviction (a
 deterministic function of the request sequence, so identical when every rank sees the same requests in the
 same order; checked per request by comparing a digest of the slab rows every rank prepared).
 
@@ -73,6 +74,7 @@ from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.schedule import H3Schedule, Task
 from model.text_encoder import PromptEncoder, language_model_config
+from model.text_memo import RefinedTextMemo
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
 from model.tiny_components import TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
 from model.weights import CONFIG_FILE, H3TransformerConfig, TransformerWeights, is_adaln_param
@@ -80,6 +82,7 @@ from offload.layerwise import LayerwiseOffloader
 from parallel.adaln import AdalnShard, exchange_modulation_
 from parallel.cache_decision import install_rank_consistent_similarity
 from parallel.group import CollectiveError, SpGroup
+from parallel.late_flag import LateFlag
 from parallel.sequence import Exchange, SequenceParallel, check_degree
 from parallel.text_encoder import TextTensorParallel, check_text_degree
 
@@ -250,6 +253,8 @@ class Engine:
         t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
         self.modulation = ExternalModulation.install(self.transformer) if online else None
+        # The token refiner (no timestep input) runs once per request instead of once per forward.
+        self.refined_text = RefinedTextMemo.install(self.transformer)
         # Sequence parallel hooks the transformer's own forward and attention processors; installed before the
         # offloader and Cache-DiT wrap the blocks (so its input and output hooks stay outermost).
         self.sequence_parallel: SequenceParallel | None = None
@@ -489,6 +494,7 @@ class Engine:
                 params.pop(prefix + n, None)
         for name, param in params.items():
             param.copy_(weights.tensor(name, param.device))
+        self.refined_text.clear()  # rows refined by the old weights
         if self.plan_cache is not None:
             old_version = self.plan_cache.weights_version
             self.plan_cache.refresh_weight_derived_caches(path)
@@ -593,6 +599,25 @@ class Engine:
         if stop:
             raise GenerationCancelled("generation cancelled by the caller")
 
+    def _cancelled_at_step(self, cancelled: CancelledFn | None, late: LateFlag | None) -> None:
+        """A step boundary's cancel check. With a group: rank 0's answer at the previous boundary (`late`), so
+        every rank stops at the same boundary without the host waiting for the GPU queue; a cancel asked for
+        at boundary i stops every rank at boundary i + 1 (or at the loop's end)."""
+        local = cancelled is not None and cancelled()
+        if late is not None:
+            local = late.exchange(local)
+        if local:
+            self._end_loop(late)
+            raise GenerationCancelled("generation cancelled by the caller")
+
+    def _end_loop(self, late: LateFlag | None) -> bool:
+        """After a loop's last forward (or at its cancel): the host checks of the last forward's output gathers
+        (bounded; CollectiveError naming the forward) and the last boundary's cancel flag (True: rank 0 asked
+        to cancel during the loop). Every rank calls it at the same point."""
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.settle()
+        return late.finish() if late is not None else False
+
     def _denoise(
         self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
         cache_dit: CacheDitConfig, seed: int, embedding: PromptEmbedding, progress: ProgressFn | None,
@@ -615,8 +640,11 @@ class Engine:
             text = embedding.embeds.to(self.device)  # [L, D]
             denoiser = Denoiser(geometry, schedule, text.shape[0], self.device)
             latents = denoiser.initial_latents(seed)
+            late = LateFlag(self.group) if self.group is not None else None
+            if self.sequence_parallel is not None:
+                self.sequence_parallel.begin_loop()
             for i in range(num_forwards):
-                self._check_cancelled(cancelled)
+                self._cancelled_at_step(cancelled, late)
                 inputs = denoiser.transformer_inputs(i, latents, text)
                 if prepared is not None:
                     self.modulation.set(prepared.modulation(i))
@@ -625,6 +653,8 @@ class Engine:
                 latents = denoiser.step(i, latents, velocity_video, velocity_audio)
                 if progress is not None:
                     progress(i + 1, num_forwards)
+            if self._end_loop(late):  # before the host reads the latents: a dead peer raises, bounded
+                raise GenerationCancelled("generation cancelled by the caller")
             video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
             t2 = time.perf_counter()
@@ -671,7 +701,8 @@ class Engine:
         return self.sequence_parallel.num_local_real_rows
 
     def _rank_0_says(self, local: bool) -> bool:
-        """Rank 0's `local` on every rank (a collective: every rank calls it at the same point)."""
+        """Rank 0's `local` on every rank (a collective: every rank calls it at the same point). The host waits
+        for the queue: used outside the denoising loop only (the loop agrees one boundary late, `LateFlag`)."""
         flag = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
         self.group.broadcast(flag, src=0, host_wait=True)
         return bool(flag.item())

@@ -90,6 +90,9 @@ class Denoiser:
         self._audio_timesteps = schedule.audio_timesteps.to(self.device)
         # Only a few (video_index, audio_index) pairs occur (forward 0 has one plan row, the rest two).
         self._timestep_indices: dict[tuple[int, int], Tensor] = {}
+        #: (text_embeds, its [1, L, text_dim] view): every forward of this request gets the same view object,
+        #: so `model.text_memo.RefinedTextMemo` refines the text once per request.
+        self._text: tuple[Tensor, Tensor] | None = None
 
     def initial_latents(self, seed: int) -> PackedLatents:
         """Pure noise, drawn as the pipeline draws it: a CPU generator, video [C, F, H, W] first, then audio rows."""
@@ -117,7 +120,7 @@ class Denoiser:
         return TransformerInputs(
             hidden_states=latents.video[None],
             audio_hidden_states=latents.audio[None],
-            encoder_hidden_states=text_embeds[None],
+            encoder_hidden_states=self._text_view(text_embeds),
             timestep=self._plans[i],
             timestep_indices=self._timestep_indices[pair],
             token_tags=self.layout.token_tags,
@@ -126,6 +129,11 @@ class Denoiser:
             audio_indices=self.layout.audio_indices,
             text_indices=self.layout.text_indices,
         )
+
+    def _text_view(self, text_embeds: Tensor) -> Tensor:
+        if self._text is None or self._text[0] is not text_embeds:
+            self._text = (text_embeds, text_embeds[None])
+        return self._text[1]
 
     def step(self, i: int, latents: PackedLatents, velocity_video: Tensor, velocity_audio: Tensor) -> PackedLatents:
         """Move both modalities from grid point i to i + 1 on their own sigma grids (fp32)."""

@@ -16,9 +16,11 @@ How "a dead rank is an error, never a hang" is achieved, and what each piece cov
    collective is seen by the process group's watchdog thread after `timeout`, which then aborts the communicator
    and (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) ends the process: the actor dies and Ray reports it. To get a
    Python exception in the calling thread instead, a collective issued with `host_wait=True` blocks the host on
-   `Work.wait(timeout)`, which raises after `timeout`. The sequence-parallel forward does that once per forward
-   (the output gather): collectives are stream-ordered, so a hang in any earlier one of that forward surfaces
-   there. The hot-path collectives (attention all-to-alls) never block the host.
+   `Work.wait(timeout)`, which raises after `timeout`. The sequence-parallel forward checks its output gather
+   that way, but one forward late (`PendingCollective.wait_stream` now, `HostCheck.wait` when the next forward's
+   gather is issued, and once more at the end of the loop): collectives are stream-ordered, so a hang in any
+   collective of forward i surfaces there, raised by forward i + 1 or the loop's end, while the host never drains
+   the GPU queue in between. The hot-path collectives (attention all-to-alls) never block the host.
    Seen on 2 H200s: with the peer killed, the survivor's forward raised CollectiveError after the 15 s timeout,
    and the watchdog then logged that it takes the process down. A GPU worker that must live on to report the
    error sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process: torch's documented
@@ -119,12 +121,24 @@ class SpGroup:
 
     def all_gather(self, output: Tensor, input: Tensor, *, host_wait: bool = False) -> None:
         """`output` ([world_size * n, ...]) receives every rank's `input` ([n, ...]) in rank order."""
+        self.start_all_gather(output, input).wait(host_wait=host_wait)
+
+    def start_all_gather(self, output: Tensor, input: Tensor) -> PendingCollective:
+        """`all_gather`, returned before it is done (`wait()` or `wait_stream()` before `output` is read)."""
         if output.shape[0] != self.world_size * input.shape[0] or output.shape[1:] != input.shape[1:]:
             raise ValueError(f"all_gather: output {list(output.shape)} must be input {list(input.shape)} "
                              f"stacked {self.world_size} times along dim 0")
         self._check_tensors("all_gather", input, output)
-        self._run("all_gather", lambda: _all_gather_single(
-            output, input, group=self.process_group, async_op=True), host_wait)
+        return self._start("all_gather", lambda: _all_gather_single(
+            output, input, group=self.process_group, async_op=True), (output, input))
+
+    def start_broadcast(self, tensor: Tensor, src: int) -> PendingCollective:
+        """`broadcast`, returned before it is done (`wait()` or `wait_stream()` before `tensor` is read)."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast src={src} is not a rank of this group (world size {self.world_size})")
+        self._check_tensors("broadcast", tensor, tensor)
+        return self._start("broadcast", lambda: dist.broadcast(
+            tensor, group=self.process_group, group_src=src, async_op=True), (tensor,))
 
     def all_reduce(self, tensor: Tensor, *, host_wait: bool = False) -> None:
         """Every rank's `tensor` becomes the sum of every rank's `tensor` (in place; the same bits on every rank)."""
@@ -134,11 +148,7 @@ class SpGroup:
 
     def broadcast(self, tensor: Tensor, src: int, *, host_wait: bool = False) -> None:
         """Every rank's `tensor` becomes rank `src`'s (a rank of this group)."""
-        if not 0 <= src < self.world_size:
-            raise ValueError(f"broadcast src={src} is not a rank of this group (world size {self.world_size})")
-        self._check_tensors("broadcast", tensor, tensor)
-        self._run("broadcast", lambda: dist.broadcast(
-            tensor, group=self.process_group, group_src=src, async_op=True), host_wait)
+        self.start_broadcast(tensor, src).wait(host_wait=host_wait)
 
     def barrier(self) -> None:
         """Return once every rank got here (host-blocking, bounded by `timeout`)."""
@@ -211,6 +221,38 @@ class PendingCollective:
             else:
                 work.wait()
         except RuntimeError as exc:  # DistBackendError, DistNetworkError, gloo/NCCL timeouts
+            raise self.group._failed(self.op, exc) from exc
+
+    def wait_stream(self) -> HostCheck:
+        """`wait()` without the host wait, and that host wait handed back for later: from here on the caller's
+        stream may read the output (as after `wait()`), and `HostCheck.wait()` later blocks the host until the
+        collective is done (bounded by the group's timeout), raising CollectiveError if it failed. On NCCL the
+        host thus never waits here, so it does not drain the GPU queue; gloo has already waited on the host
+        (and raised), so the check then returns at once."""
+        work, tensors = self.work, self.tensors
+        self.wait()
+        return HostCheck(self.group, self.op, work, tensors)
+
+
+@dataclass(eq=False)
+class HostCheck:
+    """The host-side wait of a collective whose stream wait was already made (`PendingCollective.wait_stream`).
+    `wait` once; it holds the collective's tensors until then."""
+
+    group: SpGroup
+    op: str
+    work: dist.Work | None
+    tensors: tuple[Tensor, ...]
+
+    def wait(self) -> None:
+        """Block the host until the collective is done, at most the group's timeout; CollectiveError if it failed
+        or timed out (the group is unusable afterwards)."""
+        if self.work is None:
+            raise RuntimeError(f"{self.op}: host check made twice")
+        work, self.work, self.tensors = self.work, None, ()
+        try:
+            work.wait(self.group.timeout)
+        except RuntimeError as exc:
             raise self.group._failed(self.op, exc) from exc
 
 

@@ -27,8 +27,13 @@ How one forward runs at degree N (S rows in the packed `[text | audio | video]` 
    usable; pad queries compute garbage that is never read); per head chunk, an all-to-all returns this
    rank's rows x those heads, overlapping the next chunk's attention. Pads also never reach a real row anywhere else, every other op being row-local.
 4. Gather (forward hook on the transformer): the output heads produced this rank's video and audio rows;
-   they are all-gathered and put back in `video_indices` / `audio_indices` order. This gather waits on the
-   host with the group's timeout: the forward's one point where a dead peer becomes a `CollectiveError`.
+   they are all-gathered and put back in `video_indices` / `audio_indices` order. The stream waits for the
+   gathers at once; the host checks them one forward late (`OutputChecks`): forward i's gathers are waited
+   on, with the group's timeout, once forward i + 1's gathers are issued, and the last forward's by `settle()`
+   at the end of the loop. So the host never drains the GPU queue inside a loop, and a peer that died anywhere
+   in forward i (collectives are stream-ordered) still becomes a `CollectiveError` within about the timeout,
+   raised by forward i + 1 or by `settle()`, naming forward i. The caller of a loop calls `settle()` before
+   it reads the outputs on the host (a read would wait on the stream without a bound).
 
 Everything between the input and output hooks sees shard-shaped tensors only, so the seams that wrap the
 blocks keep working unchanged: `model.adaln.ExternalModulation` (its rows are indexed by the local
@@ -64,7 +69,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Atten
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from parallel.group import PendingCollective, SpGroup
+from parallel.group import CollectiveError, HostCheck, PendingCollective, SpGroup
 
 #: Released MiniMax-H3: 56 heads of 128 (h3.md section 2).
 H3_NUM_HEADS = 56
@@ -187,6 +192,45 @@ class Exchange:
             raise SequenceParallelError(f"head_chunks={self.head_chunks!r} must be an integer >= 1")
 
 
+class OutputChecks:
+    """The host-side checks of each forward's output gathers, made one forward late (module docstring, 4).
+
+    Invariant: at most one forward's checks are outstanding; `defer` of forward i + 1 checks forward i's, after
+    forward i + 1's gathers were issued, so the GPU queue holds all of forward i + 1 while the host waits."""
+
+    def __init__(self) -> None:
+        self.num_forwards = 0  # forwards since the last `settle` (the running loop's)
+        self._outstanding: tuple[int, list[HostCheck]] | None = None
+
+    def defer(self, checks: list[HostCheck]) -> None:
+        """Hold this forward's checks; check the previous forward's (CollectiveError naming it)."""
+        forward, self.num_forwards = self.num_forwards, self.num_forwards + 1
+        previous, self._outstanding = self._outstanding, (forward, checks)
+        if previous is not None:
+            self._check(previous, f"by forward {forward}")
+
+    def settle(self) -> None:
+        """The end of a loop: check the last forward's gathers (bounded by the group's timeout) and start
+        counting forwards afresh."""
+        outstanding, self._outstanding, self.num_forwards = self._outstanding, None, 0
+        if outstanding is not None:
+            self._check(outstanding, "at the end of the loop")
+
+    def drop(self) -> None:
+        """Forget the outstanding checks unchecked (sequence parallel removed)."""
+        self._outstanding, self.num_forwards = None, 0
+
+    @staticmethod
+    def _check(outstanding: tuple[int, list[HostCheck]], when: str) -> None:
+        forward, checks = outstanding
+        try:
+            for check in checks:
+                check.wait()
+        except CollectiveError as exc:
+            raise CollectiveError(f"sequence-parallel forward {forward} of the loop (its output gather, checked "
+                                  f"{when}): {exc}") from exc
+
+
 #: Per-row inputs of the transformer's forward, cut to the rank's rows (pads zero).
 _PER_ROW_INPUTS = ("position_ids", "token_tags", "timestep_indices")
 
@@ -195,7 +239,8 @@ class SequenceParallel:
     """Sequence parallelism installed on one transformer (`install`); `remove` restores it.
 
     Invariants: `shard` is set exactly between a forward's input hook and its output hook; the attention
-    processors read it, so a processor called outside a forward raises instead of using a stale split.
+    processors read it, so a processor called outside a forward raises instead of using a stale split. A
+    forward's output gathers are checked on the host by the next forward or by `settle()` (`OutputChecks`).
     """
 
     def __init__(self, transformer: MiniMaxH3Transformer3DModel, group: SpGroup, exchange: Exchange = Exchange()):
@@ -208,6 +253,7 @@ class SequenceParallel:
         self._layout: tuple[tuple[int, Tensor, Tensor, Tensor], SequenceShard] | None = None
         #: Splits built so far (one per request layout, not one per forward).
         self.num_splits_built = 0
+        self.output_checks = OutputChecks()
         self._original_processors: list[object] = []
         self._handles: list[RemovableHandle] = []
         # The class's forward, not the instance's: cache-dit replaces the latter by a (*args, **kwargs) wrapper.
@@ -246,6 +292,18 @@ class SequenceParallel:
         for block, processor in zip(self.transformer.transformer_blocks, self._original_processors):
             block.attn.set_processor(processor)
         self._handles, self._original_processors, self._shard, self._layout = [], [], None, None
+        self.output_checks.drop()
+
+    def begin_loop(self) -> None:
+        """A loop starts: count its forwards from 0. A check left by a loop that ended with an error is dropped
+        unchecked (a peer that died there fails the next collective instead)."""
+        self.output_checks.drop()
+
+    def settle(self) -> None:
+        """The end of a denoising loop (or any run of forwards): wait on the host, bounded by the group's
+        timeout, for the last forward's output gathers; CollectiveError (naming the forward) if a peer died.
+        Call it before reading the outputs on the host. A no-op at degree 1 or when nothing is outstanding."""
+        self.output_checks.settle()
 
     @property
     def shard(self) -> SequenceShard:
@@ -301,21 +359,25 @@ class SequenceParallel:
         shard, self._shard = self.shard, None
         as_tuple = isinstance(output, tuple)
         video, audio = output if as_tuple else (output.sample, output.audio_sample)
-        video = self._gather_rows(video, shard.video)
-        audio = self._gather_rows(audio, shard.audio)
+        if self.degree > 1:
+            checks: list[HostCheck] = []
+            video = self._gather_rows(video, shard.video, checks)
+            audio = self._gather_rows(audio, shard.audio, checks)
+            # This forward is issued whole: now the host may wait for the previous forward's gathers (done
+            # on the GPU long ago unless a peer died) without draining the queue.
+            self.output_checks.defer(checks)
         return (video, audio) if as_tuple else MiniMaxH3TransformerOutput(sample=video, audio_sample=audio)
 
-    def _gather_rows(self, local: Tensor, rows: RowShard) -> Tensor:
-        """[B, n_r, C] on every rank -> [B, n, C] in the modality's index order, the same bytes on every rank."""
-        if self.degree == 1:
-            return local
+    def _gather_rows(self, local: Tensor, rows: RowShard, checks: list[HostCheck]) -> Tensor:
+        """[B, n_r, C] on every rank -> [B, n, C] in the modality's index order, the same bytes on every rank;
+        the gather's host check is appended to `checks`."""
         batch, _, channels = local.shape
         most = max(rows.counts)
         send = local.new_zeros((1, batch, most, channels))
         send[0, :, : local.shape[1]] = local
         received = local.new_empty((self.degree, batch, most, channels))
-        # The forward's host-side wait: a peer that died anywhere in this forward surfaces here, bounded.
-        self.group.all_gather(received, send, host_wait=True)
+        # The stream waits here (the rows below read `received`); the host waits one forward later.
+        checks.append(self.group.start_all_gather(received, send).wait_stream())
         stacked = torch.cat([received[r, :, :count] for r, count in enumerate(rows.counts)], dim=1)
         return torch.empty_like(stacked).index_copy_(1, rows.order, stacked)
 

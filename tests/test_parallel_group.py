@@ -64,6 +64,19 @@ def _collectives_then_kill(rank: int, world_size: int, init_method: str, out_dir
     group.broadcast(token, src=1)
     report["broadcast"] = token.item()
 
+    # The stream wait now, the host check later (the SP output gather, the late cancel flag): same values.
+    gathered_later = torch.empty(4)
+    check = group.start_all_gather(gathered_later, torch.full((2,), rank + 7.0)).wait_stream()
+    flag = torch.tensor([float(rank + 3)])
+    flag_check = group.start_broadcast(flag, src=0).wait_stream()
+    check.wait()
+    flag_check.wait()
+    report["checked_later"] = (gathered_later.tolist(), flag.item())
+    try:
+        check.wait()
+    except RuntimeError as exc:
+        report["checked_twice"] = str(exc)
+
     with pytest.raises(ValueError, match="stacked 2 times"):
         group.all_gather(torch.empty(3), torch.empty(2))  # refused before any communication
 
@@ -151,6 +164,13 @@ def test_collectives_move_exact_values(killed):
     assert report["all_to_all"] == [0.0, 1.0, 10.0, 11.0]  # rank 0's chunk 0, then rank 1's chunk 0
     assert report["all_gather"] == [0.5, 0.5, 1.5, 1.5]  # bf16 rows of rank 0, then of rank 1
     assert report["broadcast"] == 1.0  # rank 1's value
+
+
+def test_host_checks_made_after_the_stream_wait_see_the_same_values_once(killed):
+    _, out_dir = killed
+    report = _load(out_dir, 0)  # rank 1 is killed before it reports
+    assert report["checked_later"] == ([7.0, 7.0, 8.0, 8.0], 3.0)  # rank 0's rows, then rank 1's; rank 0's flag
+    assert report["checked_twice"] == "all_gather: host check made twice"
 
 
 def test_started_all_to_alls_run_side_by_side_and_are_waited_once(killed):

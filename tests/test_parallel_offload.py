@@ -27,6 +27,7 @@ import torch
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import GenerationCancelled
 from model.tiny import make_tiny_checkpoint
 from parallel.launch import launch_local
 
@@ -39,6 +40,7 @@ NUM_FORWARDS = 8
 CACHE_DIT = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 1,
              "residual_diff_threshold": 0.15, "max_continuous_cached_steps": 2}
 ADALN_MODES = ("online", "resident")
+CANCEL_ASKED_AFTER = 3  # forwards done when rank 0's caller cancels
 #: Same 16-epsilon bound as tests/test_parallel_text_encoder.py (where it is derived).
 TOLERANCE_EPS = 16
 
@@ -79,6 +81,15 @@ def _rank_program(rank: int, world_size: int, init_method: str, checkpoint: Path
             "streamed_bytes": sum(offloader.describe()["block_bytes"][i] for i in offloader.streamed_indices),
             "streamed": offloader.streamed_indices,
         }
+    # Cancel mid-loop (engine with the last mode): rank 0's caller asks once 3 forwards are done, rank 1's
+    # from the first (ignored: rank 0 decides). Agreed one boundary late, so both ranks run forward 3 and stop.
+    seen: list[int] = []
+    asks_after = CANCEL_ASKED_AFTER if rank == 0 else 1
+    try:
+        engine.generate(request(), lambda done, total: seen.append(done), lambda: len(seen) >= asks_after)
+    except GenerationCancelled:
+        report["cancel"] = {"seen": seen, "held_plan_refs": engine.debug_stats()["held_plan_refs"]}
+    report["after_cancel"] = engine.generate(request()).video
     engine = Engine(engine_config(checkpoint, sp=world_size, adaln_mode="online", offload=True,
                                   text_encoder_tp=True), group=group)
     result = engine.generate(request())
@@ -137,6 +148,15 @@ def test_each_rank_streams_zero_bytes_in_a_cached_forward_and_its_blocks_in_a_co
         assert rank[mode]["bytes_per_step"] == expected
     assert ranks[0][mode]["streamed_bytes"] > 0
     assert ranks[0][mode]["bytes_per_step"] == ranks[1][mode]["bytes_per_step"]
+
+
+def test_a_cancel_mid_loop_stops_every_rank_after_the_same_forward_one_boundary_late(ranks, resident):
+    # asked at boundary 3 (3 forwards done) on rank 0: every rank runs forward 3 and stops at boundary 4
+    want = list(range(1, CANCEL_ASKED_AFTER + 2))
+    assert [rank["cancel"] for rank in ranks] == [{"seen": want, "held_plan_refs": 0}] * WORLD_SIZE
+    # a rank that ran one forward more would leave the other in a collective: the next request runs, same bits
+    for rank in ranks:
+        assert torch.equal(rank["after_cancel"], resident[ADALN_MODES[-1]].video)
 
 
 def test_with_the_tensor_parallel_text_encoder_the_ranks_agree(ranks, checkpoint):

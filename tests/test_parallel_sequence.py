@@ -37,9 +37,11 @@ from model.adaln import ExternalModulation, adaln_input, resident_modulation
 from model.denoise import Denoiser, TransformerInputs, denoise
 from model.geometry import GeometryLimits, VideoGeometry
 from model.schedule import H3Schedule
+from model.text_memo import RefinedTextMemo
 from model.tiny import TINY_TRANSFORMER, tiny_transformer
 from parallel.launch import RankExit, launch_local
-from parallel.sequence import Exchange, SequenceParallelError, check_degree, valid_degrees
+from parallel.group import CollectiveError
+from parallel.sequence import Exchange, OutputChecks, SequenceParallelError, check_degree, valid_degrees
 
 WORLD_SIZE = 2
 TIMEOUT_S = 20.0
@@ -142,6 +144,19 @@ def _rank_program(rank: int, world_size: int, init_method: str, out_dir: Path) -
         report["denoise"] = denoise(transformer, text_embeds(num_text_tokens), geometry_of(frames, width, height),
                                     H3Schedule.build(DENOISE_STEPS), DENOISE_SEED)
         report["denoise/splits_built"] = sp.num_splits_built
+        # Each forward's output gathers are checked on the host one forward late; `settle` checks the last one.
+        report["denoise/unsettled_forwards"] = sp.output_checks.num_forwards
+        sp.settle()
+        report["denoise/settled_forwards"] = sp.output_checks.num_forwards
+
+        # The same loop with the token refiner run once per request (model.text_memo): the same bits.
+        transformer = build_transformer(2, 4)
+        SequenceParallel.install(transformer, group)
+        memo = RefinedTextMemo.install(transformer)
+        report["denoise/memo"] = denoise(transformer, text_embeds(num_text_tokens),
+                                         geometry_of(frames, width, height), H3Schedule.build(DENOISE_STEPS),
+                                         DENOISE_SEED)
+        report["denoise/memo/refined"] = memo.num_refined
 
         # Degrees must divide the head count: 3 heads on 2 ranks.
         try:
@@ -266,6 +281,54 @@ def test_external_adaln_modulation_keeps_working_under_sp(ranks, one_process):
 def test_denoise_loop_under_sp2_equals_the_one_process_loop(ranks, one_process):
     for report in ranks.reports:
         assert_bitwise(report["denoise"], one_process["denoise"])
+
+
+def test_the_last_forwards_gather_waits_for_settle_which_starts_the_count_afresh(ranks):
+    for report in ranks.reports:
+        assert (report["denoise/unsettled_forwards"], report["denoise/settled_forwards"]) == (DENOISE_STEPS - 1, 0)
+
+
+def test_refining_the_text_once_per_request_under_sp2_keeps_the_one_process_bits(ranks, one_process):
+    for report in ranks.reports:
+        assert_bitwise(report["denoise/memo"], one_process["denoise"])
+        assert report["denoise/memo/refined"] == 1
+
+
+class _Check:
+    """A gather's host check: fails like a gather whose peer died (CollectiveError), or passes."""
+
+    def __init__(self, log: list[str], name: str, fails: bool = False):
+        self.log, self.name, self.fails = log, name, fails
+
+    def wait(self) -> None:
+        self.log.append(self.name)
+        if self.fails:
+            raise CollectiveError("all_gather on rank 0/2 (nccl, timeout 60 s) failed: a peer died")
+
+
+def test_a_forwards_gather_is_checked_by_the_next_forward_naming_it():
+    log: list[str] = []
+    checks = OutputChecks()
+    checks.defer([_Check(log, "0v"), _Check(log, "0a")])
+    assert log == []  # the host does not wait on a forward's own gathers
+    checks.defer([_Check(log, "1v", fails=True), _Check(log, "1a")])
+    assert log == ["0v", "0a"]
+    with pytest.raises(CollectiveError, match=r"forward 1 of the loop \(its output gather, checked by forward 2\)"):
+        checks.defer([_Check(log, "2v")])
+
+
+def test_the_last_forwards_gather_is_checked_at_the_end_of_the_loop():
+    log: list[str] = []
+    checks = OutputChecks()
+    checks.settle()  # nothing outstanding: nothing to wait for
+    checks.defer([_Check(log, "0v")])
+    checks.defer([_Check(log, "1v", fails=True)])
+    with pytest.raises(CollectiveError, match=r"forward 1 of the loop \(its output gather, checked at the end"):
+        checks.settle()
+    assert log == ["0v", "1v"]
+    checks.defer([_Check(log, "next loop")])
+    checks.settle()
+    assert checks.num_forwards == 0 and log[-1] == "next loop"
 
 
 def test_a_request_layout_is_split_once_not_per_forward(ranks):
