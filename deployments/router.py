@@ -88,7 +88,7 @@ SCHEDULE_KEY_KWARG = "schedule_key"
 """Keyword argument of the handle call that carries the schedule key."""
 
 DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_HOLD_FACTOR = 3.0
+DEFAULT_HOLD_FACTOR = 6.0
 DEFAULT_SPILL_CONFIRM_S = 0.01
 DEFAULT_POPULARITY_WINDOW = 1000
 DEFAULT_MISS_COST = 1.5
@@ -475,7 +475,7 @@ class ScheduleAffinityRouter(RequestRouter):
     bounded load; least load for requests without a key. The policy is in the module docstring.
 
     ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
-    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 3; the bound for a replica whose slab
+    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 6; the bound for a replica whose slab
     holds the key), ``spill_confirm_s`` (default 0.01), ``popularity_window`` (keyed requests remembered to
     rank evictions, and the rates placements are computed from; default 1000), ``placement`` (default False:
     see the module docstring), ``miss_cost`` (placement only: a rebuilding request's load in warm requests,
