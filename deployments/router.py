@@ -32,7 +32,13 @@ With ``placement=True`` (opt-in) a placement computed from the observed request 
 hotter than ``load_factor`` x a replica's share replicated, the tail sent to scratch slots): a request goes to
 the replicas the placement names for its key while within ``hold_factor``'s bound, then as above. It is off by
 default: in ``bench.routing_sim`` it raised the Zipf hit rate by at most ~0.02 while doubling p99 (the scratch
-replica queues rebuilds), and lowered both under uniform load.
+replica queues rebuilds), and lowered both under uniform load; it still does with the segmented slab
+(bench/results/routing-sim-cpu.md: +0.005..0.02 of Belady, uniform p99 1.8x Serve's default router).
+
+The slab report lists a replica's schedules in its eviction order, the next victims last (``engine.served``):
+with the segmented slab (``cache.slab.SlotIndex``) those are the schedules on probation, so the eviction cost
+of a new key is what it would really displace. ``hold_factor`` defaults to 6: with a handful of clients per
+replica a holder then never spills, which kept +0.03 of the Belady bound in the sim with p99 unchanged.
 
 Policy when they do not (rendezvous hashing with bounded load):
 
