@@ -1,7 +1,9 @@
 """Routing benchmark on CPU: schedule-affinity router vs Ray's default router vs an oracle.
 
-A fake worker models the GPU plan slab: each replica keeps an LRU of ``--slab-plans`` plans and serves one
-request at a time (like one GPU). A request for schedule ``s`` needs plans ``(s, 0..P-1)``; every plan not
+A fake worker models the GPU plan slab: each replica keeps ``--slab-plans`` plans under the engine's own
+eviction policy (`FakeSlab`: `cache.slab.SlotIndex`, segmented LRU with ``--protected-fraction`` of the slab
+for plans requested again) and reports it as the engine does (`engine.served`); it serves one request at a
+time (like one GPU). A request for schedule ``s`` needs plans ``(s, 0..P-1)``; every plan not
 in the slab costs ``--rebuild-ms-per-plan`` on top of ``--warm-ms``. Clients (closed loop, ``--clients``
 at a time) draw schedules from a Zipf or a uniform distribution. Reported per router and workload: plan
 hit rate and request latency (p50/p99) after a warm-up. The replicas report their slab (`slab_state()`:
@@ -28,7 +30,6 @@ import os
 import statistics
 import time
 import uuid
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -37,13 +38,17 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from cache.config import AdalnConfig
+from cache.slab import SlotIndex
 from deployments.router import (
+    DEFAULT_HOLD_FACTOR,
     DEFAULT_MISS_COST,
     ScheduleAffinityReporter,
     ScheduleAffinityRouter,
     schedule_affinity_stats,
 )
 from engine.api import SlabState
+from engine.served import ServedSchedules
 
 NUM_REPLICAS = 4
 
@@ -56,44 +61,79 @@ def schedule_of(key: str) -> int:
     return int(key.split("-", 1)[1])
 
 
-class FakePlanWorker(ScheduleAffinityReporter):
-    """One 'GPU': a plan slab (LRU of plans) and one request at a time."""
+def protected_plans(slab_plans: int, protected_fraction: float) -> int:
+    """The protected segment's size, as the engine computes it from its config."""
+    return AdalnConfig(gpu_plans=slab_plans, gpu_protected_fraction=protected_fraction).gpu_protected_plans
 
-    def __init__(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float):
-        self.slab_plans = slab_plans
+
+class FakeSlab:
+    """One replica's GPU plan slab, kept by the engine's own code: the bookkeeping and eviction policy
+    (`cache.slab.SlotIndex`) over plan keys ``(schedule, i)``, and the report the router reads
+    (`engine.served.ServedSchedules`). The fake worker, the oracle and `bench.routing_sim` all hold one."""
+
+    def __init__(self, slab_plans: int, protected_fraction: float):
+        self.index = SlotIndex(slab_plans, protected_slots=protected_plans(slab_plans, protected_fraction))
+        self.served = ServedSchedules()
+
+    def misses(self, schedule: int, plans_per_schedule: int) -> int:
+        """Plans a request for ``schedule`` would rebuild now (no state change)."""
+        return sum(self.index.lookup((schedule, i)) is None for i in range(plans_per_schedule))
+
+    def acquire(self, schedule: int, plans_per_schedule: int) -> tuple[int, List[int]]:
+        """What `PlanCache.prepare` does to the slab: a reference on every hit, then a slot for every missing
+        plan (evicting), committed once "built". Returns the hits and the slots held until `release`."""
+        keys = [(schedule, i) for i in range(plans_per_schedule)]
+        held, missing = [], []
+        for key in keys:
+            slot = self.index.lookup(key)
+            if slot is None:
+                missing.append(key)
+            else:
+                self.index.touch(slot)
+                held.append(slot)
+        built = [self.index.allocate(key) for key in missing]
+        for slot in built:
+            self.index.commit(slot)
+        self.served.served(schedule_key(schedule), keys)
+        return len(keys) - len(missing), held + built
+
+    def release(self, slots: List[int]) -> None:
+        for slot in slots:
+            self.index.free(slot)
+
+    def state(self) -> SlabState:
+        return self.served.slab_state(self.index)
+
+
+class FakePlanWorker(ScheduleAffinityReporter):
+    """One 'GPU': a plan slab (`FakeSlab`) and one request at a time."""
+
+    def __init__(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float,
+                 protected_fraction: float = AdalnConfig().gpu_protected_fraction):
         self.plans_per_schedule = plans_per_schedule
         self.warm_s = warm_s
         self.rebuild_s_per_plan = rebuild_s_per_plan
-        self.slab: "OrderedDict[tuple, None]" = OrderedDict()
+        self.slab = FakeSlab(slab_plans, protected_fraction)
         self.lock = asyncio.Lock()
         self.replica = uuid.uuid4().hex[:8]
 
     async def generate(self, payload: Dict[str, Any], schedule_key: Optional[str] = None) -> Dict[str, Any]:
         with self.track_schedule(schedule_key):
             async with self.lock:
-                plans = [(payload["schedule"], i) for i in range(self.plans_per_schedule)]
-                hits = sum(p in self.slab for p in plans)
-                for p in plans:
-                    self.slab[p] = None
-                    self.slab.move_to_end(p)
-                while len(self.slab) > self.slab_plans:
-                    self.slab.popitem(last=False)
-                cost = self.warm_s + (len(plans) - hits) * self.rebuild_s_per_plan
-                if cost > 0:
-                    await asyncio.sleep(cost)
-                return {"replica": self.replica, "plan_hits": hits, "plans": len(plans)}
+                hits, slots = self.slab.acquire(payload["schedule"], self.plans_per_schedule)
+                try:
+                    cost = self.warm_s + (self.plans_per_schedule - hits) * self.rebuild_s_per_plan
+                    if cost > 0:
+                        await asyncio.sleep(cost)
+                finally:
+                    self.slab.release(slots)
+                return {"replica": self.replica, "plan_hits": hits, "plans": self.plans_per_schedule}
 
     def warm_schedule_keys(self) -> List[str]:
-        # Schedules whose plans are all resident, most recently used first.
-        count: Dict[int, int] = {}
-        for schedule, _ in reversed(self.slab):
-            count[schedule] = count.get(schedule, 0) + 1
-        return [schedule_key(s) for s, n in count.items() if n == self.plans_per_schedule]
+        return list(self.slab.state().schedule_keys)
 
     def slab_state(self) -> SlabState:
-        keys = self.warm_schedule_keys()
-        return SlabState(tuple(keys), (self.plans_per_schedule,) * len(keys), self.slab_plans,
-                         self.slab_plans - len(self.slab))
+        return self.slab.state()
 
 
 def belady_row(workload: str, schedules: List[int], plans_per_schedule: int, slab_plans: int, warmup: int) -> Dict[str, Any]:
@@ -123,12 +163,14 @@ class OracleRouter(RequestRouter):
     """Knows every replica's slab and queue: simulates both at routing time (exact while this one handle is
     the only client) and picks the replica where the request would finish first."""
 
-    def initialize_state(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float):
+    def initialize_state(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float,
+                         protected_fraction: float = AdalnConfig().gpu_protected_fraction):
         self.slab_plans = slab_plans
         self.plans_per_schedule = plans_per_schedule
         self.warm_s = warm_s
         self.rebuild_s_per_plan = rebuild_s_per_plan
-        self.slabs: Dict[str, "OrderedDict[tuple, None]"] = {}
+        self.protected_fraction = protected_fraction
+        self.slabs: Dict[str, FakeSlab] = {}
         self.busy_until: Dict[str, float] = {}
 
     async def choose_replicas(
@@ -138,23 +180,18 @@ class OracleRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
         schedule = schedule_of(pending_request.kwargs["schedule_key"])
-        plans = [(schedule, i) for i in range(self.plans_per_schedule)]
         now = time.monotonic()
         best, best_finish = None, math.inf
         for replica in candidate_replicas:
             rid = replica.replica_id.unique_id
-            slab = self.slabs.setdefault(rid, OrderedDict())
-            misses = sum(p not in slab for p in plans)
+            slab = self.slabs.setdefault(rid, FakeSlab(self.slab_plans, self.protected_fraction))
+            misses = slab.misses(schedule, self.plans_per_schedule)
             finish = max(now, self.busy_until.get(rid, now)) + self.warm_s + misses * self.rebuild_s_per_plan
             if finish < best_finish:
                 best, best_finish = replica, finish
         rid = best.replica_id.unique_id
         slab = self.slabs[rid]
-        for p in plans:
-            slab[p] = None
-            slab.move_to_end(p)
-        while len(slab) > self.slab_plans:
-            slab.popitem(last=False)
+        slab.release(slab.acquire(schedule, self.plans_per_schedule)[1])
         self.busy_until[rid] = best_finish
         return [[best]]
 
@@ -227,6 +264,7 @@ def worker_deployment(router: str, args, name: str, load_factor: Optional[float]
         plans_per_schedule=args.plans_per_schedule,
         warm_s=args.warm_ms / 1e3,
         rebuild_s_per_plan=args.rebuild_ms_per_plan / 1e3,
+        protected_fraction=args.protected_fraction,
     )
     if router in ("affinity", "placed"):
         options["request_router_config"] = RequestRouterConfig(
@@ -245,7 +283,7 @@ def worker_deployment(router: str, args, name: str, load_factor: Optional[float]
 
 async def measure_overhead(num_calls: int) -> List[Dict[str, Any]]:
     """Per-request cost of routing through Serve, with a worker that does no work."""
-    zero = dict(slab_plans=1 << 20, plans_per_schedule=1, warm_s=0.0, rebuild_s_per_plan=0.0)
+    zero = dict(slab_plans=1 << 10, plans_per_schedule=1, warm_s=0.0, rebuild_s_per_plan=0.0)
 
     async def timed(call, n) -> List[float]:
         out = []
@@ -330,8 +368,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--slab-plans", type=int, default=32, help="plans one replica keeps (4 schedules)")
     parser.add_argument("--warm-ms", type=float, default=20.0, help="cost of a request with all plans warm")
     parser.add_argument("--rebuild-ms-per-plan", type=float, default=10.0, help="extra cost per missing plan")
+    parser.add_argument("--protected-fraction", type=float, default=AdalnConfig().gpu_protected_fraction,
+                        help="adaln.gpu_protected_fraction of the fake slabs (0: plain LRU)")
     parser.add_argument("--load-factor", type=float, default=1.25)
-    parser.add_argument("--hold-factor", type=float, default=3.0)
+    parser.add_argument("--hold-factor", type=float, default=DEFAULT_HOLD_FACTOR)
     parser.add_argument("--miss-cost", type=float, default=DEFAULT_MISS_COST,
                         help="the router's miss_cost: a request that rebuilds its plans, in warm requests")
     parser.add_argument("--spill-confirm-s", type=float, default=0.01)

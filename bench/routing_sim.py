@@ -1,6 +1,7 @@
 """Discrete-event simulation of the routing benchmark: the router's policy functions without Ray, in seconds.
 
-Same model as `bench.routing`: replicas serving one request at a time (FIFO), each with an LRU slab of plans;
+Same model as `bench.routing`: replicas serving one request at a time (FIFO), each with a slab of plans kept by
+the engine's own eviction policy and report (`bench.routing.FakeSlab`: `cache.slab.SlotIndex`, `engine.served`);
 a request for schedule ``s`` needs plans ``(s, 0..P-1)`` and costs ``warm_ms`` plus ``rebuild_ms_per_plan`` per
 missing plan; closed-loop clients. The router is the real policy (`rank_for_slab_key`, or `plan_placement` +
 `rank_for_placed_key`) fed with exact loads and slab contents (the Serve bench sees reports up to a period
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from bench.routing import NUM_REPLICAS, belady_row, draw_schedules, schedule_key, zipf_weights
+from bench.routing import NUM_REPLICAS, FakeSlab, belady_row, draw_schedules, schedule_key, zipf_weights
+from cache.config import AdalnConfig
 from deployments.placement import Placement, plan_placement
 from deployments.router import (
     DEFAULT_HOLD_FACTOR,
@@ -35,7 +37,9 @@ from deployments.router import (
     rank_for_slab_key,
 )
 
-ROUTERS = ("slab", "placed", "placed-true-rates")
+ROUTERS = ("slab", "placed", "placed-true-rates", "default")
+#: Serve's default router, as modelled here: two replicas drawn at random, the one with the shorter queue.
+DEFAULT_ROUTER = "default"
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class SimConfig:
     load_factor: float = DEFAULT_LOAD_FACTOR
     hold_factor: float = DEFAULT_HOLD_FACTOR
     miss_cost: float = DEFAULT_MISS_COST
+    protected_fraction: float = AdalnConfig().gpu_protected_fraction
 
 
 def true_rates(workload: str, cfg: SimConfig, seed: int) -> Dict[str, float]:
@@ -69,11 +74,13 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
     schedules = draw_schedules(workload, cfg.requests, cfg.num_schedules, cfg.zipf_alpha, seed)
     P = cfg.plans_per_schedule
     ids = [f"r{i}" for i in range(NUM_REPLICAS)]
-    slabs: Dict[str, "OrderedDict[tuple, None]"] = {rid: OrderedDict() for rid in ids}
+    slabs = {rid: FakeSlab(cfg.slab_plans, cfg.protected_fraction) for rid in ids}
+    held: Dict[str, List[int]] = {}  # slots the running request of each replica holds
     queues: Dict[str, Deque[int]] = {rid: deque() for rid in ids}
     popularity = KeyPopularity()
     known: Optional[Mapping[str, float]] = true_rates(workload, cfg, seed) if router == "placed-true-rates" else None
     placement: Optional[Placement] = None
+    rng = np.random.default_rng(seed + 2)  # the default router's draws
     since_placement = 0
     hits = [0] * cfg.requests
     started = [0.0] * cfg.requests
@@ -81,11 +88,8 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
     events: List[tuple] = []  # (finish time, replica id)
 
     def view(rid: str) -> SlabView:
-        complete: Dict[int, int] = {}
-        for s, _ in reversed(slabs[rid]):  # most recent first
-            complete[s] = complete.get(s, 0) + 1
-        keys = tuple(schedule_key(s) for s, c in complete.items() if c == P)
-        v = SlabView(keys, (P,) * len(keys), cfg.slab_plans)
+        state = slabs[rid].state()  # the engine's report, exact and current
+        v = SlabView(state.schedule_keys, state.schedule_plans, state.capacity_plans)
         for i in queues[rid]:  # queued requests will have their plans resident
             v = v.with_served(schedule_key(schedules[i]), P)
         return v
@@ -99,6 +103,10 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
             count = lambda k: known.get(k, 0.0)  # noqa: E731
         else:
             count = popularity.count
+        if router == DEFAULT_ROUTER:
+            a, b = (ids[j] for j in rng.choice(len(ids), size=2, replace=False))
+            popularity.record(key)
+            return a if loads[a] <= loads[b] else b
         if router == "slab":
             ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor)
         else:
@@ -116,14 +124,7 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
 
     def start(rid: str, now: float) -> None:
         i = queues[rid][0]
-        plans = [(schedules[i], j) for j in range(P)]
-        slab = slabs[rid]
-        hits[i] = sum(p in slab for p in plans)
-        for p in plans:
-            slab[p] = None
-            slab.move_to_end(p)
-        while len(slab) > cfg.slab_plans:
-            slab.popitem(last=False)
+        hits[i], held[rid] = slabs[rid].acquire(schedules[i], P)
         cost_ms = cfg.warm_ms + (P - hits[i]) * cfg.rebuild_ms_per_plan
         heapq.heappush(events, (now + cost_ms / 1e3, rid))
 
@@ -146,6 +147,7 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
     while events:
         now, rid = heapq.heappop(events)
         i = queues[rid].popleft()
+        slabs[rid].release(held.pop(rid))
         latency[i] = now - started[i]
         if queues[rid]:
             start(rid, now)
@@ -174,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--miss-cost", type=float, default=SimConfig.miss_cost)
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/routing-sim-cpu.md/json: the mean over --seeds per workload, "
-                             "router and hold_factor (the given one and 6.0, where a holder never spills here)")
+                             "router, protected fraction (0: LRU, and the default) and hold_factor (3 and the given)")
     args = parser.parse_args(argv)
     from bench.common import command_line, markdown_table, write_results
 
@@ -186,25 +188,34 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(markdown_table(rows, columns))
         return
     rows = []
-    for hold_factor in dict.fromkeys([args.hold_factor, 6.0]):
-        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
-                        hold_factor=hold_factor, miss_cost=args.miss_cost)
-        for workload in args.workloads:
-            for router in args.routers:
-                runs = [simulate(workload, router, cfg, s) for s in args.seeds]
-                row = {"workload": workload, "router": router, "hold_factor": hold_factor}
-                for k in ("plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
-                    row[k] = round(float(np.mean([r[k] for r in runs])), 4)
-                rows.append(row)
-                print(row, flush=True)
-    columns = ["workload", "router", "hold_factor", *columns[3:]]
+    default = AdalnConfig().gpu_protected_fraction
+    for protected in dict.fromkeys([0.0, default]):
+        for hold_factor in dict.fromkeys([3.0, args.hold_factor]):
+            cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                            hold_factor=hold_factor, miss_cost=args.miss_cost, protected_fraction=protected)
+            for workload in args.workloads:
+                for router in args.routers:
+                    if router == DEFAULT_ROUTER and hold_factor != args.hold_factor:
+                        continue  # no hold_factor there
+                    runs = [simulate(workload, router, cfg, s) for s in args.seeds]
+                    row = {"workload": workload, "router": router, "protected_fraction": protected,
+                           "hold_factor": hold_factor}
+                    for k in ("plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
+                        row[k] = round(float(np.mean([r[k] for r in runs])), 4)
+                    rows.append(row)
+                    print(row, flush=True)
+    columns = ["workload", "router", "protected_fraction", "hold_factor", *columns[3:]]
     notes = [
         f"Discrete-event simulation of bench.routing (virtual time, exact loads and slab contents): "
         f"{NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, 6 closed-loop clients, "
         f"{args.requests} requests per run, first {args.warmup} left out; mean over seeds {args.seeds}; "
         f"load_factor {args.load_factor}, miss_cost {args.miss_cost}.",
+        "Each slab is the engine's own bookkeeping (cache.slab.SlotIndex via bench.routing.FakeSlab) and report "
+        "(engine.served): protected_fraction 0 is plain LRU, the default "
+        f"({default}) the segmented policy (one-off schedules on probation, evicted first).",
         "slab: the default policy (rank_for_slab_key). placed: placement=True (deployments/placement.py) from "
-        "the observed counts; placed-true-rates: the same fed the sampled distribution (its ceiling).",
+        "the observed counts; placed-true-rates: the same fed the sampled distribution (its ceiling). default: "
+        "Serve's default router modelled as power of two choices by queue length (the p99 reference).",
     ]
     write_results("routing-sim", rows, device="cpu", command=command_line(), columns=columns, notes=notes)
     print(markdown_table(rows, columns))

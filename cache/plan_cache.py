@@ -80,7 +80,7 @@ class AdalnStats(BaseModel):
     pool_published_plans: int = Field(0, description="Built plans offered to the remote tier/pool (background).")
     pool_lookup_s: float = Field(0.0, description="Wall seconds spent asking the remote tier/pool.")
     built_plans: int = Field(0, description="Plans projected by a streaming rebuild from the checkpoint.")
-    gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (LRU) to make room.")
+    gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (segmented LRU) to make room.")
     host_stored_plans: int = Field(0, description="Plans copied D2H into the host tier.")
     host_evicted_groups: int = Field(0, description="Host tier groups evicted (LRU) to make room.")
     host_pressure_skips: int = Field(0, description="Groups not stored: larger than the whole host tier.")
@@ -303,7 +303,7 @@ class PlanCache:
         self.slab = PlanSlab(
             num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=dims.num_blocks,
             adaln_width=dims.adaln_width, final_width=dims.final_adaln_width, dtype=dims.torch_dtype,
-            device=self.device,
+            device=self.device, protected_plans=config.gpu_protected_plans,
         )
         self.host = HostTier(
             capacity_bytes=config.host_cache_bytes, num_blocks=dims.num_blocks, adaln_width=dims.adaln_width,
@@ -392,8 +392,11 @@ class PlanCache:
 
     def holds(self, keys: Sequence[PlanKey]) -> bool:
         """Whether every plan in `keys` is READY in the GPU slab now (a request for them would hit)."""
-        index = self.slab.index
-        return all(index.lookup(key) is not None for key in keys)
+        return self.slab.index.holds(keys)
+
+    def eviction_order(self) -> list[PlanKey]:
+        """Keys of the evictable plans, next victim first (`SlotIndex.eviction_order`)."""
+        return self.slab.index.eviction_order()
 
     def close(self) -> None:
         self.rebuilder.close()

@@ -20,10 +20,11 @@ Pure functions of the rates, capacities and current slab contents: every router 
 about the same placement. Ties go by rendezvous weight, never by process-local order.
 
 The router uses it only with ``placement=True`` (off by default). Measured (bench/results/routing-sim-cpu.md,
-routing-cpu.md): against the slab policy it gains at most ~0.02 of Zipf plan hit rate and doubles p99, because
-the workers' slabs are LRU: a tail request still evicts the least recent schedule of the scratch replica (often
-a stable one), and concentrating rebuilds on the scratch replicas queues them. The pooled Belady bound is out of
-reach of any LRU-slab placement here; the sim's best (true rates, no spill) is ~0.92 of it.
+routing-cpu.md): against the slab policy it gains at most ~0.02 of Zipf plan hit rate and doubles p99:
+concentrating rebuilds on the scratch replicas queues them. With LRU slabs a tail request also evicted the least
+recent schedule of the scratch replica (often a stable one); the segmented slab (probation first) removed that
+loss for the slab policy too (0.89 -> 0.91 of Belady at hold_factor 6), short of the 0.95 goal. The sim's best with placement (true rates, segmented
+slab) is ~0.93 of the pooled Belady bound.
 """
 
 from __future__ import annotations

@@ -32,7 +32,13 @@ With ``placement=True`` (opt-in) a placement computed from the observed request 
 hotter than ``load_factor`` x a replica's share replicated, the tail sent to scratch slots): a request goes to
 the replicas the placement names for its key while within ``hold_factor``'s bound, then as above. It is off by
 default: in ``bench.routing_sim`` it raised the Zipf hit rate by at most ~0.02 while doubling p99 (the scratch
-replica queues rebuilds), and lowered both under uniform load.
+replica queues rebuilds), and lowered both under uniform load; it still does with the segmented slab
+(bench/results/routing-sim-cpu.md: +0.005..0.02 of Belady, uniform p99 1.8x Serve's default router).
+
+The slab report lists a replica's schedules in its eviction order, the next victims last (``engine.served``):
+with the segmented slab (``cache.slab.SlotIndex``) those are the schedules on probation, so the eviction cost
+of a new key is what it would really displace. ``hold_factor`` defaults to 6: with a handful of clients per
+replica a holder then never spills, which kept +0.03 of the Belady bound in the sim with p99 unchanged.
 
 Policy when they do not (rendezvous hashing with bounded load):
 
@@ -88,7 +94,7 @@ SCHEDULE_KEY_KWARG = "schedule_key"
 """Keyword argument of the handle call that carries the schedule key."""
 
 DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_HOLD_FACTOR = 3.0
+DEFAULT_HOLD_FACTOR = 6.0
 DEFAULT_SPILL_CONFIRM_S = 0.01
 DEFAULT_POPULARITY_WINDOW = 1000
 DEFAULT_MISS_COST = 1.5
@@ -475,7 +481,7 @@ class ScheduleAffinityRouter(RequestRouter):
     bounded load; least load for requests without a key. The policy is in the module docstring.
 
     ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
-    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 3; the bound for a replica whose slab
+    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 6; the bound for a replica whose slab
     holds the key), ``spill_confirm_s`` (default 0.01), ``popularity_window`` (keyed requests remembered to
     rank evictions, and the rates placements are computed from; default 1000), ``placement`` (default False:
     see the module docstring), ``miss_cost`` (placement only: a rebuilding request's load in warm requests,

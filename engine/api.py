@@ -170,8 +170,9 @@ class GenerationResult:
 @dataclass(frozen=True)
 class SlabState:
     """What the engine's GPU plan slab holds, for routing: the schedules whose plans are all resident (a
-    request for one would find every plan in the slab), most recently served first, with each one's number of
-    distinct plans, and the slab's size. An engine without a slab (resident AdaLN) reports `NO_SLAB`."""
+    request for one would find every plan in the slab), in the slab's eviction order with the next victims
+    last (`engine.served`), with each one's number of distinct plans, and the slab's size. An engine without a
+    slab (resident AdaLN) reports `NO_SLAB`."""
 
     schedule_keys: tuple[str, ...] = ()
     schedule_plans: tuple[int, ...] = ()  # distinct plans of each schedule in `schedule_keys`

@@ -2,8 +2,9 @@
 
 The plan cache knows plans, not schedules. `ServedSchedules` remembers, for the schedules this engine served
 most recently, which plan keys each one needed; `slab_state` asks the plan cache which of those schedules
-still have every plan resident. Plan keys carry the weights version, so after a weight update no remembered
-schedule is resident until it is served again.
+still have every plan resident, and orders them by the slab's eviction order (the schedules it would evict
+next come last: the router reads the tail of the list as what a new schedule would cost). Plan keys carry the
+weights version, so after a weight update no remembered schedule is resident until it is served again.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class SlabHolder(Protocol):
 
     def holds(self, keys: Sequence[Hashable]) -> bool: ...
 
+    def eviction_order(self) -> list[Hashable]:
+        """Keys of the evictable plans, next victim first (plans in use are not evictable)."""
+
 
 class ServedSchedules:
     """Bounded LRU of schedule key -> the plan keys it needed (thread-safe: written by the engine thread, read
@@ -50,15 +54,21 @@ class ServedSchedules:
                 self._plans.popitem(last=False)
 
     def slab_state(self, cache: SlabHolder | None) -> SlabState:
-        """The remembered schedules whose plans are all in `cache`'s slab now, most recently served first."""
+        """The remembered schedules whose plans are all in `cache`'s slab now, the slab's next victims last: a
+        schedule goes when its first plan does, so schedules are ordered by their plan nearest the eviction end
+        (plans in use last of all), ties most recently served first."""
         if cache is None:
             return NO_SLAB
         with self._lock:
             remembered = list(reversed(self._plans.items()))
-        resident = [(key, len(plans)) for key, plans in remembered if plans and cache.holds(plans)]
+        order = cache.eviction_order()
+        rank = {key: i for i, key in enumerate(order)}  # position from the eviction end; in use: len(order)
+        resident = [(key, len(plans), min(rank.get(p, len(order)) for p in plans))
+                    for key, plans in remembered if plans and cache.holds(plans)]
+        resident.sort(key=lambda entry: -entry[2])  # stable: ties keep the most recently served first
         return SlabState(
-            schedule_keys=tuple(key for key, _ in resident),
-            schedule_plans=tuple(n for _, n in resident),
+            schedule_keys=tuple(key for key, _, _ in resident),
+            schedule_plans=tuple(n for _, n, _ in resident),
             capacity_plans=cache.capacity_plans,
             free_plans=cache.num_free_plans,
         )

@@ -109,3 +109,127 @@ def test_plan_slab_rows_and_buffers_allocated_once():
     assert slab.row_ids([(2, 2), (0, 3)]) == [8, 9, 0, 1, 2]
     with pytest.raises(ValueError, match="does not fit"):
         slab.row_ids([(0, 5)])
+
+
+# -- the segmented policy (probation / protected)
+
+
+def served(index: SlotIndex, key: str) -> None:
+    """One request for `key` that finished: a hit (promotes) or a build, then its reference dropped."""
+    slot = index.lookup(key)
+    if slot is None:
+        (slot,) = ready(index, key)
+    else:
+        index.touch(slot)
+    index.free(slot)
+
+
+@pytest.mark.parametrize("capacity, protected", [(4, 2), (6, 3), (8, 6), (5, 5)])
+def test_one_off_plans_never_evict_a_protected_plan_while_probation_has_room(capacity, protected):
+    index = SlotIndex(capacity, protected_slots=protected)
+    hot = [f"hot{i}" for i in range(protected)]
+    for key in hot:
+        served(index, key)
+        served(index, key)  # a second request: promoted
+    assert index.num_protected == protected
+    for i in range(3 * capacity):  # a scan of one-off plans
+        served(index, f"once{i}")
+        index.check()
+        if capacity > protected:  # probation had room: the scan churned there
+            assert all(index.lookup(key) is not None for key in hot)
+    if capacity == protected:  # no probation at all: a one-off must take a protected plan's slot
+        assert sum(index.lookup(key) is None for key in hot) >= 1
+
+
+@pytest.mark.parametrize("protected", [1, 2, 3])
+def test_a_second_request_promotes_and_the_protected_excess_is_demoted_to_probation(protected):
+    index = SlotIndex(4, protected_slots=protected)
+    for key in "abcd":
+        served(index, key)
+    assert index.num_protected == 0 and index.eviction_order() == list("abcd")  # all on probation
+    for key in "abcd":
+        served(index, key)  # promoted in turn; the least recently promoted overflow back to probation
+    assert index.num_protected == protected
+    assert index.eviction_order() == list("abcd")  # demoted ones first, then protected, each oldest first
+    assert [index.is_protected(index.lookup(k)) for k in "abcd"] == [False] * (4 - protected) + [True] * protected
+    served(index, "e")  # a one-off evicts the oldest probation plan
+    assert index.lookup("a") is None and all(index.lookup(k) is not None for k in "bcd")
+    index.check()
+
+
+def test_a_plan_evicted_lately_comes_back_protected():
+    index = SlotIndex(2, protected_slots=1, history=4)
+    served(index, "a")
+    served(index, "b")
+    served(index, "c")  # evicts "a" (probation, oldest): remembered
+    assert index.lookup("a") is None
+    served(index, "a")  # requested again within the window: straight into protected
+    assert index.is_protected(index.lookup("a"))
+    index.check()
+
+
+@pytest.mark.parametrize("protected", [0, 1, 2, 3])
+def test_pinned_plans_are_never_evicted_in_either_segment(protected):
+    index = SlotIndex(3, protected_slots=protected)
+    served(index, "a")
+    served(index, "a")                       # protected (if any protected room)
+    pinned = index.lookup("a")
+    index.touch(pinned)                      # an in-flight request holds it
+    (b,) = ready(index, "b")                 # probation, held by its builder
+    served(index, "c")
+    index.allocate("d")                      # evicts "c", the only unreferenced plan
+    assert index.lookup("a") == pinned and index.state(b) is SlotState.READY
+    with pytest.raises(SlabFullError):
+        index.allocate("e")
+    index.check()
+
+
+def test_protected_zero_is_plain_lru():
+    index = SlotIndex(3, protected_slots=0)
+    for key in "abc":
+        served(index, key)
+    served(index, "a")  # a hit refreshes recency; nothing is ever protected
+    assert index.num_protected == 0 and index.eviction_order() == list("bca")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replicas_fed_the_same_calls_decide_alike(seed):
+    """What a sequence-parallel replica relies on: every rank's index sees the same calls in the same order and
+    must evict alike (no clock, no randomness, no hash order). Invariants hold after every call."""
+    import random
+
+    rng = random.Random(seed)
+    ranks = [SlotIndex(8, protected_slots=5) for _ in range(2)]
+    in_flight: list[list[int]] = []
+    for _ in range(400):
+        if in_flight and (rng.random() < 0.5 or len(in_flight) > 2):
+            slots = in_flight.pop(rng.randrange(len(in_flight)))
+            for index in ranks:
+                for slot in slots:
+                    index.free(slot)
+        else:
+            keys = rng.sample(range(14), rng.randint(1, 3))
+            taken = []
+            for index in ranks:
+                slots = []
+                try:
+                    for key in keys:
+                        slot = index.lookup(key)
+                        if slot is None:
+                            slot = index.allocate(key)
+                            index.commit(slot)
+                        else:
+                            index.touch(slot)
+                        slots.append(slot)
+                except SlabFullError:
+                    for slot in slots:
+                        index.free(slot)
+                    slots = None
+                taken.append(slots)
+            assert taken[0] == taken[1]
+            if taken[0]:
+                in_flight.append(taken[0])
+        for index in ranks:
+            index.check()
+        assert ranks[0].eviction_order() == ranks[1].eviction_order()
+        assert [ranks[0].key(s) for s in range(8)] == [ranks[1].key(s) for s in range(8)]

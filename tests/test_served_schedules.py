@@ -1,4 +1,4 @@
-"""engine.served.ServedSchedules: which schedules the slab holds whole, most recently served first."""
+"""engine.served.ServedSchedules: which schedules the slab holds whole, the slab's next victims last."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ from engine.served import ServedSchedules
 
 
 class FakeSlab:
-    """A SlabHolder: the set of plan keys resident."""
+    """A SlabHolder: the plan keys resident; `evictable` in eviction order (the rest are in use)."""
 
-    def __init__(self, resident, capacity_plans=8, num_free_plans=2):
+    def __init__(self, resident, capacity_plans=8, num_free_plans=2, evictable=()):
         self.resident = set(resident)
+        self.evictable = list(evictable)
         self.capacity_plans = capacity_plans
         self.num_free_plans = num_free_plans
 
     def holds(self, keys):
         return all(key in self.resident for key in keys)
+
+    def eviction_order(self):
+        return self.evictable
 
 
 def test_reports_schedules_with_every_plan_resident_most_recent_first():
@@ -49,3 +53,14 @@ def test_remembers_a_bounded_number_of_schedules_and_no_cache_means_no_slab():
         ServedSchedules(capacity=0)
     with pytest.raises(ValueError, match="one plan count per schedule key"):
         SlabState(("a",), ())
+
+
+def test_schedules_are_ordered_by_the_slab_eviction_order_next_victims_last():
+    served = ServedSchedules()
+    served.served("hot", ["h0", "h1"])
+    served.served("once", ["o0", "o1"])
+    served.served("busy", ["b0"])
+    # The slab evicts "once" first (probation), then "hot"; "busy" is in use. "hot" goes with h1, its plan
+    # nearest the eviction end, even though "once" was served after it.
+    slab = FakeSlab({"h0", "h1", "o0", "o1", "b0"}, evictable=["o1", "h1", "o0", "h0"])
+    assert served.slab_state(slab).schedule_keys == ("busy", "hot", "once")
