@@ -35,7 +35,9 @@ logger = logging.getLogger("ray.serve")
 
 
 def replica_startup(role: str, constructor_at: float, build_started_at: float) -> ReplicaStartup:
-    """A stage replica's timeline, its build ending now (a stage's build is all of its constructor's work)."""
+    """A stage replica's timeline, its build ending now (a stage's build is all of its constructor's work). A
+    module-level function, so it reads this process's import times (Serve pickles the deployment classes by value,
+    with the driver's values of the globals they name)."""
     now = time.time()
     return ReplicaStartup(role=role, process_started_at=process_started_at(), import_started_at=IMPORT_STARTED_AT,
                           imported_at=IMPORTED_AT, constructor_at=constructor_at, build_started_at=build_started_at,

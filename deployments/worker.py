@@ -80,6 +80,12 @@ def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
     return Engine(config, remote=remote, parts=EngineParts.DENOISER)
 
 
+def module_import_times() -> tuple[float, float]:
+    """(this process's first import of our code, this module's imports done). Read through this module-level
+    function: Serve pickles a deployment class by value, with the driver's values of the globals it names."""
+    return IMPORT_STARTED_AT, IMPORTED_AT
+
+
 #: The factories that build the real engine: the worker times the model stack's import before calling them.
 REAL_FACTORIES = (default_engine_factory, denoiser_engine_factory)
 
@@ -146,9 +152,10 @@ class Worker(ScheduleAffinityReporter):
             self._engine.update_weights, self._debug_state, self._on_weights_applied,
         )
         self._weights.start()  # applies the fleet's weights target (if any) before the first request
+        import_started_at, imported_at = module_import_times()
         self._startup = ReplicaStartup(
-            role="worker", process_started_at=process_started_at(), import_started_at=IMPORT_STARTED_AT,
-            imported_at=IMPORTED_AT, constructor_at=constructor_at, build_started_at=build_started_at,
+            role="worker", process_started_at=process_started_at(), import_started_at=import_started_at,
+            imported_at=imported_at, constructor_at=constructor_at, build_started_at=build_started_at,
             build_ended_at=build_ended_at, ready_at=time.time(), imports_s=imports_s, engine=self._engine.startup)
         logger.info("replica %s: %s", self._replica_id, self._startup.summary())
 

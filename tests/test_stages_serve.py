@@ -64,6 +64,7 @@ def test_every_replica_reports_its_start_up_timeline_in_order(apps, stages, depl
     assert startup.role == {"Worker": "worker", "TextEncoder": "text_encoder", "Decoder": "decoder"}[deployment]
     timeline = startup.timeline()
     assert list(timeline) == sorted(timeline) and timeline[-1] <= time.time()
+    assert startup.process_started_at <= startup.import_started_at  # the replica's own process, not the driver's
     assert startup.import_s > 0 and startup.build_s > 0
     assert startup.constructor_s >= startup.imports_s + startup.build_s - 1e-6  # both lie inside the constructor
     assert (startup.engine is not None) == (deployment == "Worker")
