@@ -14,8 +14,10 @@ the same bytes in the same process:
   queueing) over the handle and over HTTP, then `--clients` concurrent clients (queueing), each split by hop from
   the response's `serve_timings` (`overhead_hops`: client <-> ingress, ingress <-> worker, the worker's own work,
   the TextEncoder and Decoder round trips, the engine call beyond its phases, the response's encoding);
-- scale-up: `serve.run` again with one replica per GPU; seconds until it returns (every replica ready) and
-  until a new replica first answers (its first requests for served schedules find their plans in the pool);
+- scale-up: the Worker scaled in place to one replica per GPU (Serve's external scaler; the transformer shards read
+  into the page cache first, as a replica that starts later finds them); the new replica's timeline in wall-clock
+  parts that add up (scale request -> its first import of our code -> module imported -> constructor -> ready ->
+  RUNNING) and until it first answers (its first requests for served schedules find their plans in the pool);
 - GPU utilization per device under the concurrent load (pynvml, else nvidia-smi; "n/a" without either).
 
 The tier sequence runs on one replica (so the tiers are what they say): with the slab sized to one request's
@@ -58,7 +60,7 @@ from bench.adaln import LIMITS, component_tiers, drop_page_cache
 from bench.common import command_line, write_results
 from bench.routing import percentile
 from cache.config import AdalnConfig
-from engine.startup import EngineStartup, ReplicaStartup
+from engine.startup import ReplicaStartup
 from model.layout import H3Checkpoint
 from model.schedule import H3Schedule
 from model.weights import TransformerWeights
@@ -323,47 +325,106 @@ async def worker_cards(seen: set, want_new: bool, tries: int = 40) -> List[Dict[
     return list(cards.values())
 
 
-async def scale_up(args, engine: Dict[str, Any], replicas: int) -> Dict[str, Any]:
-    """Redeploy with `replicas`; seconds until serve.run returns (all ready) and until the first answer that came
-    from a new replica (plans from the pool or rebuilt: the old replica holds every served schedule), each
-    request's own completion time (not the end of its batch); then the new replica's start-up breakdown."""
-    from deployments.app import build_app
+def scale_worker(replicas: int) -> None:
+    """Ask Serve for `replicas` Worker replicas in place: the running ones stay. (`serve.run` with a new
+    num_replicas is no scale-up: an imperative deploy gets a fresh code version, so Serve replaces every replica
+    of every deployment in a rolling update.) Serve's external-scaler call, as its dashboard's scale route makes
+    it; the app is deployed with `external_scaler_enabled=True`."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
 
+    controller = _get_global_client()._controller
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID(name="Worker", app_name=APP_NAME), replicas))
+
+
+async def running_at(replicas: int, timeout_s: float, period_s: float = 0.05) -> float:
+    """Wall-clock time at which Serve first reports `replicas` Worker replicas RUNNING (polled every period_s)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        states = serve.status().applications[APP_NAME].deployments["Worker"].replica_states
+        if states.get("RUNNING", 0) >= replicas:
+            return time.time()
+        await asyncio.sleep(period_s)
+    raise TimeoutError(f"the Worker did not reach {replicas} RUNNING replicas within {timeout_s} s")
+
+
+async def scale_up(args, replicas: int, shards: List[str]) -> Dict[str, Any]:
+    """Scale the Worker from 1 to `replicas` in place (`scale_worker`); wall-clock times of the request, of Serve
+    reporting every replica RUNNING, and of the first answer that came from a new replica (plans from the pool
+    or rebuilt: the old replica holds every served schedule), each request's own completion time (not the end of
+    its batch); then the new replica's start-up timeline (`describe()`). The transformer shards are read into
+    the page cache first: the cold tier dropped them, and a replica that starts later finds them cached (the
+    first replica's load read them so), so the new replica's load is not a cold-disk read."""
     old = {card["replica"] for card in await worker_cards(set(), want_new=False, tries=4)}
-    start = time.perf_counter()
-    await asyncio.to_thread(serve.run, build_app(app_args(args, engine, replicas)), name=APP_NAME, route_prefix="/")
-    ready_s = time.perf_counter() - start
+    warm_page_cache(shards)
     handle = serve.get_app_handle(APP_NAME)
+    asked_at = time.time()
+    await asyncio.to_thread(scale_worker, replicas)
+    running = await running_at(replicas, args.timeout_s)
 
     async def timed(body: Dict[str, Any]) -> Dict[str, Any]:
         out = await via_handle(handle, body, "scale")
-        return {**out, "answered_s": time.perf_counter() - start}
+        return {**out, "answered_at": time.time()}
 
     first_new: Optional[Dict[str, Any]] = None
-    deadline = time.perf_counter() + args.timeout_s
+    deadline = time.time() + args.timeout_s
     i = 0
-    while first_new is None and time.perf_counter() < deadline:
+    while first_new is None and time.time() < deadline:
         batch = await asyncio.gather(*(timed(request_body(args, SHIFTS[s], 300 + i + j)) for j, s in enumerate(SHIFTS)))
         i += len(SHIFTS)
         news = [r for r in batch if r["pool_hit_plans"] or r["built_plans"]]
         if news:
-            first_new = dict(min(news, key=lambda r: r["answered_s"]))
+            first_new = dict(min(news, key=lambda r: r["answered_at"]))
     new_cards = [card for card in await worker_cards(old, want_new=True) if card["replica"] not in old]
-    return {"ready_s": ready_s, "answered_s": first_new["answered_s"] if first_new else None, "first": first_new,
+    return {"asked_at": asked_at, "running_at": running,
+            "answered_at": first_new["answered_at"] if first_new else None, "first": first_new,
             "startup": new_cards[0]["startup"] if new_cards else None}
 
 
-def startup_rows(replicas: int, startup: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The new replica's start-up (`engine.startup.ReplicaStartup` / `EngineStartup`, from its describe())."""
+#: The scale-up's timeline, consecutive parts from the scale request to Serve reporting the replica RUNNING:
+#: (row name, from, to, what the part holds); `startup` fields, or "asked_at" / "running_at" of `scale_up`.
+SCALE_UP_PARTS = (
+    ("scale request -> replica's first import of our code", "asked_at", "import_started_at",
+     "Serve's controller, Ray's actor (worker process, possibly started in advance), Serve's replica set-up"),
+    ("module imports", "import_started_at", "imported_at", "the deployment module: torch, Ray Serve, our modules"),
+    ("module imported -> constructor", "imported_at", "constructor_at", "Serve's replica set-up after the import"),
+    ("constructor -> ready", "constructor_at", "ready_at", "model imports, engine build, weights follower"),
+    ("ready -> Serve reports it RUNNING", "ready_at", "running_at",
+     "Serve's first health check and its controller's loop (polled every 50 ms)"),
+)
+
+
+def startup_rows(replicas: int, scaled: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The scale-up as consecutive parts (they add up to request -> RUNNING), the first new answer, and the new
+    replica's constructor and engine breakdown (`engine.startup.ReplicaStartup` / `EngineStartup`)."""
+    prefix = f"scale-up 1 -> {replicas}"
+    first = scaled.get("first") or {}
+    answered = scaled["answered_at"] - scaled["asked_at"] if scaled.get("answered_at") else None
+    rows = [{"metric": f"{prefix}: scale request -> {replicas} replicas RUNNING",
+             "app_s": scaled["running_at"] - scaled["asked_at"],
+             "detail": "Serve's external scaler: the running replica stays; the page cache holds the shards"}]
+    startup = scaled.get("startup")
     if startup is None:
-        return [{"metric": f"scale-up 1 -> {replicas}: new replica start-up", "app_s": None,
-                 "detail": "n/a: no new replica answered describe()"}]
-    prefix = f"scale-up 1 -> {replicas}: new replica"
-    rows = [{"metric": f"{prefix}: {name}", "app_s": startup[key], "detail": detail} for name, key, detail in (
-        ("process age at its constructor", "process_s", "Ray worker start, Serve replica set-up, module imports"),
-        ("model imports in the constructor", "imports_s", "what the replica's own imports had not pulled in"),
-        ("engine build", "build_s", "pool client + Engine constructor, on the engine thread"),
-        ("process age at ready", "ready_s", "constructor done (Serve then runs its first health check)"))]
+        rows.append({"metric": f"{prefix}: new replica start-up", "app_s": None,
+                     "detail": "n/a: no new replica answered describe()"})
+    else:
+        times = {**startup, "asked_at": scaled["asked_at"], "running_at": scaled["running_at"]}
+        rows += [{"metric": f"{prefix}:   - {name}", "app_s": times[end] - times[begin], "detail": detail}
+                 for name, begin, end, detail in SCALE_UP_PARTS]
+        process = startup.get("process_started_at")
+        rows.append({"metric": f"{prefix}: new replica's process started (before the scale request: < 0)",
+                     "app_s": None if process is None else process - scaled["asked_at"],
+                     "detail": "Ray keeps worker processes started in advance; not the replica's start"})
+    rows.append({"metric": f"{prefix}: scale request -> first answer from a new replica", "app_s": answered,
+                 "detail": f"that request's own completion; its latency {first.get('latency_s')}, plan_s "
+                           f"{first.get('plan_s')}, pool_hit_plans {first.get('pool_hit_plans')}, "
+                           f"built_plans {first.get('built_plans')}"})
+    if startup is None:
+        return rows
+    rows += [{"metric": f"{prefix}: new replica: {name}", "app_s": value, "detail": detail} for name, value, detail in (
+        ("model imports in the constructor", startup["imports_s"], "what the replica's module imports had not pulled in"),
+        ("engine build", startup["build_ended_at"] - startup["build_started_at"],
+         "pool client + Engine constructor, on the engine thread"))]
     engine = startup.get("engine")
     if engine:
         gbps = engine["transformer_bytes"] / engine["transformer_s"] / 1e9 if engine["transformer_s"] else 0.0
@@ -375,7 +436,7 @@ def startup_rows(replicas: int, startup: Optional[Dict[str, Any]]) -> List[Dict[
                 ("warm_up_s", "plan cache warm-up"), ("text_encoder_s", "Qwen3-VL (fused engines)"),
                 ("vae_s", "VAEs (fused engines)"), ("fingerprint_s", "weights fingerprint"),
                 ("total_s", "the Engine constructor")):
-            rows.append({"metric": f"{prefix}: engine {key}", "app_s": engine[key], "detail": detail})
+            rows.append({"metric": f"{prefix}: new replica: engine {key}", "app_s": engine[key], "detail": detail})
     return rows
 
 
@@ -505,12 +566,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         from deployments.app import build_app
 
-        serve.run(build_app(app_args(args, engine, 1)), name=APP_NAME, route_prefix="/")
+        # external_scaler_enabled: the scale-up below asks Serve for more Worker replicas in place.
+        serve.run(build_app(app_args(args, engine, 1)), name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
         handle = serve.get_app_handle(APP_NAME)
         notes.append(f"Ray + Serve + first replica ready in {time.perf_counter() - t0:.1f} s")
         first = asyncio.run(worker_cards(set(), want_new=False, tries=1))[0]["startup"]
-        notes.append("first replica: " + ReplicaStartup(**{**first, "engine": EngineStartup(**first["engine"])
-                                                           if first["engine"] else None}).summary())
+        notes.append("first replica: " + ReplicaStartup.from_dict(first).summary())
         log("tier sequence ...")
         tiers = asyncio.run(tier_sequence(args, handle, shards))
         data["tiers"] = tiers
@@ -522,7 +583,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         scaled = None
         if replicas > 1:
             log(f"scale-up to {replicas} replicas ...")
-            scaled = asyncio.run(scale_up(args, engine, replicas))
+            scaled = asyncio.run(scale_up(args, replicas, shards))
+            notes.append("scale-up: the transformer shards were read into the page cache again first (the cold "
+                         "tier had dropped them); the Worker scaled in place (Serve's external scaler)")
         clients = args.clients or 3 * replicas
         load_requests = args.load_requests or 4 * clients
         log(f"load: {clients} clients, {load_requests} requests ...")
@@ -545,15 +608,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, records in runs.items():
             rows += overhead_rows(f"Serve overhead (latency - engine total_s): {name}", records)
         if scaled is not None:
-            first = scaled["first"] or {}
-            rows.append({"metric": f"scale-up 1 -> {replicas}: serve.run returned (replicas ready)",
-                         "app_s": scaled["ready_s"], "detail": "includes the new replica's engine load and warm-up"})
-            rows.append({"metric": f"scale-up 1 -> {replicas}: first answer from a new replica",
-                         "app_s": scaled["answered_s"],
-                         "detail": f"that request's own completion; its latency {first.get('latency_s')}, plan_s "
-                                   f"{first.get('plan_s')}, pool_hit_plans {first.get('pool_hit_plans')}, "
-                                   f"built_plans {first.get('built_plans')}"})
-            rows += startup_rows(replicas, scaled["startup"])
+            rows += startup_rows(replicas, scaled)
             data["scale_up"] = scaled
         else:
             rows.append({"metric": "scale-up", "app_s": None, "detail": "n/a: one replica (no second GPU)"})

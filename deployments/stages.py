@@ -19,15 +19,29 @@ from typing import Any
 import torch
 from ray import serve
 
+from deployments import IMPORT_STARTED_AT
 from deployments.errors import install_client_error_log_filter
 from engine.config import EngineConfig
 from engine.stages import DecodedVideo, PromptEmbedding
-from engine.startup import ReplicaStartup, process_age_s
+from engine.startup import ReplicaStartup, process_started_at
 from jobs.outputs import OutputStore, VideoVariant
+
+#: This module's imports done (with `deployments.IMPORT_STARTED_AT`: the replica's module-import time).
+IMPORTED_AT = time.time()
 
 __all__ = ["Decoder", "StoredVideo", "TextEncoder"]
 
 logger = logging.getLogger("ray.serve")
+
+
+def replica_startup(role: str, constructor_at: float, build_started_at: float) -> ReplicaStartup:
+    """A stage replica's timeline, its build ending now (a stage's build is all of its constructor's work). A
+    module-level function, so it reads this process's import times (Serve pickles the deployment classes by value,
+    with the driver's values of the globals they name)."""
+    now = time.time()
+    return ReplicaStartup(role=role, process_started_at=process_started_at(), import_started_at=IMPORT_STARTED_AT,
+                          imported_at=IMPORTED_AT, constructor_at=constructor_at, build_started_at=build_started_at,
+                          build_ended_at=now, ready_at=now, imports_s=build_started_at - constructor_at)
 
 
 @serve.deployment(name="TextEncoder", ray_actor_options={"num_cpus": 0.5})
@@ -35,14 +49,13 @@ class TextEncoder:
     """Qwen3-VL on its device (`engine.text_encoder.device`) and the LRU prompt-embedding cache."""
 
     def __init__(self, engine_config: dict[str, Any]) -> None:
-        entered_s, start = process_age_s(), time.perf_counter()
+        constructor_at = time.time()
         from engine.engine import prompt_stage  # loads the model: not at import time
 
-        imports_s, start = time.perf_counter() - start, time.perf_counter()
+        build_started_at = time.time()
         install_client_error_log_filter()
         self._stage = prompt_stage(EngineConfig.model_validate(engine_config))
-        self._startup = ReplicaStartup(role="text_encoder", process_s=entered_s, imports_s=imports_s,
-                                       build_s=time.perf_counter() - start, ready_s=process_age_s())
+        self._startup = replica_startup("text_encoder", constructor_at, build_started_at)
         logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
@@ -82,14 +95,13 @@ class Decoder:
     (`jobs.output_url`) video jobs are written to."""
 
     def __init__(self, engine_config: dict[str, Any], output_url: str) -> None:
-        entered_s, start = process_age_s(), time.perf_counter()
+        constructor_at = time.time()
         from engine.engine import decode_stage  # loads the VAEs: not at import time
 
-        imports_s, start = time.perf_counter() - start, time.perf_counter()
+        build_started_at = time.time()
         self._stage = decode_stage(EngineConfig.model_validate(engine_config))
         self._outputs = OutputStore(output_url)
-        self._startup = ReplicaStartup(role="decoder", process_s=entered_s, imports_s=imports_s,
-                                       build_s=time.perf_counter() - start, ready_s=process_age_s())
+        self._startup = replica_startup("decoder", constructor_at, build_started_at)
         logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 

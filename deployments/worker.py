@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import IMPORT_STARTED_AT
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
@@ -45,7 +46,10 @@ from engine.api import EngineProtocol, GenerationRequest, GenerationResult, Gene
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 from engine.stages import PromptEmbedding
-from engine.startup import ReplicaStartup, process_age_s
+from engine.startup import ReplicaStartup, process_started_at
+
+#: This module's imports done (with `deployments.IMPORT_STARTED_AT`: the replica's module-import time).
+IMPORTED_AT = time.time()
 
 logger = logging.getLogger("ray.serve")
 
@@ -74,6 +78,12 @@ def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
 
     remote = make_pool_client(config.pool, resolve_device(config.device), config.adaln.mode)
     return Engine(config, remote=remote, parts=EngineParts.DENOISER)
+
+
+def module_import_times() -> tuple[float, float]:
+    """(this process's first import of our code, this module's imports done). Read through this module-level
+    function: Serve pickles a deployment class by value, with the driver's values of the globals it names."""
+    return IMPORT_STARTED_AT, IMPORTED_AT
 
 
 #: The factories that build the real engine: the worker times the model stack's import before calling them.
@@ -115,7 +125,7 @@ class Worker(ScheduleAffinityReporter):
                  text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None) -> None:
         """`text_encoder` and `decoder`: the split app's other stages (both or neither); with them the engine
         is the denoiser alone and `generate` composes the three."""
-        entered_s = process_age_s()
+        constructor_at = time.time()
         install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
         if (text_encoder is None) != (decoder is None):
             raise ValueError("a split Worker needs both the TextEncoder and the Decoder handle")
@@ -128,10 +138,9 @@ class Worker(ScheduleAffinityReporter):
         # warm-up rebuild) is then the one the first request uses, not made on the request path.
         factory = engine_factory or default_engine_factory
         imports_s = self._executor.submit(import_model_stack).result() if factory in REAL_FACTORIES else 0.0
-        built = time.perf_counter()
+        build_started_at = time.time()
         self._engine = self._executor.submit(factory, config).result()
-        self._startup = ReplicaStartup(role="worker", process_s=entered_s, imports_s=imports_s,
-                                       build_s=time.perf_counter() - built, ready_s=None, engine=self._engine.startup)
+        build_ended_at = time.time()
         self._metrics = WorkerMetrics()
         self._outcomes = {"ok": 0, "cancelled": 0, "invalid": 0, "error": 0}
         self._last_request: dict[str, Any] = {}
@@ -143,7 +152,11 @@ class Worker(ScheduleAffinityReporter):
             self._engine.update_weights, self._debug_state, self._on_weights_applied,
         )
         self._weights.start()  # applies the fleet's weights target (if any) before the first request
-        self._startup = dataclasses.replace(self._startup, ready_s=process_age_s())
+        import_started_at, imported_at = module_import_times()
+        self._startup = ReplicaStartup(
+            role="worker", process_started_at=process_started_at(), import_started_at=import_started_at,
+            imported_at=imported_at, constructor_at=constructor_at, build_started_at=build_started_at,
+            build_ended_at=build_ended_at, ready_at=time.time(), imports_s=imports_s, engine=self._engine.startup)
         logger.info("replica %s: %s", self._replica_id, self._startup.summary())
 
     # ---------------------------------------------------------------------------------------------

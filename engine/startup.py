@@ -1,10 +1,13 @@
 """Where a replica's start-up time goes: typed timings, filled by the engine and the Serve replicas.
 
 `EngineStartup` is the engine constructor's breakdown (`Engine.startup`), phases in the order they run.
-`ReplicaStartup` is a Serve
-replica's: how long its process existed before the constructor ran (Ray's worker start, Serve's replica set-up
-and the deployment module's imports), the deferred model imports, the build, and the age at which it was ready.
-Both are reported in the replica's `describe()["startup"]` and logged once at INFO.
+`ReplicaStartup` is a Serve replica's timeline in wall-clock seconds (`time.time()`, comparable across the
+processes of one node, so a bench can set them beside the moment it asked Serve for the replica): when this
+process first imported our `deployments` package and finished the deployment module's imports, the
+constructor, the engine (or stage) build, ready. The process's own start is kept for what it is: Ray hands a
+new actor a worker process it may have started long before (it keeps idle workers), so it says nothing about
+when the replica was asked for. Both are reported in the replica's `describe()["startup"]` and logged once at
+INFO.
 
 Plain Python (no torch, no Ray), so the Serve layer and the benches read them without loading a model.
 """
@@ -13,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
-__all__ = ["EngineStartup", "ReplicaStartup", "process_age_s"]
+__all__ = ["EngineStartup", "ReplicaStartup", "process_started_at"]
 
 
 @dataclass(frozen=True)
@@ -50,29 +54,57 @@ class EngineStartup:
 
 @dataclass(frozen=True)
 class ReplicaStartup:
-    """A Serve replica's start, in seconds. `process_s` / `ready_s` are the process's age (None where the OS
-    does not say); `imports_s` the model modules imported in the constructor; `build_s` the engine (or stage)
-    build, `engine` its breakdown when the replica holds an `Engine`."""
+    """A Serve replica's start, as wall-clock times (`time.time()`) in the order they happen, and `imports_s`,
+    the model modules the constructor imported before the build (part of constructor -> build start). `engine`
+    is the build's breakdown when the replica holds an `Engine`."""
 
     role: str  # "worker", "text_encoder", "decoder"
-    process_s: float | None  # process start -> the replica's constructor
+    process_started_at: float | None  # the OS process (None where the OS does not say); may predate the replica
+    import_started_at: float  # this process first imported the `deployments` package (our code's first line)
+    imported_at: float  # the deployment module's imports done (torch, Ray Serve, our modules)
+    constructor_at: float  # the replica's constructor entered
+    build_started_at: float  # the engine (or stage) build began (after `imports_s`)
+    build_ended_at: float
+    ready_at: float  # constructed (Serve calls it ready after its first health check)
     imports_s: float
-    build_s: float
-    ready_s: float | None  # process start -> constructed (Serve calls it ready after its first health check)
     engine: EngineStartup | None = None
 
+    @property
+    def import_s(self) -> float:
+        return self.imported_at - self.import_started_at
+
+    @property
+    def build_s(self) -> float:
+        return self.build_ended_at - self.build_started_at
+
+    @property
+    def constructor_s(self) -> float:
+        return self.ready_at - self.constructor_at
+
+    def timeline(self) -> tuple[float, ...]:
+        """The timestamps in the order they must hold (a test checks they never go backwards)."""
+        return (self.import_started_at, self.imported_at, self.constructor_at, self.build_started_at,
+                self.build_ended_at, self.ready_at)
+
     def summary(self) -> str:
-        age = lambda s: "n/a" if s is None else f"{s:.2f} s"  # noqa: E731
-        line = (f"{self.role} started: process {age(self.process_s)} before the constructor, imports "
-                f"{self.imports_s:.2f} s, build {self.build_s:.2f} s, ready at {age(self.ready_s)}")
+        line = (f"{self.role} started: module imports {self.import_s:.2f} s, "
+                f"{self.constructor_at - self.imported_at:.2f} s to the constructor, model imports "
+                f"{self.imports_s:.2f} s, build {self.build_s:.2f} s, ready {self.constructor_s:.2f} s after the "
+                f"constructor ({self.ready_at - self.import_started_at:.2f} s after our first import)")
         return line + (f" (engine: {self.engine.summary()})" if self.engine is not None else "")
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> "ReplicaStartup":
+        """The inverse of `as_dict` (what `describe()` sends)."""
+        engine = data.get("engine")
+        return cls(**{**data, "engine": EngineStartup(**engine) if isinstance(engine, dict) else engine})
 
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux: /proc), or None where unknown."""
+
+def process_started_at() -> float | None:
+    """Wall-clock time this process started (Linux: /proc), or None where unknown."""
     try:
         with open("/proc/self/stat", "rb") as f:
             # Field 22 (starttime, clock ticks after boot); split after the command name, which may hold spaces.
@@ -81,4 +113,4 @@ def process_age_s() -> float | None:
             uptime_s = float(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    return time.time() - max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))

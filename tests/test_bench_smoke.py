@@ -138,17 +138,44 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
             assert set(record["hops"]) == set(app.HOPS) and record["hops"]["TextEncoder round trip"] > 0
             assert sum(record["hops"].values()) == pytest.approx(record["latency_s"] - record["total_s"], abs=1e-9)
     assert all(f"  - {hop}" in rows for hop in app.HOPS)
-    # Scale-up to a second replica: its first answer after serve.run returned, and its start-up breakdown.
-    ready, answered = (rows[f"scale-up 1 -> 2: {what}"]["app_s"] for what in
-                       ("serve.run returned (replicas ready)", "first answer from a new replica"))
-    assert 0 < ready < answered
+    # Scale-up to a second replica in place: its timeline's parts add up to request -> RUNNING, it answers after.
+    scaled = report["scale_up"]
+    startup = scaled["startup"]
+    assert scaled["asked_at"] <= startup["import_started_at"] and startup["ready_at"] <= scaled["running_at"]
+    assert scaled["running_at"] < scaled["answered_at"]
+    parts = [rows[f"scale-up 1 -> 2:   - {name}"]["app_s"] for name, *_ in app.SCALE_UP_PARTS]
+    assert all(part >= 0 for part in parts)
+    assert sum(parts) == pytest.approx(rows["scale-up 1 -> 2: scale request -> 2 replicas RUNNING"]["app_s"])
+    assert rows["scale-up 1 -> 2: scale request -> first answer from a new replica"]["app_s"] > sum(parts)
     new = {m.removeprefix("scale-up 1 -> 2: new replica: "): row["app_s"] for m, row in rows.items()
            if m.startswith("scale-up 1 -> 2: new replica: ")}
-    assert 0 < new["process age at its constructor"] < new["process age at ready"]
     assert new["engine transformer_s"] > 0 and new["engine total_s"] <= new["engine build"]
     assert new["engine text_encoder_s"] == 0  # stages: split: the worker holds the denoiser alone
     assert "n/a" in rows["GPU utilization under the load"]["detail"]
     assert (tmp_path / "app-cpu.md").read_text().count("plan_s:") == 7
+
+
+def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
+    """bench.app's scale-up rows: consecutive parts of the new replica's wall-clock timeline, from the scale
+    request to Serve reporting it RUNNING; a replica that did not answer describe() gets one n/a row."""
+    from bench.app import SCALE_UP_PARTS, startup_rows
+
+    asked = 1000.0
+    startup = {"role": "worker", "process_started_at": asked - 120.0, "import_started_at": asked + 2.0,
+               "imported_at": asked + 5.5, "constructor_at": asked + 5.75, "build_started_at": asked + 6.0,
+               "build_ended_at": asked + 9.0, "ready_at": asked + 9.25, "imports_s": 0.125, "engine": None}
+    scaled = {"asked_at": asked, "running_at": asked + 10.0, "answered_at": asked + 12.5, "first": None,
+              "startup": startup}
+    rows = {row["metric"]: row["app_s"] for row in startup_rows(2, scaled)}
+    parts = [rows[f"scale-up 1 -> 2:   - {name}"] for name, *_ in SCALE_UP_PARTS]
+    assert parts == [2.0, 3.5, 0.25, 3.5, 0.75]
+    assert sum(parts) == rows["scale-up 1 -> 2: scale request -> 2 replicas RUNNING"] == 10.0
+    assert rows["scale-up 1 -> 2: scale request -> first answer from a new replica"] == 12.5
+    assert rows["scale-up 1 -> 2: new replica's process started (before the scale request: < 0)"] == -120.0
+    assert rows["scale-up 1 -> 2: new replica: engine build"] == 3.0
+    missing = {row["metric"]: row for row in startup_rows(2, {**scaled, "startup": None})}
+    assert missing["scale-up 1 -> 2: new replica start-up"]["app_s"] is None
+    assert not any("  - " in metric for metric in missing)
 
 
 def test_psnr_is_inf_for_identical_outputs_and_uses_the_reference_range():

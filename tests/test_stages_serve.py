@@ -50,6 +50,26 @@ def test_the_builder_binds_three_stage_deployments_when_split(apps):
     assert deployments == {"fused": {"Ingress", "Worker"}, "split": {"Ingress", "Worker", "TextEncoder", "Decoder"}}
 
 
+@pytest.mark.parametrize("stages, deployment", [("fused", "Worker"), ("split", "Worker"), ("split", "TextEncoder"),
+                                               ("split", "Decoder")])
+def test_every_replica_reports_its_start_up_timeline_in_order(apps, stages, deployment):
+    """Wall-clock times from the replica's own process: our first import, the module's imports done, the
+    constructor, the build, ready, in that order; a real engine's imports and build take time."""
+    from ray import serve
+
+    from engine.startup import ReplicaStartup
+
+    card = serve.get_deployment_handle(deployment, stages).describe.remote().result(timeout_s=60)
+    startup = ReplicaStartup.from_dict(card["startup"])
+    assert startup.role == {"Worker": "worker", "TextEncoder": "text_encoder", "Decoder": "decoder"}[deployment]
+    timeline = startup.timeline()
+    assert list(timeline) == sorted(timeline) and timeline[-1] <= time.time()
+    assert startup.process_started_at <= startup.import_started_at  # the replica's own process, not the driver's
+    assert startup.import_s > 0 and startup.build_s > 0
+    assert startup.constructor_s >= startup.imports_s + startup.build_s - 1e-6  # both lie inside the constructor
+    assert (startup.engine is not None) == (deployment == "Worker")
+
+
 def test_split_stages_give_the_fused_latents_and_mp4_bytes(apps):
     results = {}
     for stages, url in apps.items():

@@ -8,6 +8,7 @@ import dataclasses
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from device.streams import FakeDevice
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineParts
-from engine.startup import EngineStartup, ReplicaStartup, process_age_s
+from engine.startup import EngineStartup, ReplicaStartup, process_started_at
 from model.layout import CheckpointError, H3Checkpoint, Layout
 from model.loading import load_transformer, read_tensors
 from model.weights import TransformerWeights, is_adaln_param
@@ -74,12 +75,13 @@ def test_a_truncated_shard_fails_the_load_naming_the_shard(tiny, tmp_path):
         read_tensors(reads, num_readers=4, chunk_bytes=4096)
 
 
-def test_process_age_counts_from_the_process_start():
-    mine = process_age_s()
-    child = subprocess.run([sys.executable, "-c", "from engine.startup import process_age_s; print(process_age_s())"],
+def test_process_start_is_a_wall_clock_time_before_now():
+    mine = process_started_at()
+    before = time.time()
+    child = subprocess.run([sys.executable, "-c", "from engine.startup import process_started_at as p; print(p())"],
                            capture_output=True, text=True, check=True)
-    assert mine is not None and mine > 0
-    assert 0 <= float(child.stdout) < mine  # the child started after this process
+    assert mine is not None and mine < before
+    assert mine < float(child.stdout) <= time.time() + 0.05  # the child started after this process (clock ticks)
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +110,14 @@ def test_engine_startup_is_filled_and_described(engines, parts):
 
 
 def test_replica_startup_summary_names_every_phase(engines):
-    replica = ReplicaStartup(role="worker", process_s=1.5, imports_s=0.25, build_s=2.0, ready_s=3.75,
-                             engine=engines[EngineParts.FULL].startup)
+    replica = ReplicaStartup(role="worker", process_started_at=90.0, import_started_at=100.0, imported_at=103.5,
+                             constructor_at=103.75, build_started_at=104.0, build_ended_at=106.0, ready_at=106.25,
+                             imports_s=0.25, engine=engines[EngineParts.FULL].startup)
     line = replica.summary()
-    for part in ("process 1.50 s", "imports 0.25 s", "build 2.00 s", "ready at 3.75 s", "transformer",
-                 "warm-up", "text encoder", "VAEs", "fingerprint"):
+    for part in ("module imports 3.50 s", "0.25 s to the constructor", "model imports 0.25 s", "build 2.00 s",
+                 "ready 2.50 s after the constructor", "6.25 s after our first import", "transformer", "warm-up",
+                 "text encoder", "VAEs", "fingerprint"):
         assert part in line
     assert replica.as_dict()["engine"] == dataclasses.asdict(replica.engine)
-    assert "n/a" in dataclasses.replace(replica, process_s=None).summary()
+    assert ReplicaStartup.from_dict(replica.as_dict()) == replica
+    assert list(replica.timeline()) == sorted(replica.timeline())
