@@ -487,8 +487,7 @@ def sp_rows(sp: int, tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict],
     rows) vs bench.adaln's one-device miss; the coordinator's part of the Serve overhead (the engine call beyond
     rank 0's phases: Ray calls to the ranks, progress polls, every rank's result back); and whether every rank
     ended every request with rank 0's latents."""
-    every = [r for records in [list(tiers.values())] + list(runs.values()) for r in records if isinstance(r, dict)
-             and "latency_s" in r]
+    every = [r for r in tiers.values() if "latency_s" in r] + [r for records in runs.values() for r in records]
     parallel = [r["parallel"] for r in every if r.get("parallel")]
     rows: List[Dict[str, Any]] = []
     served_step = float(np.median([r["denoise_s"] / r["forwards"] for r in runs["handle, 1 client"]]))
@@ -505,9 +504,9 @@ def sp_rows(sp: int, tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict],
         rows.append({"metric": f"SP{sp}: plan_s {tier}, served SP{sp} vs bench.adaln (one device)",
                      "app_s": served["plan_s"], "bench_s": bench.get("seconds"),
                      "x_bench": ratio(served["plan_s"], bench.get("seconds")),
-                     "detail": "bytes read per rank " + "/".join(str(a.get("rebuild_bytes_read", 0)) for a in by_rank)
+                     "detail": "bytes read per rank " + "/".join(str(a["rebuild_bytes_read"]) for a in by_rank)
                                + f", one device {bench.get('bytes', 'n/a')}; rebuild_s per rank "
-                               + "/".join(f"{a.get('rebuild_s', 0):.4f}" for a in by_rank)})
+                               + "/".join(f"{a['rebuild_s']:.4f}" for a in by_rank)})
     for name in ("handle, 1 client", "HTTP, 1 client"):
         hops = [r["hops"]["engine call outside its phases"] for r in runs[name] if r.get("hops")]
         if hops:
@@ -544,6 +543,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
+    if args.sp < 1:
+        parser.error(f"--sp {args.sp}: the sequence-parallel degree is at least 1")
     args.steps = args.steps or (4 if args.smoke else 20)
     args.width = args.width or (64 if args.smoke else 1280)
     args.height = args.height or (64 if args.smoke else 768)
@@ -594,7 +595,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 **({"num_cpus": max(4, os.cpu_count() or 1)} if not cuda else {}))
+                 **({"num_cpus": max(4, os.cpu_count() or 1, 1 + args.sp)} if not cuda else {}))  # sp: coordinator + ranks
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         from deployments.app import build_app
 
