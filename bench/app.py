@@ -27,6 +27,12 @@ B pool hit (B's group left the host tier when C was stored; the pool kept it).
 
     python -m bench.app --smoke                          # CPU: the tiny checkpoint, 1 replica, < 1 min
     python -m bench.app --num-blocks 12 --steps 20       # GPUs: h3 width (made under checkpoints/ if absent)
+    python -m bench.app --sp 2 ...                       # one replica over 2 GPUs (engine.parallel.sp; CPU: gloo)
+
+With `--sp N` the app serves engine.parallel.sp = N (one Worker replica coordinating N rank actors in its
+placement group, stages fused) and an SP section compares it with the one-process parts of the same run: denoise
+per forward vs the direct SP1 engine call, the plan miss vs bench.adaln's, the coordinator's share of the
+Serve overhead; the scale-up is skipped with its reason when the node holds one such replica.
 
 Writes bench/results/app-<device>.md and .json (commit, device, command). Floors use the H200 limits in
 shared/reference.md (`bench.adaln.LIMITS`); on a CPU they are only a scale.
@@ -48,7 +54,7 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
@@ -110,6 +116,9 @@ def engine_args(args, checkpoint: Path, num_plans: int, group_rows: int, page_by
     engine["adaln"].update(mode="online", gpu_plans=num_plans,
                            host_cache_gb=2 * group_rows * page_bytes * 1.02 / 1e9)
     engine["pool"].update(enabled=True, capacity_gb=max(1.0, 8 * group_rows * page_bytes / 1e9))
+    # --sp N: one replica of N rank actors, one device each (gloo ranks on CPU); the builder then runs the stages
+    # fused and reserves the replica's placement group from these names alone, as `serve run` would.
+    engine["parallel"].update(sp=args.sp)
     return engine
 
 
@@ -143,7 +152,9 @@ def direct_engine(args, engine_config: Dict[str, Any]) -> Dict[str, float]:
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    config = dict(engine_config, pool={**engine_config["pool"], "enabled": False})
+    # One process, one device: at --sp N this is the SP1 engine the served SP N replica is compared with.
+    config = dict(engine_config, pool={**engine_config["pool"], "enabled": False},
+                  parallel={**engine_config["parallel"], "sp": 1})
     engine = Engine(EngineConfig(**config))
     request = GenerationRequest(**request_body(args, SHIFTS["A"], 7))
     try:
@@ -230,7 +241,8 @@ def record(kind: str, latency_s: float, timings: Dict[str, float], stats: Dict[s
             **{k: adaln.get(k, 0) for k in ("gpu_hit_plans", "host_hit_plans", "pool_hit_plans", "built_plans",
                                              "rebuild_s", "rebuild_bytes_read", "page_cache_bytes", "disk_bytes",
                                              "h2d_bytes", "pool_lookup_s")},
-            "hops": overhead_hops(latency_s, timings, serve_timings or {})}
+            "hops": overhead_hops(latency_s, timings, serve_timings or {}),
+            "parallel": stats.get("parallel")}  # sp > 1: sp, ranks_agree, every rank's plan counters
 
 
 #: The parts of the serving overhead (client latency - the engine's total_s), in request order.
@@ -492,6 +504,83 @@ def overhead_rows(metric: str, records: List[Dict[str, Any]]) -> List[Dict[str, 
     return rows
 
 
+# --------------------------------------------------------------------------------------------------
+# Sequence parallel (--sp N): one replica over N devices
+# --------------------------------------------------------------------------------------------------
+
+
+def replicas_at(args, gpus: int) -> Tuple[int, Optional[str]]:
+    """Replicas after the tier sequence, and why the scale-up is skipped (None: it runs or is not asked for).
+    SP1: one per GPU (or --replicas). SP N: a replica takes N GPUs, so a node of N GPUs holds one; on CPU the
+    smoke keeps the one replica of N gloo ranks (each rank reserves a CPU of the local cluster)."""
+    if args.sp == 1:
+        return args.replicas or max(1, gpus), None
+    fit = gpus // args.sp if gpus else 1
+    want = args.replicas or max(1, fit)
+    if 1 < want <= fit:
+        return want, None
+    if not gpus:
+        why = f"on CPU the bench keeps one replica of {args.sp} gloo ranks"
+    elif want == 1 and fit > 1:
+        why = "--replicas 1"
+    else:
+        why = f"{max(want, 2)} replicas x {args.sp} GPUs need {max(want, 2) * args.sp}, this node has {gpus}"
+    return 1, f"n/a at sp {args.sp}: {why}"
+
+
+def sp_placement_note(args, engine: Dict[str, Any]) -> str:
+    """What the builder reserved for the SP replica from serve_config's names (the same call `build_app` made)."""
+    from deployments.app import cluster_num_gpus, resolve_engine_config, worker_deployment_options
+    from deployments.schemas import AppConfig
+
+    config = AppConfig.model_validate(app_args(args, engine, 1))
+    options = worker_deployment_options(config.worker, cluster_num_gpus(), resolve_engine_config(config.engine))
+    return (f"sp {args.sp}: stages fused (rank 0 encodes and decodes); Worker replica ray_actor_options "
+            f"{options['ray_actor_options']}, placement_group_bundles {options['placement_group_bundles']} "
+            f"({options['placement_group_strategy']}): bundle 0 the coordinator, one bundle per rank actor")
+
+
+def sp_rows(sp: int, tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict],
+            runs: Dict[str, List[Dict[str, Any]]], direct: Optional[Dict[str, float]]) -> List[Dict[str, Any]]:
+    """At --sp N: the served SP N replica against the one-process parts measured in this run. Denoise per forward
+    vs the direct SP1 `Engine.generate` (bench.parallel's SP1 runs this same engine loop; it is not re-run here);
+    the served plan miss (rank 0's plan_s: each rank rebuilds 1/N of the AdaLN units, then the ranks exchange
+    rows) vs bench.adaln's one-device miss; the coordinator's part of the Serve overhead (the engine call beyond
+    rank 0's phases: Ray calls to the ranks, progress polls, every rank's result back); and whether every rank
+    ended every request with rank 0's latents."""
+    every = [r for r in tiers.values() if "latency_s" in r] + [r for records in runs.values() for r in records]
+    parallel = [r["parallel"] for r in every if r.get("parallel")]
+    rows: List[Dict[str, Any]] = []
+    served_step = float(np.median([r["denoise_s"] / r["forwards"] for r in runs["handle, 1 client"]]))
+    direct_step = direct["denoise_s"] / direct["forwards"] if direct else None
+    rows.append({"metric": f"SP{sp}: denoise per forward, served SP{sp} vs direct SP1", "app_s": served_step,
+                 "bench_s": direct_step, "x_bench": ratio(served_step, direct_step),
+                 "detail": (f"speedup {direct_step / served_step:.3f}x over the one-process engine (ideal {sp}x)"
+                            if direct_step else "no direct call (--no-direct)")})
+    for tier, component in (("miss, page cache", "miss_page_cache"), ("miss, cold (DONTNEED)", "miss_cold")):
+        served, bench = tiers.get(tier), before.get(component, {})
+        if served is None:
+            continue
+        by_rank = (served.get("parallel") or {}).get("adaln_by_rank") or []
+        rows.append({"metric": f"SP{sp}: plan_s {tier}, served SP{sp} vs bench.adaln (one device)",
+                     "app_s": served["plan_s"], "bench_s": bench.get("seconds"),
+                     "x_bench": ratio(served["plan_s"], bench.get("seconds")),
+                     "detail": "bytes read per rank " + "/".join(str(a["rebuild_bytes_read"]) for a in by_rank)
+                               + f", one device {bench.get('bytes', 'n/a')}; rebuild_s per rank "
+                               + "/".join(f"{a['rebuild_s']:.4f}" for a in by_rank)})
+    for name in ("handle, 1 client", "HTTP, 1 client"):
+        hops = [r["hops"]["engine call outside its phases"] for r in runs[name] if r.get("hops")]
+        if hops:
+            rows.append({"metric": f"SP{sp}: coordinator <-> ranks ({name})", "app_s": percentile(hops, 50),
+                         "detail": f"the engine call beyond rank 0's phases: p50 {1e3 * percentile(hops, 50):.1f} "
+                                   f"ms, p99 {1e3 * percentile(hops, 99):.1f} ms; part of the Serve overhead rows"})
+    agree = [p["ranks_agree"] for p in parallel]
+    rows.append({"metric": f"SP{sp}: every rank ended with rank 0's latents", "app_s": None,
+                 "detail": f"{sum(agree)} of {len(agree)} requests (stats.parallel.ranks_agree); "
+                           f"{len(every) - len(parallel)} responses without stats.parallel"})
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     start = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -507,11 +596,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--clients", type=int, default=None, help="concurrent clients of the load (default 3 x replicas)")
     parser.add_argument("--load-requests", type=int, default=None, help="requests of the load (default 4 x clients)")
     parser.add_argument("--max-ongoing", type=int, default=4, help="worker max_ongoing_requests")
-    parser.add_argument("--replicas", type=int, default=None, help="after the tier sequence (default: GPUs, 1 on CPU)")
+    parser.add_argument("--replicas", type=int, default=None, help="after the tier sequence (default: GPUs, 1 on CPU; "
+                        "GPUs / sp with --sp)")
+    parser.add_argument("--sp", type=int, default=1, help="engine.parallel.sp: one replica over N GPUs (N gloo "
+                        "ranks on CPU), stages fused; compared with the direct one-process engine call")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct engine call")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
+    if args.sp < 1:
+        parser.error(f"--sp {args.sp}: the sequence-parallel degree is at least 1")
     args.steps = args.steps or (4 if args.smoke else 20)
     args.width = args.width or (64 if args.smoke else 1280)
     args.height = args.height or (64 if args.smoke else 768)
@@ -562,13 +656,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 **({"num_cpus": max(4, os.cpu_count() or 1)} if not cuda else {}))
+                 **({"num_cpus": max(4, os.cpu_count() or 1, 1 + args.sp)} if not cuda else {}))  # sp: coordinator + ranks
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         from deployments.app import build_app
 
         # external_scaler_enabled: the scale-up below asks Serve for more Worker replicas in place.
         serve.run(build_app(app_args(args, engine, 1)), name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
         handle = serve.get_app_handle(APP_NAME)
+        if args.sp > 1:
+            notes.append(sp_placement_note(args, engine))
         notes.append(f"Ray + Serve + first replica ready in {time.perf_counter() - t0:.1f} s")
         first = asyncio.run(worker_cards(set(), want_new=False, tries=1))[0]["startup"]
         notes.append("first replica: " + ReplicaStartup.from_dict(first).summary())
@@ -579,7 +675,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         runs = asyncio.run(overhead_runs(args, handle, url))
 
         # 3. Scale up to one replica per GPU, then the concurrent load with the GPU sampler.
-        replicas = args.replicas or max(1, gpus)
+        replicas, scale_skipped = replicas_at(args, gpus)
         scaled = None
         if replicas > 1:
             log(f"scale-up to {replicas} replicas ...")
@@ -611,9 +707,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows += startup_rows(replicas, scaled)
             data["scale_up"] = scaled
         else:
-            rows.append({"metric": "scale-up", "app_s": None, "detail": "n/a: one replica (no second GPU)"})
+            rows.append({"metric": "scale-up", "app_s": None,
+                         "detail": scale_skipped or "n/a: one replica (no second GPU)"})
         rows.append({"metric": "GPU utilization under the load", "app_s": None,
                      "detail": f"{sampler.summary()} ({sampler.source}); {clients} clients, {len(queued)} requests"})
+        # 4. Sequence parallel: the SP N replica against the one-process parts of this run.
+        if args.sp > 1:
+            rows += sp_rows(args.sp, tiers, before, runs, direct)
     except BaseException as exc:  # noqa: BLE001 - write what was measured, then re-raise
         notes.append(f"run aborted: {type(exc).__name__}: {exc}"[:500])
         traceback.print_exc()

@@ -61,10 +61,17 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
         from engine.engine import check_parallel_config
 
         gpus_per_rank = rank_num_gpus(engine, num_gpus_in_cluster)
+        if options.num_gpus is not None and options.num_gpus != sp * gpus_per_rank:
+            raise ValueError(f"worker.num_gpus={options.num_gpus:g} conflicts with engine.parallel.sp={sp}: a sequence-"
+                             f"parallel replica takes one GPU per rank actor ({sp * gpus_per_rank} here); leave "
+                             "worker.num_gpus null (engine.device: cpu runs the ranks on CPU)")
         node_gpus = (largest_node_num_gpus() if ray.is_initialized() else torch.cuda.device_count()) if gpus_per_rank else 0
         check_parallel_config(engine, node_gpus)
-        deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus}
-        deployment["placement_group_bundles"] = replica_bundles(sp, gpus_per_rank, options.num_cpus)
+        deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus,
+                                           **({"resources": dict(options.resources)} if options.resources else {})}
+        bundles = replica_bundles(sp, gpus_per_rank, options.num_cpus)
+        bundles[0].update(options.resources)  # Serve puts the replica in bundle 0: it must hold what the replica asks
+        deployment["placement_group_bundles"] = bundles
         deployment["placement_group_strategy"] = "STRICT_PACK"
         num_gpus = float(sp * gpus_per_rank)
     if options.router == "schedule_affinity":

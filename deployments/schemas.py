@@ -225,7 +225,8 @@ class WorkerOptions(BaseModel):
     autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
     num_gpus: float | None = Field(
         None, ge=0, description=f"GPUs per replica; None: 1 if the Ray cluster has GPUs at build time "
-        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0."
+        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0. With "
+        "engine.parallel.sp > 1 a replica takes sp GPUs, one per rank actor (any other value is refused)."
     )
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
     resources: dict[str, float] = Field(

@@ -97,18 +97,10 @@ def test_engine_smoke_times_both_adaln_modes(tmp_path):
     assert all(row["model"] == "tiny" and row["blocks"] == 4 and row["steps"] == 3 for row in rows.values())
 
 
-def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
-    """bench.app on CPU: one replica of the real app on the tiny checkpoint. The tier sequence must land on the
-    tier each row names (the plan counters come back through the app), beside bench.adaln's numbers."""
-    from bench import app
-
-    assert app.main(["--smoke", "--repeats", "2", "--clients", "2", "--load-requests", "4", "--replicas", "2",
-                     "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
-    report = load(tmp_path / "app-cpu.json")
-    assert report["commit"] and report["command"].startswith("python")
-    tiers = report["tiers"]
+def assert_tiers_land(tiers: dict) -> None:
+    """bench.app's tier sequence (4 steps: 3 forwards, 3 distinct plans) lands on the tier each row names."""
     num_plans = tiers["first miss after start (page cache)"]["built_plans"]
-    assert num_plans == 3  # 4 steps: 3 forwards, 3 distinct plans
+    assert num_plans == 3
     shared = 1  # the first forward's plan (both sigmas 1) is every schedule's
     expect = {
         "miss, page cache": ("built_plans", num_plans - shared),
@@ -124,6 +116,19 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
         row = tiers[tier]
         assert row["page_cache_bytes"] + row["disk_bytes"] == row["rebuild_bytes_read"] > 0, tier
     assert tiers["first miss after start (page cache)"]["disk_bytes"] == 0  # the shards were just read
+
+
+def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
+    """bench.app on CPU: one replica of the real app on the tiny checkpoint. The tier sequence must land on the
+    tier each row names (the plan counters come back through the app), beside bench.adaln's numbers."""
+    from bench import app
+
+    assert app.main(["--smoke", "--repeats", "2", "--clients", "2", "--load-requests", "4", "--replicas", "2",
+                     "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "app-cpu.json")
+    assert report["commit"] and report["command"].startswith("python")
+    assert_tiers_land(report["tiers"])
+    tiers = report["tiers"]
     rows = {row["metric"]: row for row in report["rows"]}
     for tier in ("first miss after start (page cache)", "miss, cold (DONTNEED)", "GPU-slab hit", "host hit"):
         row = rows[f"plan_s: {tier}"]
@@ -176,6 +181,46 @@ def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
     missing = {row["metric"]: row for row in startup_rows(2, {**scaled, "startup": None})}
     assert missing["scale-up 1 -> 2: new replica start-up"]["app_s"] is None
     assert not any("  - " in metric for metric in missing)
+
+
+def test_app_smoke_at_sp2_serves_one_replica_of_two_gloo_ranks_beside_the_one_process_parts(tmp_path):
+    """bench.app --sp 2 on CPU: the real app with engine.parallel.sp: 2 (one Worker replica coordinating two gloo
+    rank actors in its placement group, stages fused). The tiers land as at SP1 (rank 0's counters), every rank
+    ends every request with rank 0's latents, the ranks' rebuilds split the one-device rebuild's bytes between
+    them, and the SP rows put the served numbers beside the direct SP1 engine call and bench.adaln's miss."""
+    from bench import app
+
+    assert app.main(["--smoke", "--sp", "2", "--repeats", "2", "--clients", "2", "--load-requests", "4",
+                     "--checkpoint", str(tmp_path / "tiny"), "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "app-cpu.json")
+    assert report["command"].startswith("python")
+    tiers = report["tiers"]
+    assert_tiers_land(tiers)
+    records = [r for r in tiers.values() if "latency_s" in r] + [r for rs in report["overhead"].values() for r in rs]
+    assert len(records) == 7 + 2 * 2 + 4
+    for record in records:
+        parallel = record["parallel"]
+        assert parallel["sp"] == 2 and parallel["ranks_agree"] is True and len(parallel["adaln_by_rank"]) == 2
+        assert record["hops"]["TextEncoder round trip"] == record["hops"]["Decoder round trip"] == 0  # fused
+        assert sum(record["hops"].values()) == pytest.approx(record["latency_s"] - record["total_s"], abs=1e-9)
+    one_device = report["components"]["before"]["miss_page_cache"]["bytes"]
+    for tier in ("miss, page cache", "miss, cold (DONTNEED)"):
+        by_rank = [a["rebuild_bytes_read"] for a in tiers[tier]["parallel"]["adaln_by_rank"]]
+        assert tiers[tier]["rebuild_bytes_read"] == by_rank[0] and all(b > 0 for b in by_rank)
+        assert sum(by_rank) == one_device, tier  # each rank reads its own share of the AdaLN units
+    rows = {row["metric"]: row for row in report["rows"]}
+    step = rows["SP2: denoise per forward, served SP2 vs direct SP1"]
+    assert step["app_s"] == rows["denoise per forward"]["app_s"] > 0 and step["bench_s"] > 0
+    assert step["x_bench"] == round(step["app_s"] / step["bench_s"], 2)
+    for tier, component in (("miss, page cache", "miss_page_cache"), ("miss, cold (DONTNEED)", "miss_cold")):
+        row = rows[f"SP2: plan_s {tier}, served SP2 vs bench.adaln (one device)"]
+        assert row["app_s"] == tiers[tier]["plan_s"] and row["bench_s"] == report["components"]["before"][component]["seconds"]
+    for name in ("handle, 1 client", "HTTP, 1 client"):
+        assert rows[f"SP2: coordinator <-> ranks ({name})"]["app_s"] > 0
+    assert rows["SP2: every rank ended with rank 0's latents"]["detail"].startswith(f"{len(records)} of {len(records)}")
+    assert rows["scale-up"]["detail"].startswith("n/a at sp 2: on CPU")
+    notes = " ".join(report["notes"])
+    assert "placement_group_bundles [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}] (STRICT_PACK)" in notes
 
 
 def test_psnr_is_inf_for_identical_outputs_and_uses_the_reference_range():

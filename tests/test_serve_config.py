@@ -94,6 +94,51 @@ def test_shipped_config_leaves_the_replica_count_to_the_gpu_count():
     assert worker_deployment_options(worker, num_gpus_in_cluster=4)["autoscaling_config"]["min_replicas"] == 4
 
 
+def sp_app_config(sp: int, **worker) -> AppConfig:
+    """The shipped serve_config.yaml's args with `engine.parallel.sp` set, as a user edits the file."""
+    (app,) = serve_config()["applications"]
+    args = app["args"]
+    args["engine"]["parallel"]["sp"] = sp
+    args["worker"].update(worker)
+    return AppConfig.model_validate(args)
+
+
+@pytest.mark.parametrize(("gpus", "sp", "replicas"), [(0, 2, 1), (2, 2, 1), (3, 2, 1), (8, 2, 4)])
+def test_sp_replica_reserves_one_bundle_per_rank_on_one_node_from_the_shipped_config(monkeypatch, gpus, sp, replicas):
+    """engine.parallel.sp: N in serve_config.yaml: the replica is a CPU coordinator in bundle 0 of its own STRICT_PACK
+    placement group, one bundle (a CPU and, on a GPU cluster, a GPU) per rank actor, and as many replicas as the
+    cluster's GPUs hold whole (one on CPU: gloo ranks)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # the node the builder checks the degree against
+    config = sp_app_config(sp)
+    options = worker_deployment_options(config.worker, gpus, config.engine, split=config.stages == "split")
+    rank = {"CPU": 1.0, "GPU": 1.0} if gpus else {"CPU": 1.0}
+    assert options["ray_actor_options"] == {"num_gpus": 0, "num_cpus": config.worker.num_cpus}
+    assert options["placement_group_bundles"] == [{"CPU": config.worker.num_cpus}] + [rank] * sp
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    autoscaling = options["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (replicas, replicas)
+
+
+def test_sp_replica_keeps_the_workers_custom_resources_in_the_replicas_bundle(monkeypatch):
+    """A node tag in worker.resources pins the SP replica too: the coordinator asks for it and its bundle holds it
+    (STRICT_PACK puts the ranks' bundles on the same node)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = sp_app_config(2, resources={"h200": 0.01})
+    options = worker_deployment_options(config.worker, 2, config.engine)
+    assert options["ray_actor_options"]["resources"] == {"h200": 0.01}
+    assert options["placement_group_bundles"][0] == {"CPU": 1.0, "h200": 0.01}
+
+
+@pytest.mark.parametrize(("gpus", "num_gpus"), [(2, 1), (2, 0), (0, 2)])
+def test_sp_replica_refuses_a_gpu_count_other_than_one_per_rank(monkeypatch, gpus, num_gpus):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = sp_app_config(2, num_gpus=num_gpus)
+    with pytest.raises(ValueError, match=rf"worker.num_gpus={num_gpus} conflicts with engine.parallel.sp=2"):
+        worker_deployment_options(config.worker, gpus, config.engine)
+    matching = sp_app_config(2, num_gpus=2 if gpus else 0)  # what the replica takes anyway is accepted
+    assert worker_deployment_options(matching.worker, gpus, matching.engine)["ray_actor_options"]["num_gpus"] == 0
+
+
 def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
     # Serve's defaults (20 s per deployment, polled every 2 s) kept Ctrl-C on `serve run` waiting ~26 s under load.
     options = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
