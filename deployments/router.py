@@ -94,7 +94,7 @@ SCHEDULE_KEY_KWARG = "schedule_key"
 """Keyword argument of the handle call that carries the schedule key."""
 
 DEFAULT_LOAD_FACTOR = 1.25
-DEFAULT_HOLD_FACTOR = 6.0
+DEFAULT_HOLD_FACTOR = 3.0
 DEFAULT_SPILL_CONFIRM_S = 0.01
 DEFAULT_POPULARITY_WINDOW = 1000
 DEFAULT_MISS_COST = 1.5
