@@ -4,7 +4,7 @@ A request's AdaLN plans depend only on its sampling schedule, so sending every r
 schedule to the same replica keeps that replica's plan slab warm. The caller names the schedule with a
 keyword argument on the handle call::
 
-    worker.generate.remote(request_dict, schedule_key=schedule.schedule_key)
+    worker.generate.remote(request, request_id, schedule_key=request.schedule_key)
 
 and the worker deployment opts in with::
 
