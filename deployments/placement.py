@@ -23,8 +23,9 @@ The router uses it only with ``placement=True`` (off by default). Measured (benc
 routing-cpu.md): against the slab policy it gains at most ~0.02 of Zipf plan hit rate and doubles p99:
 concentrating rebuilds on the scratch replicas queues them. With LRU slabs a tail request also evicted the least
 recent schedule of the scratch replica (often a stable one); the segmented slab (probation first) removed that
-loss for the slab policy too (0.89 -> 0.91 of Belady at hold_factor 6), short of the 0.95 goal. The sim's best with placement (true rates, segmented
-slab) is ~0.93 of the pooled Belady bound.
+loss for the slab policy too in the sim (0.89 -> 0.91 of Belady at hold_factor 6), short of the 0.95 goal, but not
+in the real bench, so the LRU slab stays the default. The sim's best with placement (true rates, segmented slab)
+is ~0.93 of the pooled Belady bound.
 """
 
 from __future__ import annotations

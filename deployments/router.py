@@ -37,8 +37,8 @@ replica queues rebuilds), and lowered both under uniform load; it still does wit
 
 The slab report lists a replica's schedules in its eviction order, the next victims last (``engine.served``):
 with the segmented slab (``cache.slab.SlotIndex``) those are the schedules on probation, so the eviction cost
-of a new key is what it would really displace. ``hold_factor`` defaults to 6: with a handful of clients per
-replica a holder then never spills, which kept +0.03 of the Belady bound in the sim with p99 unchanged.
+of a new key is what it would really displace. ``hold_factor`` defaults to 3: 6 (and the segmented slab) did
+better in ``bench.routing_sim`` but not in the real ``bench.routing`` (bench/results/routing-sim-cpu.md, last table).
 
 Policy when they do not (rendezvous hashing with bounded load):
 
@@ -481,7 +481,7 @@ class ScheduleAffinityRouter(RequestRouter):
     bounded load; least load for requests without a key. The policy is in the module docstring.
 
     ``request_router_kwargs``: ``load_factor`` (float >= 1, default 1.25; larger keeps affinity longer under
-    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 6; the bound for a replica whose slab
+    skew, smaller balances sooner), ``hold_factor`` (float >= 1, default 3; the bound for a replica whose slab
     holds the key), ``spill_confirm_s`` (default 0.01), ``popularity_window`` (keyed requests remembered to
     rank evictions, and the rates placements are computed from; default 1000), ``placement`` (default False:
     see the module docstring), ``miss_cost`` (placement only: a rebuilding request's load in warm requests,
