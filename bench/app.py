@@ -240,7 +240,7 @@ def record(kind: str, latency_s: float, timings: Dict[str, float], stats: Dict[s
     return {"kind": kind, "latency_s": latency_s, **timings, "forwards": stats.get("forwards"),
             **{k: adaln.get(k, 0) for k in ("gpu_hit_plans", "host_hit_plans", "pool_hit_plans", "built_plans",
                                              "rebuild_s", "rebuild_bytes_read", "page_cache_bytes", "disk_bytes",
-                                             "h2d_bytes", "pool_lookup_s")},
+                                             "h2d_bytes", "pool_lookup_s", "prepare_s")},
             "hops": overhead_hops(latency_s, timings, serve_timings or {}),
             "parallel": stats.get("parallel")}  # sp > 1: sp, ranks_agree, every rank's plan counters
 
@@ -482,7 +482,7 @@ def plan_rows(tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict], after: 
             "bench_s": bench.get("seconds"), "bench_after_s": bench_after.get("seconds"),
             "x_bench": ratio(served["plan_s"], bench.get("seconds")),
             "floor_s": floor, "x_floor": ratio(served["plan_s"], floor),
-            "detail": f"{plans}; rebuild_s {served['rebuild_s']:.4f}; bytes {nbytes}"
+            "detail": f"{plans}; prepare_s {served['prepare_s']:.4f}, rebuild_s {served['rebuild_s']:.4f}; bytes {nbytes}"
                       + (f" (page cache {served['page_cache_bytes']}, disk {served['disk_bytes']})"
                          if served["rebuild_bytes_read"] else "")
                       + (f"; pool_lookup_s {served['pool_lookup_s']:.4f}" if served["pool_lookup_s"] else ""),

@@ -93,6 +93,9 @@ class AdalnStats(BaseModel):
     disk_bytes: int = Field(
         0, description="Of rebuild_bytes_read, bytes read from the disk (not in the page cache, or O_DIRECT).")
     h2d_bytes: int = Field(0, description="Bytes copied host tier -> slab.")
+    prepare_s: float = Field(
+        0.0, description="Host wall seconds in `prepare` (every stage; the request's plan_s adds the compute "
+        "stream's wait for the queued copies and projections).")
 
     def add_(self, other: "AdalnStats") -> None:
         for name in type(self).model_fields:
@@ -324,7 +327,8 @@ class PlanCache:
     def warm_up(self) -> None:
         """Set up now what the first miss would otherwise set up on the request path (the engine calls it at
         start): every unit located and checked, the rebuild's pinned host staging and device buffers sized for
-        the largest unit, its reader threads and the publish thread started, and one small rebuild (the first
+        the largest unit, its reader threads and the publish thread started (with pinned staging for a full
+        slab's publish) and the pool asked once (its connections set up), and one small rebuild (the first
         block and the final layer, once per plan width M) into scratch rows, which creates the cuBLAS handle
         and loads the projection kernels of every M, and uses the copy stream. Reads one block's bytes; leaves
         the slab and the tiers alone. Idempotent."""
@@ -332,7 +336,12 @@ class PlanCache:
         self.rebuilder.reserve(max(u.staging_bytes for u in units))
         self.rebuilder.warm_up_readers()
         if self.remote is not None:
-            self._publisher.start()
+            dims, width = self.model, self.config.plan_width
+            element = torch.empty(0, dtype=dims.torch_dtype).element_size()
+            full_plan = width * (dims.num_blocks * dims.adaln_width + dims.final_adaln_width) * element + 64
+            self._publisher.start(full_plan, self.config.gpu_plans)
+            # the first lookup sets up the pool actors' connections: here, not on the first miss
+            self.remote.lookup([(("warm-up",), ())])
         probe = [dataclasses.replace(units[0], block=0 if units[0].block is not None else None)]
         if len(units) > 1:
             probe.append(units[-1])
@@ -443,6 +452,7 @@ class PlanCache:
                 f"weights_version {weights_version!r} is not the cache's {self.weights_version!r}; "
                 "call refresh_weight_derived_caches after a weight update"
             )
+        t_prepare = time.perf_counter()
         step_keys, distinct = self._admit(plans)
         request = _Request(distinct, AdalnStats(requests=1))
         compute = self.gpu.current_stream()
@@ -465,6 +475,7 @@ class PlanCache:
             request.wait_published()
             self._free(request.held)
             raise
+        request.stats.prepare_s = time.perf_counter() - t_prepare
         self.stats.add_(request.stats)
         prepared = PreparedPlans(self, request.held, row_index, spans, request.stats, tuple(request.distinct))
         prepared.published = request.published
@@ -637,10 +648,20 @@ class _Publisher:
         self._memory = memory  # short-lived staging (pinned on CUDA)
         self._stream = gpu.new_stream("publish")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaln-publish")
+        # Every plan is staged in one buffer of this many bytes (a power of two: one bucket of the caching host
+        # allocator, whatever the plan's row count), so that buffers reserved at start serve every plan.
+        self._class_bytes = 0
 
-    def start(self) -> None:
-        """Start the thread now (warm-up), not on the first publish."""
+    def start(self, plan_bytes: int = 0, num_plans: int = 0) -> None:
+        """Start the thread now (warm-up), not on the first publish, and have PyTorch's caching host allocator
+        hold `num_plans` staging buffers of the class a plan of up to `plan_bytes` uses: the first publishes
+        would otherwise cudaHostAlloc them, and those calls stall the request thread's CUDA calls (the first
+        miss after start ran ~25 ms longer than later ones on an H200)."""
         self._executor.submit(lambda: None).result()
+        if plan_bytes > 0 and self._memory.pins_staging:
+            self._class_bytes = _size_class(plan_bytes)
+            reserved = [self._memory.staging((self._class_bytes,), torch.uint8) for _ in range(num_plans)]
+            del reserved  # back to the allocator's free list, pinned, for the publishes to reuse
 
     def submit(self, remote: RemoteTier, sources: dict[PlanKey, PlanRows], written: Event) -> Future:
         copied: Future = Future()
@@ -675,12 +696,26 @@ class _Publisher:
         with self.gpu.use_stream(self._stream), torch.no_grad():
             self._stream.wait_event(written)  # the rows are read only after the rebuild wrote them
             for key, rows in sources.items():
-                blocks = self._memory.staging(tuple(rows.blocks.shape), rows.blocks.dtype)
-                final = self._memory.staging(tuple(rows.final.shape), rows.final.dtype)
+                blocks, final = self._staged(rows)
                 self.gpu.copy_(blocks, rows.blocks)
                 self.gpu.copy_(final, rows.final)
                 plans[key] = PlanRows(blocks, final)
         return plans
+
+    def _staged(self, rows: PlanRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors shaped like `rows`, views of one staging buffer of the class size (own size if larger)."""
+        nblocks = rows.blocks.numel() * rows.blocks.element_size()
+        offset = -(-nblocks // 64) * 64  # final starts 64-byte aligned
+        nbytes = offset + rows.final.numel() * rows.final.element_size()
+        flat = self._memory.staging((max(nbytes, self._class_bytes),), torch.uint8)
+        blocks = flat[:nblocks].view(rows.blocks.dtype).view(rows.blocks.shape)
+        final = flat[offset:nbytes].view(rows.final.dtype).view(rows.final.shape)
+        return blocks, final
+
+
+def _size_class(nbytes: int) -> int:
+    """The power of two at or above `nbytes` (PyTorch's caching host allocator rounds blocks up to one)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -117,10 +117,15 @@ class PinnedMemory:
         else:
             self.pageable_bytes -= tensor.nbytes
 
+    @property
+    def pins_staging(self) -> bool:
+        """Whether `staging` buffers are page-locked (CUDA with pinning on)."""
+        return self.pin and self.device.torch_device.type == "cuda"
+
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A short-lived host buffer (per request): pinned through PyTorch's caching host allocator on CUDA
         (rounded up, not budgeted, recycled when dropped), plain memory on the fake device."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin and self.device.torch_device.type == "cuda")
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pins_staging)
 
     def release(self) -> None:
         """Unlock everything still registered (after synchronizing the device)."""

@@ -233,7 +233,9 @@ def test_stats_per_request_and_cumulative(tiny):
     cache.prepare(A).release()
     cache.prepare(B).release()            # evicts A's group from the 4-page host tier too
     last = cache.prepare(B)
-    assert last.stats.model_dump() == {
+    stats = last.stats.model_dump()
+    assert 0 < stats.pop("prepare_s") < 10
+    assert stats == {
         "requests": 1, "gpu_hit_plans": 2, "host_hit_plans": 0, "pool_hit_plans": 0,
         "pool_published_plans": 0, "pool_lookup_s": 0.0, "built_plans": 0,
         "gpu_evicted_plans": 0, "host_stored_plans": 0, "host_evicted_groups": 0, "host_pressure_skips": 0,
@@ -440,3 +442,30 @@ def test_refresh_rebuilds_from_the_new_checkpoint_and_old_plans_are_never_served
     fresh.release()
     in_flight.release()
     assert cache.slab.index.num_free == 2  # detached slots come back on release
+
+
+@pytest.mark.parametrize("class_bytes", [0, 1 << 16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_publish_staging_views_hold_the_rows_exactly(class_bytes, m):
+    """The publisher stages every plan in one buffer (of a fixed class reserved at start when pinning):
+    blocks and final are views of it shaped like the rows, and the copies land bit-exact."""
+    from cache.plan_cache import _Publisher, _size_class
+    from device.pinned import PinnedMemory
+    from device.streams import make_device
+
+    gpu = make_device(torch.device("cpu"))
+    publisher = _Publisher(gpu, PinnedMemory(gpu, owner="test"))
+    publisher._class_bytes = class_bytes
+    rows = PlanRows(torch.randn(5, m, 96).to(torch.bfloat16), torch.randn(m, 33).to(torch.bfloat16))
+    blocks, final = publisher._staged(rows)
+    assert (blocks.shape, blocks.dtype, final.shape, final.dtype) == (rows.blocks.shape, torch.bfloat16,
+                                                                      rows.final.shape, torch.bfloat16)
+    assert blocks.untyped_storage().data_ptr() == final.untyped_storage().data_ptr()
+    assert final.data_ptr() % 64 == blocks.data_ptr() % 64  # final starts on a 64-byte boundary of the buffer
+    assert blocks.untyped_storage().nbytes() == max(class_bytes, final.data_ptr() - blocks.data_ptr() + final.nbytes)
+    blocks.copy_(rows.blocks)
+    final.copy_(rows.final)
+    assert torch.equal(blocks.view(torch.int16), rows.blocks.view(torch.int16))
+    assert torch.equal(final.view(torch.int16), rows.final.view(torch.int16))
+    assert [_size_class(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]
+    publisher.close()

@@ -135,11 +135,14 @@ def test_an_unreachable_pool_is_a_miss_within_the_budget(checkpoints, namespace)
             raise RuntimeError("pool gone")
 
     remote = Unreachable(MiB, namespace=namespace, detached=False, lookup_timeout_s=0.5)
-    result = worker(checkpoints[0], remote).generate(GenerationRequest(**REQUEST))
+    engine = worker(checkpoints[0], remote)
+    # the engine's warm-up asked the pool once (to set up its connections): a failure, counted, not raised
+    assert (remote.counts["lookup_failures"], remote.counts["publish_failures"]) == (1, 0)
+    result = engine.generate(GenerationRequest(**REQUEST))
     assert result.stats.adaln.built_plans == NUM_PLANS and result.stats.adaln.pool_hit_plans == 0
     remote.flush()
     # One lookup (all three plans at once) and one publish (the request's group), both counted, neither raised.
-    assert (remote.counts["lookup_failures"], remote.counts["publish_failures"]) == (1, 1)
+    assert (remote.counts["lookup_failures"], remote.counts["publish_failures"]) == (2, 1)
     remote.close()
 
 
