@@ -118,7 +118,7 @@ def oracle_row(schedules: List[int], shifts: List[float], steps: int, gpu_plans:
     """Upper bound on the GPU hit rate: Belady's rule (evict the plan next used furthest ahead) over the
     request order's plan accesses, with the fleet's slabs pooled into one cache of replicas*gpu_plans plans
     (a real router also has to split schedules over replicas and balance load). The warm-up's plan is resident."""
-    accesses = [(None, k) for k in schedule_plans(1, 20.0)]  # warm-up: not counted
+    accesses = [(None, k) for k in schedule_plans(2, 20.0)]  # warm-up: not counted
     accesses += [(i, k) for i, s in enumerate(schedules) for k in schedule_plans(steps, shifts[s])]
     next_use, seen = [math.inf] * len(accesses), {}
     for pos in range(len(accesses) - 1, -1, -1):
@@ -134,7 +134,7 @@ def oracle_row(schedules: List[int], shifts: List[float], steps: int, gpu_plans:
             if len(cache) >= replicas * gpu_plans:
                 del cache[max(cache, key=cache.get)]
         cache[key] = next_use[pos]
-    plans = len(accesses) - len(schedule_plans(1, 20.0))
+    plans = len(accesses) - len(schedule_plans(2, 20.0))
     return {
         "mode": f"oracle bound (Belady over plans, {replicas}x{gpu_plans} slots pooled)",
         "requests": len(schedules),
@@ -218,10 +218,10 @@ async def run_mode(args, mode: str, checkpoint: Path, replicas: int, schedules: 
         with contextlib.suppress(Exception):
             phases["first_choice"] = first_choices(app_name, args.steps, args.shifts)
 
-    # Warm-up: steps=1 requests (only the sigma=1 plan, shared by every schedule) with shifts outside the
+    # Warm-up: steps=2 requests (one forward: only the sigma=1 plan, shared by every schedule) with shifts outside the
     # workload, 2 per replica at once so both routers reach every replica; compiles kernels, primes rebuilds.
     t0 = time.perf_counter()
-    await asyncio.gather(*(handle.generate.remote(request_body(1, 20.0 + i, i)) for i in range(2 * replicas)))
+    await asyncio.gather(*(handle.generate.remote(request_body(2, 20.0 + i, i)) for i in range(2 * replicas)))
     phases["warmup_s"] = time.perf_counter() - t0
 
     queue = list(enumerate(schedules))[::-1]
