@@ -180,7 +180,9 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
     )
     ingress = Ingress.options(
         max_ongoing_requests=config.http.max_ongoing_requests,
-        **({"ray_actor_options": {"resources": dict(config.http.resources)}} if config.http.resources else {}),
+        # The decorator's num_cpus 0, restated: options() replaces ray_actor_options whole.
+        ray_actor_options={"num_cpus": 0, **({"resources": dict(config.http.resources)} if config.http.resources
+                                             else {})},
         **shutdown_options(config.http.graceful_shutdown_timeout_s),
     )
     return ingress.bind(

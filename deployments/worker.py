@@ -262,12 +262,13 @@ class Worker(ScheduleAffinityReporter):
         for `request.prompt`. Yields progress events as `generate_stream`, then the `GenerationResult` with
         the latents and no MP4 (the Decoder decodes them). The replica takes its next request as soon as this
         one's loop ends."""
-        self._engine.validate(request)
+        # Off the loop: a multi-GPU engine asks its rank 0 actor (a Ray round trip).
+        await asyncio.to_thread(self._engine.validate, request)
         async for event in self._stream(request, schedule_key, embedding):
             yield event
 
     async def _validate_all(self, request: GenerationRequest) -> None:
-        self._engine.validate(request)
+        await asyncio.to_thread(self._engine.validate, request)  # off the loop: see denoise_stream
         if self._stages is not None:  # the prompt is the text encoder's to check
             await self._stages.text_encoder.validate.remote(request.prompt)
 

@@ -197,3 +197,31 @@ def test_response_with_video_carries_the_mp4_and_the_first_frame_as_preview():
 def test_preview_of_a_constant_frame_is_black_not_nan():
     image = Image.open(io.BytesIO(base64.b64decode(preview_png(torch.ones(2, 1, 4, 4)))))
     assert image.size == (128, 128) and set(image.getdata()) == {(0, 0, 0)}
+
+
+def bound_deployments(app) -> dict:
+    """name -> Deployment of every deployment an Application binds (the ingress and those in its init args)."""
+    from ray.serve.deployment import Application
+
+    ingress = app._bound_deployment
+    found = {ingress.name: ingress}
+    for arg in ingress.init_args:
+        if isinstance(arg, Application):
+            found.update(bound_deployments(arg))
+    return found
+
+
+@pytest.mark.parametrize("stages, names", [("split", {"Ingress", "Worker", "TextEncoder", "Decoder"}),
+                                           ("fused", {"Ingress", "Worker"})])
+def test_ingress_keeps_zero_cpus_beside_its_http_resources(stages, names):
+    """options() replaces ray_actor_options whole: the ingress restates its decorator's num_cpus 0 when
+    http.resources pins it to a node (it took a whole CPU there before)."""
+    from deployments.app import build_application
+    from tests.fake_engine import FakeEngine
+
+    config = AppConfig.model_validate({"stages": stages, "http": {"resources": {"head": 0.01}}})
+    deployments = bound_deployments(build_application(config, FakeEngine))
+    assert set(deployments) == names
+    assert deployments["Ingress"].ray_actor_options["num_cpus"] == 0
+    assert deployments["Ingress"].ray_actor_options["resources"] == {"head": 0.01}
+    assert deployments["Worker"].ray_actor_options["num_cpus"] == 1.0
