@@ -324,11 +324,12 @@ class PlanCache:
         self.stats = AdalnStats()
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, expected_plans: Sequence[torch.Tensor] = ()) -> None:
         """Set up now what the first miss would otherwise set up on the request path (the engine calls it at
         start): every unit located and checked, the rebuild's pinned host staging and device buffers sized for
-        the largest unit, its reader threads and the publish thread started (with pinned staging for a full
-        slab's publish) and the pool asked once (its connections set up), and one small rebuild (the first
+        the largest unit, its reader threads and the publish thread started (with the pinned staging a miss of
+        `expected_plans` would publish: the engine passes its default request's plans) and the pool asked once
+        (its connections set up), and one small rebuild (the first
         block and the final layer, once per plan width M) into scratch rows, which creates the cuBLAS handle
         and loads the projection kernels of every M, and uses the copy stream. Reads one block's bytes; leaves
         the slab and the tiers alone. Idempotent."""
@@ -336,10 +337,13 @@ class PlanCache:
         self.rebuilder.reserve(max(u.staging_bytes for u in units))
         self.rebuilder.warm_up_readers()
         if self.remote is not None:
-            dims, width = self.model, self.config.plan_width
-            element = torch.empty(0, dtype=dims.torch_dtype).element_size()
-            full_plan = width * (dims.num_blocks * dims.adaln_width + dims.final_adaln_width) * element + 64
-            self._publisher.start(full_plan, self.config.gpu_plans)
+            dims = self.model
+            version = self.weights_version
+            distinct = {plan_key(timesteps, version): timesteps.numel() for timesteps in expected_plans}
+            rows = list(distinct.values())[: self.config.gpu_plans]  # what one miss can publish at most
+            self._publisher.start([shape for m in rows for shape in (
+                ((dims.num_blocks, m, dims.adaln_width), dims.torch_dtype),
+                ((m, dims.final_adaln_width), dims.torch_dtype))])
             # the first lookup sets up the pool actors' connections: here, not on the first miss
             self.remote.lookup([(("warm-up",), ())])
         probe = [dataclasses.replace(units[0], block=0 if units[0].block is not None else None)]
@@ -648,20 +652,16 @@ class _Publisher:
         self._memory = memory  # short-lived staging (pinned on CUDA)
         self._stream = gpu.new_stream("publish")
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaln-publish")
-        # Every plan is staged in one buffer of this many bytes (a power of two: one bucket of the caching host
-        # allocator, whatever the plan's row count), so that buffers reserved at start serve every plan.
-        self._class_bytes = 0
 
-    def start(self, plan_bytes: int = 0, num_plans: int = 0) -> None:
+    def start(self, reserve: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
         """Start the thread now (warm-up), not on the first publish, and have PyTorch's caching host allocator
-        hold `num_plans` staging buffers of the class a plan of up to `plan_bytes` uses: the first publishes
-        would otherwise cudaHostAlloc them, and those calls stall the request thread's CUDA calls (the first
-        miss after start ran ~25 ms longer than later ones on an H200)."""
+        hold a staging buffer of each (shape, dtype) in `reserve` (the tensors one publish will stage): the first
+        publishes would otherwise cudaHostAlloc them, and those calls stall the request thread's CUDA calls
+        (the part of the first miss outside the rebuild took ~47 ms vs ~20 ms later on an H200)."""
         self._executor.submit(lambda: None).result()
-        if plan_bytes > 0 and self._memory.pins_staging:
-            self._class_bytes = _size_class(plan_bytes)
-            reserved = [self._memory.staging((self._class_bytes,), torch.uint8) for _ in range(num_plans)]
-            del reserved  # back to the allocator's free list, pinned, for the publishes to reuse
+        if self._memory.pins_staging:
+            reserved = [self._memory.staging(shape, dtype) for shape, dtype in reserve]
+            del reserved  # back to the allocator's free lists, pinned, for the publishes to reuse
 
     def submit(self, remote: RemoteTier, sources: dict[PlanKey, PlanRows], written: Event) -> Future:
         copied: Future = Future()
@@ -696,26 +696,12 @@ class _Publisher:
         with self.gpu.use_stream(self._stream), torch.no_grad():
             self._stream.wait_event(written)  # the rows are read only after the rebuild wrote them
             for key, rows in sources.items():
-                blocks, final = self._staged(rows)
+                blocks = self._memory.staging(tuple(rows.blocks.shape), rows.blocks.dtype)
+                final = self._memory.staging(tuple(rows.final.shape), rows.final.dtype)
                 self.gpu.copy_(blocks, rows.blocks)
                 self.gpu.copy_(final, rows.final)
                 plans[key] = PlanRows(blocks, final)
         return plans
-
-    def _staged(self, rows: PlanRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host tensors shaped like `rows`, views of one staging buffer of the class size (own size if larger)."""
-        nblocks = rows.blocks.numel() * rows.blocks.element_size()
-        offset = -(-nblocks // 64) * 64  # final starts 64-byte aligned
-        nbytes = offset + rows.final.numel() * rows.final.element_size()
-        flat = self._memory.staging((max(nbytes, self._class_bytes),), torch.uint8)
-        blocks = flat[:nblocks].view(rows.blocks.dtype).view(rows.blocks.shape)
-        final = flat[offset:nbytes].view(rows.final.dtype).view(rows.final.shape)
-        return blocks, final
-
-
-def _size_class(nbytes: int) -> int:
-    """The power of two at or above `nbytes` (PyTorch's caching host allocator rounds blocks up to one)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -204,6 +204,14 @@ def request_schedule(steps: int, flow_shift: float, audio_flow_shift: float) -> 
     return H3Schedule.build(steps, flow_shift, audio_flow_shift, Task.T2VA)
 
 
+def default_request_plans() -> list[torch.Tensor]:
+    """The plans of a request that leaves steps and shifts at their defaults (what the plan cache's warm-up
+    reserves publish staging for)."""
+    fields = GenerationRequest.model_fields
+    return list(request_schedule(fields["steps"].default, fields["flow_shift"].default,
+                                 fields["audio_flow_shift"].default).plans)
+
+
 class EngineParts(enum.Enum):
     """What an engine holds: everything (prompt -> MP4), or the denoiser alone (the text encoder and the VAEs
     run in their own processes: `engine.stages`, deployed as the app's TextEncoder and Decoder)."""
@@ -288,7 +296,7 @@ class Engine:
         if self.plan_cache is not None:
             # Staging buffers, reader threads, the cuBLAS handle and the projection kernels now, so the first
             # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
-            self.plan_cache.warm_up()
+            self.plan_cache.warm_up(default_request_plans())
         warm_up_s = time.perf_counter() - t
         text_encoder_s = self._load_text_encoder() if parts is EngineParts.FULL else 0.0
         vae_s = self._load_vaes() if parts is EngineParts.FULL else 0.0

@@ -444,28 +444,68 @@ def test_refresh_rebuilds_from_the_new_checkpoint_and_old_plans_are_never_served
     assert cache.slab.index.num_free == 2  # detached slots come back on release
 
 
-@pytest.mark.parametrize("class_bytes", [0, 1 << 16])
-@pytest.mark.parametrize("m", [1, 3])
-def test_publish_staging_views_hold_the_rows_exactly(class_bytes, m):
-    """The publisher stages every plan in one buffer (of a fixed class reserved at start when pinning):
-    blocks and final are views of it shaped like the rows, and the copies land bit-exact."""
-    from cache.plan_cache import _Publisher, _size_class
+def test_warm_up_reserves_the_publish_staging_of_the_expected_plans_and_asks_the_pool_once(tiny):
+    """With a remote tier, the warm-up has the caching host allocator hold the pinned staging one miss of the
+    expected plans publishes (their exact shapes), so the first publish allocates nothing beside the request,
+    and asks the remote once (its connections set up). Fake pinned memory stands in for CUDA's."""
     from device.pinned import PinnedMemory
-    from device.streams import make_device
 
-    gpu = make_device(torch.device("cpu"))
-    publisher = _Publisher(gpu, PinnedMemory(gpu, owner="test"))
-    publisher._class_bytes = class_bytes
-    rows = PlanRows(torch.randn(5, m, 96).to(torch.bfloat16), torch.randn(m, 33).to(torch.bfloat16))
-    blocks, final = publisher._staged(rows)
-    assert (blocks.shape, blocks.dtype, final.shape, final.dtype) == (rows.blocks.shape, torch.bfloat16,
-                                                                      rows.final.shape, torch.bfloat16)
-    assert blocks.untyped_storage().data_ptr() == final.untyped_storage().data_ptr()
-    assert final.data_ptr() % 64 == blocks.data_ptr() % 64  # final starts on a 64-byte boundary of the buffer
-    assert blocks.untyped_storage().nbytes() == max(class_bytes, final.data_ptr() - blocks.data_ptr() + final.nbytes)
-    blocks.copy_(rows.blocks)
-    final.copy_(rows.final)
-    assert torch.equal(blocks.view(torch.int16), rows.blocks.view(torch.int16))
-    assert torch.equal(final.view(torch.int16), rows.final.view(torch.int16))
-    assert [_size_class(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]
-    publisher.close()
+    class RecordingPinned(PinnedMemory):
+        pins_staging = True
+
+        def __init__(self, device):
+            super().__init__(device, owner="test")
+            self.shapes: list = []
+
+        def staging(self, shape, dtype):
+            self.shapes.append((tuple(shape), dtype))
+            return torch.empty(shape, dtype=dtype)
+
+    class RecordingRemote:
+        def __init__(self):
+            self.asked: list = []
+            self.published = threading.Event()
+
+        def lookup(self, keys):
+            self.asked.append(list(keys))
+            return {}
+
+        def publish_group(self, plans, ready):
+            self.published.set()
+
+    cache = online_cache(tiny)
+    cache.remote = remote = RecordingRemote()
+    cache._publisher._memory = memory = RecordingPinned(cache.gpu)
+    cache.warm_up(A + A)                  # repeats count once: one miss publishes each distinct plan once
+    assert len(remote.asked) == 1 and all(key not in dict.fromkeys(plan_key(p, cache.weights_version) for p in A)
+                                          for key in remote.asked[0])
+    dims, dtype = cache.model, cache.model.torch_dtype
+    reserved = [(shape, dtype) for p in A for shape in ((dims.num_blocks, p.numel(), dims.adaln_width),
+                                                        (p.numel(), dims.final_adaln_width))]
+    assert memory.shapes == reserved
+    memory.shapes.clear()
+    cache.prepare(A).release()
+    assert remote.published.wait(60)
+    assert memory.shapes == reserved      # the first miss's publish stages exactly what was reserved
+    cache.close()
+
+
+def test_warm_up_reserves_at_most_a_slab_of_plans(tiny):
+    """Expected plans beyond adaln.gpu_plans (a default request longer than a small slab admits) reserve a
+    slab's worth and start the engine all the same."""
+    from device.pinned import PinnedMemory
+
+    class CountingPinned(PinnedMemory):
+        pins_staging = True
+        count = 0
+
+        def staging(self, shape, dtype):
+            self.count += 1
+            return torch.empty(shape, dtype=dtype)
+
+    cache = online_cache(tiny, gpu_plans=2)
+    cache.remote = type("NoPool", (), {"lookup": lambda self, keys: {}, "publish_group": lambda self, p, r: True})()
+    cache._publisher._memory = memory = CountingPinned(cache.gpu, owner="test")
+    cache.warm_up(A + B + C)              # 6 distinct plans, a slab of 2
+    assert memory.count == 2 * 2          # blocks and final of 2 plans
+    cache.close()
