@@ -41,8 +41,10 @@ from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
+from deployments.json_body import JsonBodyError, loads_body
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
@@ -268,12 +270,9 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
             "application/x-www-form-urlencoded",
         )
     try:
-        # Python's json accepts NaN/Infinity; the schema then rejects them with a field-level message.
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+        payload = loads_body(body)
+    except JsonBodyError as exc:
+        raise ApiError(exc.status, exc.kind, exc.message) from None
     if not isinstance(payload, dict):
         raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
     try:
@@ -287,6 +286,8 @@ async def _form_fields(request: Request) -> dict[str, str]:
         form = await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)
     except MultiPartException as exc:
         raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+    except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
+        raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
     fields: dict[str, str] = {}
     for name, value in form.multi_items():
         if isinstance(value, UploadFile):
@@ -316,21 +317,35 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first_text, dash, last_text = spec.strip().partition("-")
-    if not dash or not (first_text.isdigit() or first_text == "") or not (last_text.isdigit() or last_text == ""):
+    if not dash or not (_is_decimal(first_text) or first_text == "") or not (_is_decimal(last_text) or last_text == ""):
         return None
     if first_text == "":  # suffix: the last N bytes
         if last_text == "":
             return None
-        length = int(last_text)
+        length = _byte_position(last_text)
         if length == 0 or size == 0:
             raise RangeNotSatisfiable()
         return max(0, size - length), size - 1
-    first = int(first_text)
-    if last_text != "" and int(last_text) < first:
+    first = _byte_position(first_text)
+    if last_text != "" and _byte_position(last_text) < first:
         return None
     if first >= size:
         raise RangeNotSatisfiable()
-    return first, size - 1 if last_text == "" else min(int(last_text), size - 1)
+    return first, size - 1 if last_text == "" else min(_byte_position(last_text), size - 1)
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
+#: Byte positions past any file we store; longer numbers read as this (int() refuses over 4300 digits).
+_FAR_BYTE = 10**18
+
+
+def _byte_position(text: str) -> int:
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= 18 else _FAR_BYTE
 
 
 async def _blob_chunks(blob: OutputBlob, first: int, last: int) -> AsyncIterator[bytes]:
@@ -669,11 +684,12 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
 def _limit(text: str | None, max_limit: int) -> int:
     if text is None:
         return min(20, max_limit)
-    if not text.isdigit():
+    if not _is_decimal(text):
         raise ApiError(422, "invalid_request", f"limit: {text[:32]!r} is not a positive integer")
-    limit = int(text)
+    limit = _byte_position(text)  # bounded: a 5000-digit limit is out of range, not a ValueError
     if not 1 <= limit <= max_limit:
-        raise ApiError(422, "invalid_request", f"limit: {limit} is outside 1..{max_limit} (jobs.max_list_limit)")
+        shown = text.lstrip("0")[:32] or "0"
+        raise ApiError(422, "invalid_request", f"limit: {shown} is outside 1..{max_limit} (jobs.max_list_limit)")
     return limit
 
 
