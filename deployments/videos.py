@@ -32,6 +32,7 @@ import hmac
 import json
 import logging
 import re
+from urllib.parse import parse_qsl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -258,7 +259,7 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
     body = await _read_body(request, max_body_bytes)
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request)
+        fields = await _form_fields(request, body, content_type)
         try:
             return VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
@@ -281,21 +282,36 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
         raise _validation_error(exc) from None
 
 
-async def _form_fields(request: Request) -> dict[str, str]:
-    try:
-        form = await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)
-    except MultiPartException as exc:
-        raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
-    except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
-        raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
+async def _form_fields(request: Request, body: bytes, content_type: str) -> dict[str, str]:
+    if content_type == "application/x-www-form-urlencoded":
+        items: list[tuple[str, str | UploadFile]] = list(_urlencoded_fields(body))
+    else:
+        try:
+            items = (await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)).multi_items()
+        except MultiPartException as exc:
+            raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+        except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
+            raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
     fields: dict[str, str] = {}
-    for name, value in form.multi_items():
+    for name, value in items:
         if isinstance(value, UploadFile):
             raise ApiError(422, "invalid_request", f"{name}: file uploads are not supported yet (input_reference)")
         if name in fields:
             raise ApiError(422, "invalid_request", f"{name}: given more than once")
         fields[name] = value
     return fields
+
+
+def _urlencoded_fields(body: bytes) -> list[tuple[str, str]]:
+    """An urlencoded body's fields, UTF-8 strictly, raw or percent-encoded. Starlette's parser reads raw bytes
+    as latin-1 and bad escapes as U+FFFD: `curl -d prompt=café` would have queued the prompt 'cafÃ©'."""
+    try:
+        return parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict",
+                         max_num_fields=FORM_MAX_FIELDS)
+    except UnicodeDecodeError:
+        raise ApiError(422, "invalid_request", "form body: not valid UTF-8 (raw or percent-encoded)") from None
+    except ValueError:  # parse_qsl past max_num_fields
+        raise ApiError(422, "invalid_request", f"form body: too many fields (at most {FORM_MAX_FIELDS})") from None
 
 
 # --------------------------------------------------------------------------------------------------

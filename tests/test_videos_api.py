@@ -366,7 +366,11 @@ BAD_REQUESTS = [
     ("form-multipart-without-boundary", raw("prompt=x", "multipart/form-data"), 422,
      "form body: Missing boundary in multipart"),
     ("form-too-many-fields", raw("&".join(f"f{i}=1" for i in range(40)), "application/x-www-form-urlencoded"),
-     422, "form body: Too many fields"),
+     422, "form body: too many fields (at most 32)"),
+    ("form-percent-escape-not-utf8", raw("prompt=%ff%fe", "application/x-www-form-urlencoded"), 422,
+     "form body: not valid UTF-8"),
+    ("form-raw-bytes-not-utf8", {"content": b"prompt=caf\xe9", "headers": {
+        "content-type": "application/x-www-form-urlencoded"}}, 422, "form body: not valid UTF-8"),
 ]
 
 
@@ -379,6 +383,14 @@ def test_bad_requests_are_refused_with_the_reason(serve, case, send, status, mes
         error = response.json()["error"]
         assert message in error["message"], error
     assert client.get("/v1/videos").json()["data"] == []  # nothing was queued
+
+
+@pytest.mark.parametrize("body", ["prompt=caf\u00e9".encode(), b"prompt=caf%C3%A9", b"prompt=caf%c3%a9+au+lait&seed=3"])
+def test_urlencoded_fields_are_utf8_raw_or_percent_encoded(serve, body):
+    client = serve()
+    response = client.post("/v1/videos", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt"].startswith("caf\u00e9")  # not 'cafÃ©' (latin-1) nor U+FFFD
 
 
 def test_a_number_past_int_digit_limit_is_malformed_json(serve):
