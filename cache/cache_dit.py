@@ -162,7 +162,8 @@ class CacheDitOverrides(BaseModel):
     Bn_compute_blocks: int | None = Field(None, ge=0, description=_DESCRIPTIONS["Bn_compute_blocks"])
     max_warmup_steps: int | None = Field(None, ge=0, description=_DESCRIPTIONS["max_warmup_steps"])
     warmup_interval: int | None = Field(None, ge=1, description=_DESCRIPTIONS["warmup_interval"])
-    residual_diff_threshold: float | None = Field(None, ge=0.0, description=_DESCRIPTIONS["residual_diff_threshold"])
+    residual_diff_threshold: float | None = Field(
+        None, ge=0.0, allow_inf_nan=False, description=_DESCRIPTIONS["residual_diff_threshold"])
     max_cached_steps: int | None = Field(None, ge=-1, description=_DESCRIPTIONS["max_cached_steps"])
     max_continuous_cached_steps: int | None = Field(None, ge=-1, description=_DESCRIPTIONS["max_continuous_cached_steps"])
     enable_taylorseer: bool | None = Field(None, description=_DESCRIPTIONS["enable_taylorseer"])

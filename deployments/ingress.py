@@ -35,6 +35,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
+from deployments.json_body import JsonBodyError, loads_body
 from deployments.metrics import RoutingMetrics
 from deployments.schemas import (
     AdminOptions,
@@ -303,12 +304,9 @@ class Ingress:
         if len(body) > limit:
             raise RequestError(413, "payload_too_large", f"body of {len(body)} bytes exceeds http.max_body_bytes={limit}")
         try:
-            # Python's json accepts NaN/Infinity; the schema then rejects them with a field-level message.
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
-        except RecursionError:  # e.g. "[[[[..." deeper than the parser's recursion limit
-            raise RequestError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+            return loads_body(body)
+        except JsonBodyError as exc:
+            raise RequestError(exc.status, exc.kind, exc.message) from None
 
     @api.get("/healthz", summary="200 when a worker replica answers its health check.")
     async def healthz(self) -> JSONResponse:

@@ -32,6 +32,7 @@ import hmac
 import json
 import logging
 import re
+from urllib.parse import parse_qsl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
+from deployments.json_body import JsonBodyError, loads_body
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
@@ -256,7 +259,7 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
     body = await _read_body(request, max_body_bytes)
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request)
+        fields = await _form_fields(request, body, content_type)
         try:
             return VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
@@ -268,12 +271,9 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
             "application/x-www-form-urlencoded",
         )
     try:
-        # Python's json accepts NaN/Infinity; the schema then rejects them with a field-level message.
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_json", f"body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "invalid_json", "body is not valid JSON: nested too deeply") from None
+        payload = loads_body(body)
+    except JsonBodyError as exc:
+        raise ApiError(exc.status, exc.kind, exc.message) from None
     if not isinstance(payload, dict):
         raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
     try:
@@ -282,19 +282,36 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
         raise _validation_error(exc) from None
 
 
-async def _form_fields(request: Request) -> dict[str, str]:
-    try:
-        form = await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)
-    except MultiPartException as exc:
-        raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+async def _form_fields(request: Request, body: bytes, content_type: str) -> dict[str, str]:
+    if content_type == "application/x-www-form-urlencoded":
+        items: list[tuple[str, str | UploadFile]] = list(_urlencoded_fields(body))
+    else:
+        try:
+            items = (await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)).multi_items()
+        except MultiPartException as exc:
+            raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+        except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
+            raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
     fields: dict[str, str] = {}
-    for name, value in form.multi_items():
+    for name, value in items:
         if isinstance(value, UploadFile):
             raise ApiError(422, "invalid_request", f"{name}: file uploads are not supported yet (input_reference)")
         if name in fields:
             raise ApiError(422, "invalid_request", f"{name}: given more than once")
         fields[name] = value
     return fields
+
+
+def _urlencoded_fields(body: bytes) -> list[tuple[str, str]]:
+    """An urlencoded body's fields, UTF-8 strictly, raw or percent-encoded. Starlette's parser reads raw bytes
+    as latin-1 and bad escapes as U+FFFD: `curl -d prompt=café` would have queued the prompt 'cafÃ©'."""
+    try:
+        return parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict",
+                         max_num_fields=FORM_MAX_FIELDS)
+    except UnicodeDecodeError:
+        raise ApiError(422, "invalid_request", "form body: not valid UTF-8 (raw or percent-encoded)") from None
+    except ValueError:  # parse_qsl past max_num_fields
+        raise ApiError(422, "invalid_request", f"form body: too many fields (at most {FORM_MAX_FIELDS})") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,21 +333,35 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first_text, dash, last_text = spec.strip().partition("-")
-    if not dash or not (first_text.isdigit() or first_text == "") or not (last_text.isdigit() or last_text == ""):
+    if not dash or not (_is_decimal(first_text) or first_text == "") or not (_is_decimal(last_text) or last_text == ""):
         return None
     if first_text == "":  # suffix: the last N bytes
         if last_text == "":
             return None
-        length = int(last_text)
+        length = _byte_position(last_text)
         if length == 0 or size == 0:
             raise RangeNotSatisfiable()
         return max(0, size - length), size - 1
-    first = int(first_text)
-    if last_text != "" and int(last_text) < first:
+    first = _byte_position(first_text)
+    if last_text != "" and _byte_position(last_text) < first:
         return None
     if first >= size:
         raise RangeNotSatisfiable()
-    return first, size - 1 if last_text == "" else min(int(last_text), size - 1)
+    return first, size - 1 if last_text == "" else min(_byte_position(last_text), size - 1)
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
+#: Byte positions past any file we store; longer numbers read as this (int() refuses over 4300 digits).
+_FAR_BYTE = 10**18
+
+
+def _byte_position(text: str) -> int:
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= 18 else _FAR_BYTE
 
 
 async def _blob_chunks(blob: OutputBlob, first: int, last: int) -> AsyncIterator[bytes]:
@@ -669,11 +700,12 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
 def _limit(text: str | None, max_limit: int) -> int:
     if text is None:
         return min(20, max_limit)
-    if not text.isdigit():
+    if not _is_decimal(text):
         raise ApiError(422, "invalid_request", f"limit: {text[:32]!r} is not a positive integer")
-    limit = int(text)
+    limit = _byte_position(text)  # bounded: a 5000-digit limit is out of range, not a ValueError
     if not 1 <= limit <= max_limit:
-        raise ApiError(422, "invalid_request", f"limit: {limit} is outside 1..{max_limit} (jobs.max_list_limit)")
+        shown = text.lstrip("0")[:32] or "0"
+        raise ApiError(422, "invalid_request", f"limit: {shown} is outside 1..{max_limit} (jobs.max_list_limit)")
     return limit
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
@@ -72,6 +72,14 @@ class GenerationRequest(BaseModel):
     cache_dit: CacheDitOverrides | None = Field(
         None, description="Per-request changes to the server's Cache-DiT settings (null: the server's)."
     )
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, prompt: str) -> str:
+        # Only whitespace would generate from an empty conditioning: refused, as the video API does (jobs.limits).
+        if not prompt.strip():
+            raise ValueError("must not be blank")
+        return prompt
 
     @property
     def schedule_key(self) -> str:

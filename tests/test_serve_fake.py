@@ -19,6 +19,8 @@ from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
+MAX_BODY_BYTES = 8192
+
 
 @pytest.fixture(scope="module")
 def base_url():
@@ -27,7 +29,9 @@ def base_url():
     from deployments.app import build_application
 
     with serve_cluster() as url:
-        app = build_application(AppConfig.model_validate({"stages": "fused", "http": {"max_body_bytes": 4096, "request_timeout_s": 1.0}}), FakeEngine)
+        # 8 KiB bodies: room for a number past int()'s 4300 digits (HOSTILE_BODIES), still small enough to hit.
+        http = {"max_body_bytes": MAX_BODY_BYTES, "request_timeout_s": 1.0}
+        app = build_application(AppConfig.model_validate({"stages": "fused", "http": http}), FakeEngine)
         serve.run(app, name=APP_NAME, route_prefix="/")
         wait_healthy(url)
         yield url
@@ -80,15 +84,48 @@ def test_engine_client_error_is_422_with_its_message(base_url):
 
 
 def test_body_over_limit_is_413(base_url):
-    r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": "' + b"a" * 5000 + b'"}', timeout=30)
+    r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}',
+                      timeout=30)
     assert r.status_code == 413
-    assert "max_body_bytes=4096" in r.json()["error"]["message"]
+    assert f"max_body_bytes={MAX_BODY_BYTES}" in r.json()["error"]["message"]
 
 
 def test_malformed_json_is_400(base_url):
     r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": ', timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_json"
+
+
+HOSTILE = {"prompt": "a cat", "seed": 3, "width": 96, "height": 64, "return_video": False}
+
+# (id, body bytes, expected status, error type, a piece of the message): what a careless or hostile client sends
+HOSTILE_BODIES = [
+    ("int-past-4300-digits", b'{"prompt": "x", "steps": ' + b"9" * 5000 + b"}", 400, "invalid_json",
+     "body is not valid JSON: a number has too many digits"),
+    ("nested-int-past-4300-digits", b'{"prompt": "x", "cache_dit": {"Fn_compute_blocks": ' + b"1" * 4400 + b"}}",
+     400, "invalid_json", "a number has too many digits"),
+    ("duplicate-key", b'{"prompt": "a cat", "prompt": "a dog"}', 422, "invalid_request", "prompt: given more than once"),
+    ("duplicate-nested-key", b'{"prompt": "x", "cache_dit": {"enabled": false, "enabled": true}}', 422,
+     "invalid_request", "enabled: given more than once"),
+    ("prompt-blank", b'{"prompt": "   "}', 422, "invalid_request", "prompt: Value error, must not be blank"),
+    ("prompt-whitespace-escapes", b'{"prompt": "\\n\\t\\u3000"}', 422, "invalid_request", "must not be blank"),
+    ("cache-dit-threshold-infinity", b'{"prompt": "x", "cache_dit": {"residual_diff_threshold": Infinity}}', 422,
+     "invalid_request", "cache_dit.residual_diff_threshold: Input should be a finite number"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "kind", "message"), [c[1:] for c in HOSTILE_BODIES],
+                         ids=[c[0] for c in HOSTILE_BODIES])
+@pytest.mark.parametrize("path", ["/v1/generations", "/v1/generations:stream"])
+def test_hostile_bodies_are_4xx_with_a_message_and_the_replica_keeps_serving(base_url, path, body, status, kind,
+                                                                             message):
+    r = requests.post(f"{base_url}{path}", data=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and message in error["message"], error
+    assert "Traceback" not in r.text and "/site-packages/" not in r.text
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+    assert post(base_url, HOSTILE).status_code == 200
 
 
 def test_models_healthz_and_docs(base_url):

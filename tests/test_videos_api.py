@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from deployments.videos import VideoApi, VideoApiSlot, build_videos_app, videos_router
+from deployments.videos import VideoApi, VideoApiSlot, build_videos_app, parse_range, videos_router
 from jobs.backend import VideoSpec
 from jobs.config import AuthConfig, JobsConfig
 from jobs.limits import VideoModelLimits
@@ -145,6 +145,9 @@ LAST = FAKE_MP4_BYTES - 1
         ("items=0-1", 200, None, slice(None)),  # another unit: ignored
         ("bytes=9-2", 200, None, slice(None)),  # malformed: ignored
         ("bytes=abc", 200, None, slice(None)),
+        ("bytes=" + "9" * 5000 + "-", 416, f"bytes */{FAKE_MP4_BYTES}", None),  # past int()'s 4300 digits
+        ("bytes=0-" + "9" * 5000, 206, f"bytes 0-{LAST}/{FAKE_MP4_BYTES}", slice(None)),
+        ("bytes=-" + "9" * 5000, 206, f"bytes 0-{LAST}/{FAKE_MP4_BYTES}", slice(None)),
     ],
 )
 def test_range_requests(serve, range_header, status, content_range, part):
@@ -159,6 +162,12 @@ def test_range_requests(serve, range_header, status, content_range, part):
         assert response.headers["content-length"] == str(len(expected))
     else:
         assert response.json()["error"]["type"] == "range_not_satisfiable"
+
+
+@pytest.mark.parametrize("range_header", ["bytes=\u00b2-", "bytes=0-\u00b2", "bytes=-\u00b2", "bytes=\u0661-\u0662"])
+def test_a_range_with_non_ascii_digits_is_ignored(range_header):
+    # A server decodes header bytes as latin-1 (0xB2 -> '\u00b2'), and str.isdigit() takes digits int() refuses.
+    assert parse_range(range_header, FAKE_MP4_BYTES) is None
 
 
 def test_head_answers_headers_only(serve):
@@ -197,6 +206,9 @@ def test_list_is_newest_first_in_pages(serve):
         ({"limit": "99999999999999999999"}, "limit: 99999999999999999999 is outside 1..100"),
         ({"limit": "-1"}, "limit: '-1' is not a positive integer"),
         ({"limit": "ten"}, "limit: 'ten' is not a positive integer"),
+        ({"limit": "\u00b2"}, "limit: '\u00b2' is not a positive integer"),  # isdigit() but not int()-able
+        ({"limit": "\u0663"}, "limit: '\u0663' is not a positive integer"),  # Arabic-Indic 3: ASCII digits only
+        ({"limit": "9" * 5000}, "limit: " + "9" * 32 + " is outside 1..100"),  # past int()'s 4300 digits
         ({"after": "../../etc"}, "after: '../../etc' is not a video id"),
         ({"after": "video_" + "Z" * 22}, "after: no video job with id 'video_ZZZZZZZZZZZZZZZZZZZZZZ'"),
     ],
@@ -350,6 +362,15 @@ BAD_REQUESTS = [
      "prompt: given more than once"),
     ("form-steps-not-a-number", {"data": {"prompt": "x", "num_inference_steps": "many"}}, 422,
      "num_inference_steps: Input should be a valid integer"),
+    ("duplicate-key", raw('{"prompt": "a cat", "prompt": "a dog"}'), 422, "prompt: given more than once"),
+    ("form-multipart-without-boundary", raw("prompt=x", "multipart/form-data"), 422,
+     "form body: Missing boundary in multipart"),
+    ("form-too-many-fields", raw("&".join(f"f{i}=1" for i in range(40)), "application/x-www-form-urlencoded"),
+     422, "form body: too many fields (at most 32)"),
+    ("form-percent-escape-not-utf8", raw("prompt=%ff%fe", "application/x-www-form-urlencoded"), 422,
+     "form body: not valid UTF-8"),
+    ("form-raw-bytes-not-utf8", {"content": b"prompt=caf\xe9", "headers": {
+        "content-type": "application/x-www-form-urlencoded"}}, 422, "form body: not valid UTF-8"),
 ]
 
 
@@ -362,6 +383,24 @@ def test_bad_requests_are_refused_with_the_reason(serve, case, send, status, mes
         error = response.json()["error"]
         assert message in error["message"], error
     assert client.get("/v1/videos").json()["data"] == []  # nothing was queued
+
+
+@pytest.mark.parametrize("body", ["prompt=caf\u00e9".encode(), b"prompt=caf%C3%A9", b"prompt=caf%c3%a9+au+lait&seed=3"])
+def test_urlencoded_fields_are_utf8_raw_or_percent_encoded(serve, body):
+    client = serve()
+    response = client.post("/v1/videos", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt"].startswith("caf\u00e9")  # not 'cafÃ©' (latin-1) nor U+FFFD
+
+
+def test_a_number_past_int_digit_limit_is_malformed_json(serve):
+    # int() refuses over 4300 digits; the test app's 4096-byte body limit would answer 413 before that.
+    client = serve(max_body_bytes=16384)
+    response = client.post("/v1/videos", **raw('{"prompt": "x", "seed": ' + "9" * 5000 + "}"))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "type": "invalid_json", "message": "body is not valid JSON: a number has too many digits", "errors": None}
+    assert client.get("/v1/videos").json()["data"] == []
 
 
 @pytest.mark.parametrize(
