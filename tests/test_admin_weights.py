@@ -22,6 +22,8 @@ from deployments.weights import confine_weights_path
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import ServerFault
+from model.weights import is_adaln_param
 from model.tiny import make_tiny_checkpoint
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
@@ -258,3 +260,29 @@ def test_a_publish_of_old_plans_in_flight_during_an_update_is_dropped_not_landed
     assert not update.is_alive() and pool.landed.is_set()
     assert pool.invalidated == [old_version]
     assert old_version not in pool.store, "old plans landed in the pool after its invalidation"
+
+
+def test_an_update_that_fails_while_writing_leaves_the_engine_unusable_not_serving_a_mix(tmp_path, monkeypatch):
+    engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
+    request = GenerationRequest(**{**BODIES[0], "return_latents": False})
+    engine.generate(request)
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    checked = engine._checked_weights
+
+    def the_disk_changes_after_the_check(path):
+        weights = checked(path)
+        # The transformer tensor stored last (not an AdaLN one: online mode reads those only to rebuild plans)
+        # loses its second half; the tensors stored before it read fine.
+        last = max((weights.location(name) for name in weights.names() if not is_adaln_param(name)),
+                   key=lambda loc: (str(loc.path), loc.offset))
+        os.truncate(last.path, last.offset + last.nbytes // 2)
+        return weights
+
+    monkeypatch.setattr(engine, "_checked_weights", the_disk_changes_after_the_check)
+    with pytest.raises(ServerFault, match="failed while writing"):
+        engine.update_weights(new)
+    # Some tensors may be new, the rest old: the engine must not serve (Serve's health check replaces it).
+    with pytest.raises(ServerFault, match="mix of old and new weights"):
+        engine.health()
+    with pytest.raises(ServerFault, match="mix of old and new weights"):
+        engine.generate(request)
