@@ -396,7 +396,8 @@ class ParallelEngine:
     def update_weights(self, path: str) -> dict[str, Any]:
         """Load the checkpoint at `path` on every rank, between generations. Checked on every rank first
         (WeightsRejected: nothing written anywhere); a rank failing after that leaves the ranks on different
-        weights: ServerFault, the replica unusable. Returns `describe()`."""
+        weights (it raised, or it ended on another fingerprint than rank 0: the directory changed meanwhile):
+        ServerFault, the replica unusable. Returns `describe()`."""
         with self._lock:
             self.validate_weight_update(path)
             outcomes = self._collect([rank.update_weights.remote(path) for rank in self.ranks],
@@ -404,6 +405,12 @@ class ParallelEngine:
             if any(outcome.error is not None or outcome.lost is not None for outcome in outcomes):
                 cause = self._cause(outcomes)
                 self._fail(f"weight update from {path} failed on a rank after every rank accepted it: {cause}")
+                raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE)
+            # Each rank re-read the directory: one that changed after the validation leaves ranks on other bytes.
+            fingerprints = [outcome.value["fingerprint"] for outcome in outcomes]
+            if len(set(fingerprints)) != 1:
+                self._fail(f"weight update from {path} left the ranks on different weights: fingerprints "
+                           f"{fingerprints}")
                 raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE)
             self._description = self._described(outcomes[0].value)
         return self.describe()

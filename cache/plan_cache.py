@@ -385,6 +385,9 @@ class PlanCache:
         if path is None:
             self.validate_weight_update_source(path)  # raises: the cache would serve stale plans
         self.reader = _check_update_source(path, self.model, self._reader_factory)
+        # Built plans of the old weights still on their way to the remote tier reach it now, so the remote's
+        # invalidation that follows (`Engine.update_weights`) drops them instead of seeing them land after.
+        self._publisher.drain()
         self.invalidate()
         self._generation += 1
 
@@ -667,6 +670,10 @@ class _Publisher:
         copied: Future = Future()
         self._executor.submit(self._run, remote, sources, written, copied)
         return copied
+
+    def drain(self) -> None:
+        """Return once every publish submitted so far has been handed to its remote (or given up)."""
+        self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

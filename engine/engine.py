@@ -441,6 +441,8 @@ class Engine:
                              "noise); the coordinator (actors.gpu_worker.ParallelEngine) draws it")
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
+            if self._fault is not None:
+                raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
             self._busy = True
             try:
                 if embedding is None:  # fused: every stage here
@@ -469,16 +471,19 @@ class Engine:
         Everything is checked before anything is written (config, names, shapes, dtypes, and the plan
         cache's own check), so a rejected update (WeightsRejected, a ValueError) leaves the served model
         untouched. A read that fails after writing started (the disk changed since the check) is a
-        ServerFault. Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
+        ServerFault and leaves the engine unusable (it refuses generations, `health()` raises: Serve replaces
+        the replica, which loads the fleet's target afresh). Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
         """
         path = Path(path)
         with self._lock:
             weights = self._checked_weights(path)
             try:
                 self._load_weights_(weights, path)
-            except ValueError as exc:  # e.g. CheckpointError: checked above, so the disk changed meanwhile
-                raise ServerFault(f"weight update from {path} failed while writing: {exc}",
-                                  type(exc).__name__) from exc
+            except Exception as exc:  # e.g. CheckpointError: checked above, so the disk changed meanwhile
+                # Some tensors may already be new: this engine must not serve again (health() tells Serve).
+                self._fault = (f"weight update from {path} failed while writing ({type(exc).__name__}: {exc}); "
+                               "the transformer may hold a mix of old and new weights")
+                raise ServerFault(self._fault, type(exc).__name__) from exc
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
 
@@ -550,13 +555,16 @@ class Engine:
 
     def health(self) -> dict[str, Any]:
         """Cheap, never waits for a generation. A rank whose group failed (or whose plan cache diverged from
-        the other ranks') raises ServerFault: it cannot serve again, its replica must be rebuilt."""
+        the other ranks'), or an engine a weight update failed in the middle of, raises ServerFault: it cannot
+        serve again, its replica must be rebuilt."""
         if self.group is not None:
             divergence = self.sharded_rebuild.divergence if self.sharded_rebuild is not None else None
             failure = self.group.failure or self._fault or divergence
             if failure is not None:
                 raise ServerFault(f"rank {self.rank} of {self.group.world_size} is unusable: {failure}",
                                   "RankFailure")
+        elif self._fault is not None:
+            raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
         return {"status": "ok", "device": str(self.device), "busy": self._busy,
                 "requests": self._num_requests, "failed": self._num_failed}
 

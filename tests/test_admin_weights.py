@@ -10,6 +10,7 @@ bad checkpoint) must change nothing on any replica.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -21,6 +22,8 @@ from deployments.weights import confine_weights_path
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import ServerFault
+from model.weights import is_adaln_param
 from model.tiny import make_tiny_checkpoint
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
@@ -200,3 +203,86 @@ def test_engine_update_invalidates_the_pool_hook_and_a_rejected_one_writes_nothi
     stats = engine.debug_stats()
     assert stats["resident_plans"] == stats["stale_plans"] == stats["held_plan_refs"] == 0
     assert not torch.equal(engine.generate(request).video, before.video)
+
+
+class GatedPool:
+    """Stands in for the node pool (`cache.plan_cache.RemoteTier` + `invalidate`): `publish_group` blocks until
+    `gate` is set, so a publish of the old weights' plans is still in flight when the update starts; the store
+    keeps what landed, `invalidate(version)` drops that version's plans as they are at the call."""
+
+    def __init__(self) -> None:
+        self.store: dict = {}  # weights version -> plan keys stored
+        self.entered, self.gate, self.landed = threading.Event(), threading.Event(), threading.Event()
+        self.invalidated: list = []
+
+    def lookup(self, keys) -> dict:
+        return {}
+
+    def publish_group(self, plans, ready=None) -> bool:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        for key in plans:
+            self.store.setdefault(key[0], set()).add(key)
+        self.landed.set()
+        return True
+
+    def invalidate(self, weights_version=None, timeout_s: float = 10.0) -> int:
+        self.invalidated.append(weights_version)
+        return len(self.store.pop(weights_version, ()))
+
+
+def test_a_publish_of_old_plans_in_flight_during_an_update_is_dropped_not_landed_after(tmp_path):
+    pool = GatedPool()
+    engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}), remote=pool)
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    old_version = engine.plan_cache.weights_version
+    engine.generate(GenerationRequest(**{**BODIES[0], "return_latents": False}))  # builds plans: one publish
+    assert pool.entered.wait(60) and not pool.landed.is_set()  # the request is done, its publish is not
+
+    # The update either waits for the publisher (it drains it before the pool's invalidation) or reaches the
+    # pool's invalidation first; each is the signal to let the publish land.
+    progressed = threading.Event()
+    publisher = engine.plan_cache._publisher
+    drain = publisher.drain
+
+    def signalled_drain() -> None:
+        progressed.set()
+        drain()
+
+    publisher.drain = signalled_drain
+    invalidate = pool.invalidate
+    pool.invalidate = lambda version=None, timeout_s=10.0: (invalidate(version, timeout_s), progressed.set())[0]
+    update = threading.Thread(target=engine.update_weights, args=(new,))
+    update.start()
+    assert progressed.wait(60)
+    pool.gate.set()
+    update.join(60)
+    assert not update.is_alive() and pool.landed.is_set()
+    assert pool.invalidated == [old_version]
+    assert old_version not in pool.store, "old plans landed in the pool after its invalidation"
+
+
+def test_an_update_that_fails_while_writing_leaves_the_engine_unusable_not_serving_a_mix(tmp_path, monkeypatch):
+    engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "online"}))
+    request = GenerationRequest(**{**BODIES[0], "return_latents": False})
+    engine.generate(request)
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    checked = engine._checked_weights
+
+    def the_disk_changes_after_the_check(path):
+        weights = checked(path)
+        # The transformer tensor stored last (not an AdaLN one: online mode reads those only to rebuild plans)
+        # loses its second half; the tensors stored before it read fine.
+        last = max((weights.location(name) for name in weights.names() if not is_adaln_param(name)),
+                   key=lambda loc: (str(loc.path), loc.offset))
+        os.truncate(last.path, last.offset + last.nbytes // 2)
+        return weights
+
+    monkeypatch.setattr(engine, "_checked_weights", the_disk_changes_after_the_check)
+    with pytest.raises(ServerFault, match="failed while writing"):
+        engine.update_weights(new)
+    # Some tensors may be new, the rest old: the engine must not serve (Serve's health check replaces it).
+    with pytest.raises(ServerFault, match="mix of old and new weights"):
+        engine.health()
+    with pytest.raises(ServerFault, match="mix of old and new weights"):
+        engine.generate(request)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import multiprocessing
+import os
 import re
 import shutil
 from concurrent.futures import ProcessPoolExecutor
@@ -23,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
@@ -346,6 +349,66 @@ def test_a_rejected_update_names_the_tensor_and_writes_nothing(resident, engine,
             with pytest.raises(WeightsRejected, match=re.escape(WRONG_SHAPE_TENSOR)):
                 call(wrong)
         assert target.model_name == model and same_bits(target.generate(small_request()), before)
+
+
+def _shard_holding(root: Path, name: str) -> Path:
+    h3 = H3Checkpoint.open(root)
+    return TransformerWeights(h3.transformer_dir, h3.layout).location(name).path
+
+
+def _retyped(root: Path) -> None:  # proj_in.weight stored as bf16 (the model holds it in fp32)
+    shard = _shard_holding(root, "proj_in.weight")
+    tensors = load_file(shard)
+    tensors["proj_in.weight"] = tensors["proj_in.weight"].to(torch.bfloat16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _other_architecture(root: Path) -> None:  # one block more than the served model
+    config = H3Checkpoint.open(root).transformer_dir / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_layers": 5}))
+
+
+def _truncated(root: Path) -> None:  # a copy cut short: the shard holding block 3's AdaLN loses its tail
+    shard = _shard_holding(root, "transformer_blocks.3.adaln_proj.linear.weight")
+    os.truncate(shard, shard.stat().st_size - 100)
+
+
+def _partial(root: Path) -> None:  # a copy still in progress: one shard the index names is not there yet
+    _shard_holding(root, "transformer_blocks.1.attn.to_q.weight").unlink()
+
+
+def _unreadable(root: Path) -> None:  # a shard that cannot be read as a file
+    shard = _shard_holding(root, "proj_in.weight")
+    shard.unlink()
+    shard.mkdir()
+
+
+BAD_UPDATES = [
+    pytest.param(None, "no-such-dir", id="missing-path"),
+    pytest.param(_retyped, "dtype mismatch for tensor 'proj_in.weight'", id="wrong-dtype"),
+    pytest.param(_other_architecture, r"num_layers=5 \(expected 4\)", id="other-architecture"),
+    pytest.param(_truncated, "truncated shard", id="truncated-shard"),
+    pytest.param(_partial, "is missing", id="partial-directory"),
+    pytest.param(_unreadable, "diffusion_pytorch_model-", id="unreadable-shard"),
+]
+
+
+@pytest.mark.parametrize("breakage, message", BAD_UPDATES)
+def test_a_bad_update_is_refused_before_anything_changes(engine, seed1_checkpoint, tmp_path, breakage, message):
+    target = tmp_path / "no-such-dir"
+    if breakage is not None:
+        target = Path(shutil.copytree(seed1_checkpoint, tmp_path / "broken"))
+        breakage(target)
+    before = engine.generate(small_request())
+    version, stats = engine.plan_cache.weights_version, engine.debug_stats()
+    for call in (engine.validate_weight_update, engine.update_weights):
+        with pytest.raises(WeightsRejected, match=message):
+            call(target)
+    # Same weights, same plans (still resident: the next request hits the slab), same bits.
+    assert (engine.plan_cache.weights_version, engine.debug_stats()) == (version, stats)
+    after = engine.generate(small_request())
+    assert same_bits(after, before) and after.model == before.model
+    assert after.stats.adaln.built_plans == 0 and after.stats.adaln.gpu_hit_plans > 0
 
 
 # --- a checkpoint that breaks while serving ------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""A multi-device replica's weight update (`actors.gpu_worker.ParallelEngine.update_weights`) when its ranks do not
+end on the same weights: the coordinator over fake rank actors (a local Ray cluster, no engine, no torch work).
+
+Every rank re-reads the directory when it applies it (the disk may change after the one validation), so rank 1 can
+end on other bytes than rank 0 without raising. The replica must then report unhealthy (Serve replaces it) rather
+than serve with ranks on different weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+import actors.gpu_worker as gpu_worker
+from actors.gpu_worker import OwnPlacementGroup, ParallelEngine
+from engine.config import EngineConfig
+from engine.errors import ServerFault
+
+pytestmark = pytest.mark.timeout(300)
+
+VALIDATED = "f00dfeedf00dfeed"  # what every rank's validation reads
+CHANGED = "0badc0de0badc0de"  # what a rank reads when the directory changed after the validation
+
+
+class FakeRank:
+    """Stands in for `GpuWorkerActor` (same constructor and the calls a weight update makes): reports the
+    fingerprint it ends on after `update_weights`, from `ENDS_ON[rank]` (the test's scenario)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.fingerprint = "0000000000000000"
+        self.ends_on = VALIDATED
+
+    def rendezvous_address(self) -> str:
+        return "tcp://127.0.0.1:1"
+
+    def start(self, init_method: str, config: EngineConfig) -> str:
+        return f"minimax-h3@{self.fingerprint}"
+
+    def set_ends_on(self, fingerprint: str) -> None:
+        self.ends_on = fingerprint
+
+    def describe(self) -> dict:
+        return {"id": f"minimax-h3@{self.fingerprint}", "fingerprint": self.fingerprint}
+
+    def startup(self) -> None:
+        return None
+
+    def validate_weight_update(self, path: str) -> str:
+        return VALIDATED
+
+    def update_weights(self, path: str) -> dict:
+        self.fingerprint = self.ends_on
+        return self.describe()
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("rank1_ends_on, healthy", [(VALIDATED, True), (CHANGED, False)])
+def test_ranks_that_end_on_different_weights_leave_the_replica_unhealthy(ray_cluster, monkeypatch, rank1_ends_on,
+                                                                         healthy):
+    monkeypatch.setattr(gpu_worker, "GpuWorkerActor", FakeRank)
+    config = EngineConfig(device="cpu", pool={"enabled": False}, parallel={"sp": 2, "timeout_s": 20.0})
+    engine = ParallelEngine(config, OwnPlacementGroup(), num_gpus_per_rank=0)
+    try:
+        ray.get(engine.ranks[1].set_ends_on.remote(rank1_ends_on), timeout=30)
+        if healthy:
+            assert engine.update_weights("/checkpoints/new")["fingerprint"] == VALIDATED
+            assert engine.health()["status"] == "ok"
+        else:
+            with pytest.raises(ServerFault, match=f"{VALIDATED}.*{CHANGED}"):
+                engine.update_weights("/checkpoints/new")
+            with pytest.raises(ServerFault, match="unusable"):
+                engine.health()
+    finally:
+        engine.close()
