@@ -661,7 +661,7 @@ class _Publisher:
         hold a staging buffer of each (shape, dtype) in `reserve` (the tensors one publish will stage): the first
         publishes would otherwise cudaHostAlloc them, and those calls stall the request thread's CUDA calls
         (the part of the first miss outside the rebuild took ~47 ms vs ~20 ms later on an H200)."""
-        self._executor.submit(lambda: None).result()
+        self.drain()  # the thread exists once it ran something
         if self._memory.pins_staging:
             reserved = [self._memory.staging(shape, dtype) for shape, dtype in reserve]
             del reserved  # back to the allocator's free lists, pinned, for the publishes to reuse

@@ -25,8 +25,9 @@ Why no request ever mixes old and new weights (the safety argument):
    (a rejected update leaves the replica untouched), then refreshes the AdaLN provider, which drops every
    tier (GPU slab, host tier) and bumps the weights version that is part of every plan key, and calls the
    node pool's `invalidate()` (`Engine.pool_tier`) once the plan cache's publish thread has handed over the
-   old plans it still held (so none lands in the pool after the invalidation). A plan built from the old weights therefore can
-   neither be found nor be left resident; slots still referenced by a finished request are detached.
+   old plans it still held (so none lands in the pool after the invalidation). A plan built from the old
+   weights therefore can neither be found nor be left resident; slots still referenced by a finished request
+   are detached.
 3. The directory is validated once by one replica before the target is set, so a bad directory changes
    nothing anywhere. Each replica still re-validates before writing (the disk may change in between); if
    that fails, that replica keeps its old weights and reports the error. A read failing after writing began

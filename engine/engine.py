@@ -472,7 +472,8 @@ class Engine:
         cache's own check), so a rejected update (WeightsRejected, a ValueError) leaves the served model
         untouched. A read that fails after writing started (the disk changed since the check) is a
         ServerFault and leaves the engine unusable (it refuses generations, `health()` raises: Serve replaces
-        the replica, which loads the fleet's target afresh). Afterwards AdaLN plans derived from the old weights are dropped. Returns `describe()`.
+        the replica, which loads the fleet's target afresh). Afterwards AdaLN plans derived from the old
+        weights are dropped. Returns `describe()`.
         """
         path = Path(path)
         with self._lock:
