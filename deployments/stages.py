@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from ray import serve
 
-from deployments import IMPORT_STARTED_AT
+from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
 from engine.config import EngineConfig
 from engine.stages import DecodedVideo, PromptEmbedding
@@ -41,7 +41,8 @@ def replica_startup(role: str, constructor_at: float, build_started_at: float) -
     now = time.time()
     return ReplicaStartup(role=role, process_started_at=process_started_at(), import_started_at=IMPORT_STARTED_AT,
                           imported_at=IMPORTED_AT, constructor_at=constructor_at, build_started_at=build_started_at,
-                          build_ended_at=now, ready_at=now, imports_s=build_started_at - constructor_at)
+                          build_ended_at=now, ready_at=now, imports_s=build_started_at - constructor_at,
+                          preloaded=PRELOADED)
 
 
 @serve.deployment(name="TextEncoder", ray_actor_options={"num_cpus": 0.5})

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import IMPORT_STARTED_AT
+from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.router import ScheduleAffinityReporter
@@ -80,10 +80,11 @@ def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
     return Engine(config, remote=remote, parts=EngineParts.DENOISER)
 
 
-def module_import_times() -> tuple[float, float]:
-    """(this process's first import of our code, this module's imports done). Read through this module-level
-    function: Serve pickles a deployment class by value, with the driver's values of the globals it names."""
-    return IMPORT_STARTED_AT, IMPORTED_AT
+def module_import_times() -> tuple[float, float, bool]:
+    """(this process's first import of our code, this module's imports done, whether Ray preloaded them). Read
+    through this module-level function: Serve pickles a deployment class by value, with the driver's values of the
+    globals it names."""
+    return IMPORT_STARTED_AT, IMPORTED_AT, PRELOADED
 
 
 #: The factories that build the real engine: the worker times the model stack's import before calling them.
@@ -152,11 +153,12 @@ class Worker(ScheduleAffinityReporter):
             self._engine.update_weights, self._debug_state, self._on_weights_applied,
         )
         self._weights.start()  # applies the fleet's weights target (if any) before the first request
-        import_started_at, imported_at = module_import_times()
+        import_started_at, imported_at, preloaded = module_import_times()
         self._startup = ReplicaStartup(
             role="worker", process_started_at=process_started_at(), import_started_at=import_started_at,
             imported_at=imported_at, constructor_at=constructor_at, build_started_at=build_started_at,
-            build_ended_at=build_ended_at, ready_at=time.time(), imports_s=imports_s, engine=self._engine.startup)
+            build_ended_at=build_ended_at, ready_at=time.time(), imports_s=imports_s, engine=self._engine.startup,
+            preloaded=preloaded)
         logger.info("replica %s: %s", self._replica_id, self._startup.summary())
 
     # ---------------------------------------------------------------------------------------------

@@ -190,6 +190,24 @@ def _init_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.empty(1, device=device)
         torch.cuda.synchronize(device)
+        check_cuda_visibility(os.environ.get("CUDA_VISIBLE_DEVICES"), torch._C._cuda_getDeviceCount())
+
+
+def check_cuda_visibility(visible: str | None, runtime_devices: int) -> None:
+    """Refuse to run on devices this process was not given. Ray gives a GPU replica its devices by setting
+    CUDA_VISIBLE_DEVICES when it places the replica in a worker process; CUDA reads the variable once, when the
+    process first initializes it. A module imported into Ray's idle workers that initializes CUDA
+    (RAY_preload_python_modules) would fix the process to every GPU of the node, and every replica would then run
+    on device 0. `runtime_devices` is what the CUDA runtime enumerates (torch.cuda.device_count() reads the variable
+    again through NVML and would agree with it)."""
+    if not visible:  # unset: every device is this process's; "" means none and torch would not pick cuda
+        return
+    named = len(visible.split(","))
+    if runtime_devices > named:  # fewer is CUDA dropping entries it cannot parse (it stops at the first)
+        raise RuntimeError(
+            f"CUDA_VISIBLE_DEVICES={visible} names {named} device(s) but CUDA enumerates {runtime_devices}: CUDA was "
+            "initialized in this process before the variable was set, so it would not use the devices it was given "
+            "(a module preloaded into Ray's workers must not initialize CUDA)")
 
 
 #: Schedules kept built: a server sees a few distinct (steps, shifts); each is ~KBs of CPU tensors.

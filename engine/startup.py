@@ -68,6 +68,9 @@ class ReplicaStartup:
     ready_at: float  # constructed (Serve calls it ready after its first health check)
     imports_s: float
     engine: EngineStartup | None = None
+    # Our modules were imported while Ray started the process (RAY_preload_python_modules): in an idle worker, long
+    # before the replica was asked for (then not part of its start); in a process Ray started for it, on its path.
+    preloaded: bool = False
 
     @property
     def import_s(self) -> float:
@@ -87,10 +90,15 @@ class ReplicaStartup:
                 self.build_ended_at, self.ready_at)
 
     def summary(self) -> str:
-        line = (f"{self.role} started: module imports {self.import_s:.2f} s, "
+        # Preloaded: the imports ran when Ray started the process; with an idle worker that was long before the
+        # replica was asked for (a long wait to the constructor), else on its path (a short one).
+        preload = " (preloaded as Ray started the process)" if self.preloaded else ""
+        since_import = ("" if self.preloaded else
+                        f" ({self.ready_at - self.import_started_at:.2f} s after our first import)")
+        line = (f"{self.role} started: module imports {self.import_s:.2f} s{preload}, "
                 f"{self.constructor_at - self.imported_at:.2f} s to the constructor, model imports "
                 f"{self.imports_s:.2f} s, build {self.build_s:.2f} s, ready {self.constructor_s:.2f} s after the "
-                f"constructor ({self.ready_at - self.import_started_at:.2f} s after our first import)")
+                f"constructor{since_import}")
         return line + (f" (engine: {self.engine.summary()})" if self.engine is not None else "")
 
     def as_dict(self) -> dict[str, object]:

@@ -121,3 +121,48 @@ def test_replica_startup_summary_names_every_phase(engines):
     assert replica.as_dict()["engine"] == dataclasses.asdict(replica.engine)
     assert ReplicaStartup.from_dict(replica.as_dict()) == replica
     assert list(replica.timeline()) == sorted(replica.timeline())
+
+
+def test_preloaded_replica_summary_leaves_the_imports_out_of_its_start(engines):
+    replica = ReplicaStartup(role="worker", process_started_at=10.0, import_started_at=11.0, imported_at=14.0,
+                             constructor_at=100.0, build_started_at=100.25, build_ended_at=102.0, ready_at=102.5,
+                             imports_s=0.25, preloaded=True)
+    line = replica.summary()
+    assert "module imports 3.00 s (preloaded as Ray started the process), 86.00 s to the constructor" in line
+    assert "after our first import" not in line  # the 86 s idle worker is not the replica's start-up
+    assert "ready 2.50 s after the constructor" in line
+    assert ReplicaStartup.from_dict(replica.as_dict()) == replica
+
+
+@pytest.mark.parametrize(("argv", "preloaded"), [
+    (["default_worker.py", "--worker-preload-modules=deployments.worker", "--node-ip-address=1"], True),
+    (["default_worker.py", "--worker-preload-modules=json,deployments"], True),
+    (["default_worker.py", "--worker-preload-modules=torch,diffusers"], False),  # ours imported later
+    (["default_worker.py", "--worker-preload-modules=deployments_extra"], False),  # a prefix is not our package
+    (["default_worker.py"], False),
+    (["pytest", "tests"], False),
+])
+def test_ray_preload_is_read_from_the_worker_command_line(argv, preloaded):
+    from deployments import _imported_by_ray_preload
+
+    assert _imported_by_ray_preload(argv) is preloaded
+
+
+@pytest.mark.parametrize(("visible", "runtime_devices", "refused"), [
+    (None, 8, False),  # no variable: the process owns every device
+    ("", 0, False),
+    ("1", 1, False),  # Ray gave one GPU and CUDA was initialized after it set the variable
+    ("0,1", 2, False),
+    ("GPU-5e1f3c2a", 1, False),  # UUIDs count the same
+    ("1", 2, True),  # initialized before the variable: the process would run on device 0 of 2
+    ("2,3", 4, True),
+    ("0,1,7", 2, False),  # CUDA drops entries it cannot use: fewer is not a stale initialization
+])
+def test_cuda_initialized_before_ray_set_the_visible_devices_is_refused(visible, runtime_devices, refused):
+    from engine.engine import check_cuda_visibility
+
+    if refused:
+        with pytest.raises(RuntimeError, match="initialized in this process before the variable was set"):
+            check_cuda_visibility(visible, runtime_devices)
+    else:
+        check_cuda_visibility(visible, runtime_devices)
