@@ -393,6 +393,9 @@ async def scale_up(args, replicas: int, shards: List[str]) -> Dict[str, Any]:
             "startup": new_cards[0]["startup"] if new_cards else None}
 
 
+#: What `--preload` has Ray import into its worker processes as they start: the Worker deployment's module.
+PRELOAD_MODULE = "deployments.worker"
+
 #: The scale-up's timeline, consecutive parts from the scale request to Serve reporting the replica RUNNING:
 #: (row name, from, to, what the part holds); `startup` fields, or "asked_at" / "running_at" of `scale_up`.
 SCALE_UP_PARTS = (
@@ -420,9 +423,17 @@ def startup_rows(replicas: int, scaled: Dict[str, Any]) -> List[Dict[str, Any]]:
         rows.append({"metric": f"{prefix}: new replica start-up", "app_s": None,
                      "detail": "n/a: no new replica answered describe()"})
     else:
-        times = {**startup, "asked_at": scaled["asked_at"], "running_at": scaled["running_at"]}
-        rows += [{"metric": f"{prefix}:   - {name}", "app_s": times[end] - times[begin], "detail": detail}
-                 for name, begin, end, detail in SCALE_UP_PARTS]
+        asked = scaled["asked_at"]
+        times = {**startup, "asked_at": asked, "running_at": scaled["running_at"]}
+        # Each part from the scale request on: a part before it (imports Ray preloaded into its idle worker
+        # process) is 0 here and reported on its own below, so the parts still add up to request -> RUNNING.
+        rows += [{"metric": f"{prefix}:   - {name}", "app_s": max(times[end], asked) - max(times[begin], asked),
+                  "detail": detail} for name, begin, end, detail in SCALE_UP_PARTS]
+        if startup.get("preloaded") and startup["imported_at"] <= asked:  # else Ray started the process for it
+            rows.append({"metric": f"{prefix}: module imports before the scale request (preloaded)",
+                         "app_s": startup["imported_at"] - startup["import_started_at"],
+                         "detail": "RAY_preload_python_modules: Ray's worker process imported the deployment module "
+                                   "when it started, before the replica was asked for"})
         process = startup.get("process_started_at")
         rows.append({"metric": f"{prefix}: new replica's process started (before the scale request: < 0)",
                      "app_s": None if process is None else process - scaled["asked_at"],
@@ -601,6 +612,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sp", type=int, default=1, help="engine.parallel.sp: one replica over N GPUs (N gloo "
                         "ranks on CPU), stages fused; compared with the direct one-process engine call")
     parser.add_argument("--no-direct", action="store_true", help="skip the direct engine call")
+    parser.add_argument("--preload", action="store_true", help="start Ray with RAY_preload_python_modules="
+                        f"{PRELOAD_MODULE}: its worker processes import the deployment module when they start, before "
+                        "a replica is placed in one (README, 'Deploying on a cluster')")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
@@ -655,6 +669,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
+        if args.preload:  # the raylet reads it when it starts and passes it to every worker process
+            os.environ["RAY_preload_python_modules"] = PRELOAD_MODULE
+            notes.append(f"Ray started with RAY_preload_python_modules={PRELOAD_MODULE}")
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  **({"num_cpus": max(4, os.cpu_count() or 1, 1 + args.sp)} if not cuda else {}))  # sp: coordinator + ranks
         serve.start(http_options={"host": "127.0.0.1", "port": port})

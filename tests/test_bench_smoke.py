@@ -181,6 +181,19 @@ def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
     missing = {row["metric"]: row for row in startup_rows(2, {**scaled, "startup": None})}
     assert missing["scale-up 1 -> 2: new replica start-up"]["app_s"] is None
     assert not any("  - " in metric for metric in missing)
+    # Preloaded (RAY_preload_python_modules): the imports ran before the request; the parts from the request on
+    # still add up, and the imports are reported beside them.
+    preloaded = {**startup, "import_started_at": asked - 100.0, "imported_at": asked - 96.5, "preloaded": True}
+    rows = {row["metric"]: row["app_s"] for row in startup_rows(2, {**scaled, "startup": preloaded})}
+    parts = [rows[f"scale-up 1 -> 2:   - {name}"] for name, *_ in SCALE_UP_PARTS]
+    assert parts == [0.0, 0.0, 5.75, 3.5, 0.75] and sum(parts) == 10.0
+    assert rows["scale-up 1 -> 2: module imports before the scale request (preloaded)"] == 3.5
+    # No idle worker left: Ray started a process for the replica, which preloaded after the request (on the path).
+    started_for_it = {**startup, "preloaded": True}
+    for case in (scaled, {**scaled, "startup": started_for_it}):
+        rows = {row["metric"]: row["app_s"] for row in startup_rows(2, case)}
+        assert "scale-up 1 -> 2: module imports before the scale request (preloaded)" not in rows
+        assert rows["scale-up 1 -> 2:   - module imports"] == 3.5
 
 
 def test_app_smoke_at_sp2_serves_one_replica_of_two_gloo_ranks_beside_the_one_process_parts(tmp_path):
