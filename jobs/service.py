@@ -404,6 +404,8 @@ class JobService:
             self._store.complete, job.id, run.lease_owner, run.output_key, timings, output.stats,
             self._config.retention_s,
         )
+        if completed is None:  # no answer from the store: the job may be completed, so its outputs stay (if it is
+            return  # not, the reaper fails it and they are an orphan: never a completed job without its MP4)
         if not completed:  # cancelled, deleted or reaped meanwhile: the outputs belong to no job
             await asyncio.to_thread(self._outputs.delete, run.output_key)
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)

@@ -18,7 +18,7 @@ import pytest
 
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import JobsConfig
-from jobs.errors import JobNotFound, OutputExpired, QueueFull
+from jobs.errors import JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.limits import VideoModelLimits
 from jobs.outputs import OutputStore, VideoVariant
 from jobs.records import JobError, JobRecord, JobStatus
@@ -73,6 +73,15 @@ async def wait_for_job(service: JobService, job_id: str, predicate, what: str) -
         if predicate(record):
             return record
         assert loop.time() < deadline, f"gave up waiting for {what}; job is {record}"
+        await asyncio.sleep(0.01)
+
+
+async def wait_until(predicate, what: str) -> None:
+    """Poll until predicate() holds; fail naming `what` after WAIT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while not predicate():
+        assert loop.time() < deadline, f"gave up waiting for {what}"
         await asyncio.sleep(0.01)
 
 
@@ -199,6 +208,50 @@ def test_a_failed_upload_fails_the_job_and_the_runner_goes_on(sqlite_url, tmp_pa
         )
         assert done.status is JobStatus.COMPLETED
         assert len(output_files(tmp_path)) == 2  # only the second job's MP4 and thumbnail
+
+    asyncio.run(scenario())
+
+
+class UnansweredComplete:
+    """A store whose `complete` raises StoreUnavailable, after committing (the connection dropped before the
+    server's answer came back) or not (the server was down): either way the runner cannot tell."""
+
+    def __init__(self, store, committed: bool) -> None:
+        self._store, self._committed = store, committed
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def complete(self, *args):
+        if self._committed:
+            self._store.complete(*args)
+        raise StoreUnavailable("server closed the connection unexpectedly")
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_complete_without_an_answer_leaves_the_job_to_the_store(sqlite_url, tmp_path, committed):
+    """A runner that does not know whether its complete landed keeps the outputs and writes nothing more. Landed:
+    the job is completed with its MP4 (deleting it gave a completed job answering 410). Not landed: its lease
+    expires and the reaper fails it with the cause (it is not "cancelled": nobody cancelled it)."""
+    async def scenario():
+        service = JobService(store=UnansweredComplete(open_job_store(sqlite_url), committed),
+                             outputs=OutputStore(str(tmp_path / "outputs")), backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "the job to settle")
+            await wait_until(lambda: service.num_running == 0, "the run to end")
+        finally:
+            await service.stop()
+        if committed:
+            assert record.status is JobStatus.COMPLETED
+            blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
+            assert blob.read(0, blob.size) == fake_mp4(job.spec)
+        else:
+            assert (record.status, record.error) == (JobStatus.FAILED, JobError(
+                "worker_lost", "lost at step 4/4 of run 1: the replica running it stopped renewing its lease"
+            ))
 
     asyncio.run(scenario())
 
