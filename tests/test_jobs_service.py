@@ -232,7 +232,7 @@ class UnansweredComplete:
 def test_a_complete_without_an_answer_leaves_the_job_to_the_store(sqlite_url, tmp_path, committed):
     """A runner that does not know whether its complete landed keeps the outputs and writes nothing more. Landed:
     the job is completed with its MP4 (deleting it gave a completed job answering 410). Not landed: its lease
-    expires and the reaper fails it with the cause (it is not "cancelled": nobody cancelled it)."""
+    expires and the reaper fails it with the cause (not "cancelled": nobody cancelled it)."""
     async def scenario():
         service = JobService(store=UnansweredComplete(open_job_store(sqlite_url), committed),
                              outputs=OutputStore(str(tmp_path / "outputs")), backend=FakeVideoBackend(),
@@ -248,10 +248,9 @@ def test_a_complete_without_an_answer_leaves_the_job_to_the_store(sqlite_url, tm
             assert record.status is JobStatus.COMPLETED
             blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
             assert blob.read(0, blob.size) == fake_mp4(job.spec)
-        else:
-            assert (record.status, record.error) == (JobStatus.FAILED, JobError(
-                "worker_lost", "lost at step 4/4 of run 1: the replica running it stopped renewing its lease"
-            ))
+        else:  # the message depends on whether the lease keeper wrote the last step before the run ended
+            assert (record.status, record.error.code) == (JobStatus.FAILED, "worker_lost")
+            assert "the replica running it stopped renewing its lease" in record.error.message
 
     asyncio.run(scenario())
 
