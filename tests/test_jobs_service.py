@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,44 @@ def test_a_failed_upload_fails_the_job_and_the_runner_goes_on(sqlite_url, tmp_pa
         )
         assert done.status is JobStatus.COMPLETED
         assert len(output_files(tmp_path)) == 2  # only the second job's MP4 and thumbnail
+
+    asyncio.run(scenario())
+
+
+class HungOutputs(OutputStore):
+    """An output store whose puts block until `unblock()` (a hung network file system); `uploading` is set
+    once a put is blocked."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.uploading, self._unblocked = threading.Event(), threading.Event()
+
+    def put(self, key, variant, data):
+        self.uploading.set()
+        self._unblocked.wait(timeout=2 * WAIT_S)
+        super().put(key, variant, data)
+
+    def unblock(self) -> None:
+        self._unblocked.set()
+
+
+def test_a_hung_output_store_fails_the_job_at_max_run_s(sqlite_url, tmp_path):
+    """max_run_s bounds the whole run, the upload included: its lease keeper would otherwise renew the lease of a
+    job whose upload never returns, and the job would stay in_progress for good."""
+    async def scenario():
+        outputs = HungOutputs(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url), outputs=outputs, backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path, max_run_s=1.0))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "the job to end despite its hung upload")
+        finally:
+            outputs.unblock()
+            await service.stop()
+        assert (record.status, record.error) == (
+            JobStatus.FAILED, JobError("timeout", "the run took longer than max_run_s=1 (storing its output)")
+        )
 
     asyncio.run(scenario())
 
