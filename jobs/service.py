@@ -351,9 +351,7 @@ class JobService:
             logger.error("video job %s: backend failed: %s", job.id, exc)
             await self._fail(run, "server_error", str(exc))
         except asyncio.CancelledError:
-            # This replica is stopping: give the job back now rather than after its lease expires.
-            release = asyncio.to_thread(self._store.release, job.id, run.lease_owner, self._config.max_attempts)
-            await asyncio.shield(release)
+            await self._give_back(run)
             raise
         except TimeoutError as exc:
             if not deadline.expired():
@@ -365,7 +363,16 @@ class JobService:
             logger.exception("video job %s: backend failed", job.id)
             await self._fail(run, "server_error", f"{type(exc).__name__}: {exc}")
         else:
-            await self._finish(run, output, deadline_at)
+            try:
+                await self._finish(run, output, deadline_at)
+            except asyncio.CancelledError:  # stopping while the output is stored or recorded: the same
+                await self._give_back(run)
+                raise
+
+    async def _give_back(self, run: _Run) -> None:
+        """This replica is stopping: give the job back now rather than after its lease expires."""
+        release = asyncio.to_thread(self._store.release, run.job.id, run.lease_owner, self._config.max_attempts)
+        await asyncio.shield(release)
 
     async def _worker_lost(self, run: _Run, cause: str) -> None:
         """The backend's worker died: run the job again if no denoising step had run (runs left), else fail it."""

@@ -479,6 +479,30 @@ def test_stopping_a_replica_gives_its_running_job_back_at_once(
     asyncio.run(scenario())
 
 
+def test_stopping_a_replica_while_it_stores_an_output_gives_the_job_back_at_once(sqlite_url, tmp_path):
+    """The denoising is over and the MP4 is being written when the replica stops: the job is released like one
+    stopped mid-run (failed with the cause), not left in_progress under a lease nobody renews."""
+    async def scenario():
+        outputs = HungOutputs(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url), outputs=outputs, backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path, lease_s=600))  # no lease expiry
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_until(outputs.uploading.is_set, "the upload")
+            await wait_for_job(service, job.id, lambda r: r.step == 4, "the last step recorded")
+        finally:
+            await service.stop()
+            outputs.unblock()
+        record = await service.get(job.id, None)
+        assert (record.status, record.error, record.lease_owner) == (
+            JobStatus.FAILED, JobError("worker_lost", "lost at step 4/4 of run 1: the replica running it shut down"),
+            None,
+        )
+
+    asyncio.run(scenario())
+
+
 def test_a_restarted_service_sees_old_jobs_and_their_content(database_url, tmp_path):
     async def scenario():
         first = make_service(database_url, tmp_path, FakeVideoBackend())
