@@ -503,6 +503,69 @@ def test_stopping_a_replica_while_it_stores_an_output_gives_the_job_back_at_once
     asyncio.run(scenario())
 
 
+class StalledHeartbeat:
+    """A store whose lease renewals and progress writes hang while `stalled` is set (a paused process, a
+    heartbeat that cannot get through); every other operation goes through."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.stalled, self._resumed = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _stall(self) -> None:
+        if self.stalled.is_set():
+            self._resumed.wait(timeout=2 * WAIT_S)
+
+    def renew_lease(self, *args):
+        self._stall()
+        return self._store.renew_lease(*args)
+
+    def set_progress(self, *args):
+        self._stall()
+        return self._store.set_progress(*args)
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+
+def test_a_runner_that_lost_its_lease_cannot_overwrite_the_retry(database_url, tmp_path):
+    """Replica A's heartbeat stalls before the job's first step; its lease expires, the job is retried and completed
+    by replica B; then A's run finishes after all. A's late complete is refused and only its own files are removed:
+    the job keeps B's outcome and B's MP4."""
+    async def scenario():
+        clock = FakeClock()
+        store_a = StalledHeartbeat(open_job_store(database_url, clock=clock))
+        backend_a, backend_b = FakeVideoBackend(hold_before_step=1), FakeVideoBackend()
+        a = JobService(store=store_a, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend_a,
+                       models=[TINY], config=fast_config(tmp_path))
+        b = make_service(database_url, tmp_path, backend_b, clock=clock)
+        job = await a.submit(make_spec(), None)
+        await a.start()
+        try:
+            await wait_until(lambda: backend_a.started == [job.id], "A to start the job")
+            store_a.stalled.set()
+            clock.advance(LEASE_S + 1)
+            await b.start()
+            done = await wait_for_job(b, job.id, finished, "B to complete the retry")
+            backend_a.release()
+            await wait_until(lambda: a.num_running == 0, "A's late run to end")
+        finally:
+            store_a.resume()
+            await a.stop()
+            await b.stop()
+        (_, key_a), (_, key_b) = backend_a.runs[0], backend_b.runs[0]
+        assert (done.status, done.attempts, done.output_key) == (JobStatus.COMPLETED, 2, key_b)
+        assert backend_a.steps_done[job.id] == 4  # A did run to the end
+        assert await b.get(job.id, None) == done
+        assert output_files(tmp_path) == [f"{key_b}.mp4", f"{key_b}.png"] and key_a != key_b
+        blob = await b.open_output(job.id, None, VideoVariant.VIDEO)
+        assert blob.read(0, blob.size) == fake_mp4(job.spec)
+
+    asyncio.run(scenario())
+
+
 def test_a_restarted_service_sees_old_jobs_and_their_content(database_url, tmp_path):
     async def scenario():
         first = make_service(database_url, tmp_path, FakeVideoBackend())
