@@ -330,7 +330,8 @@ class JobService:
             run.finished = True  # the keeper's loop ends even if its cancel is lost
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            del self._running[job.id]
+            if self._running.get(job.id) is run:  # not when this run lost the job and its retry started here
+                del self._running[job.id]
             self._feed.notify(job.id)
 
     async def _call_backend(self, run: _Run) -> None:

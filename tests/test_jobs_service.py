@@ -8,6 +8,7 @@ not skip, when it cannot start). Waits are bounded polls, never wall-clock asser
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -562,6 +563,38 @@ def test_a_runner_that_lost_its_lease_cannot_overwrite_the_retry(database_url, t
         assert output_files(tmp_path) == [f"{key_b}.mp4", f"{key_b}.png"] and key_a != key_b
         blob = await b.open_output(job.id, None, VideoVariant.VIDEO)
         assert blob.read(0, blob.size) == fake_mp4(job.spec)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_runs_the_retry_of_its_own_lost_run_keeps_track_of_it(sqlite_url, tmp_path, caplog):
+    """A replica's heartbeat stalls, its own reaper retries the job and its second runner takes the retry; when
+    the lost first run ends, the retry is still this replica's running job (cancel's fast path reaches it, and its
+    own end is clean)."""
+    async def scenario():
+        clock = FakeClock()
+        store = StalledHeartbeat(open_job_store(sqlite_url, clock=clock))
+        backend = FakeVideoBackend(hold_before_step=1)
+        service = JobService(store=store, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend,
+                             models=[TINY], config=fast_config(tmp_path, concurrency=2))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_until(lambda: backend.started == [job.id], "the first run")
+            store.stalled.set()
+            clock.advance(LEASE_S + 1)
+            await wait_until(lambda: backend.started == [job.id, job.id], "the retry on the second runner")
+            store.resume()  # the first run learns it lost the job and stops
+            await wait_until(lambda: len(service._runs) == 1, "the lost run to end")
+            assert service.num_running == 1
+            backend.release()
+            done = await wait_for_job(service, job.id, finished, "the retry to complete")
+            await wait_until(lambda: service.num_running == 0, "the retry to end")
+        finally:
+            store.resume()
+            await service.stop()
+        assert (done.status, done.attempts) == (JobStatus.COMPLETED, 2)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
     asyncio.run(scenario())
 
