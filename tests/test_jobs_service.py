@@ -644,6 +644,42 @@ def test_outputs_past_retention_are_deleted_and_answer_expired(sqlite_url, tmp_p
     asyncio.run(scenario())
 
 
+class OneFailedDelete(OutputStore):
+    """An output store whose first delete fails (an object store's transient error)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.failed: list[str] = []
+
+    def delete(self, key):
+        if not self.failed:
+            self.failed.append(key)
+            raise OSError(5, "Input/output error")
+        super().delete(key)
+
+
+def test_one_output_that_fails_to_delete_does_not_keep_the_others_past_retention(sqlite_url, tmp_path):
+    """Retention forgets a batch of keys, then deletes their files: a failed delete is logged and the rest of the
+    batch is still deleted (they would stay in the output store for good: no record names them any more)."""
+    async def scenario():
+        clock = FakeClock()
+        outputs = OneFailedDelete(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url, clock=clock), outputs=outputs,
+                             backend=FakeVideoBackend(), models=[TINY], config=fast_config(tmp_path, retention_s=3600))
+        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(3)]
+        await service.start()
+        try:
+            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
+        finally:
+            await service.stop()
+        clock.advance(3600)
+        await service.reap_once()
+        assert outputs.failed == [done[0].output_key]
+        assert output_files(tmp_path) == [f"{done[0].output_key}.mp4", f"{done[0].output_key}.png"]
+
+    asyncio.run(scenario())
+
+
 def test_watch_follows_a_job_to_its_end(sqlite_url, tmp_path):
     async def scenario():
         service = make_service(sqlite_url, tmp_path, FakeVideoBackend(step_s=0.02), heartbeat_s=0.1)
