@@ -46,7 +46,10 @@ class JobsConfig(BaseModel):
     max_attempts: int = Field(
         2, ge=1, description="Runs of one job: a job lost before its first step is retried until this many runs.",
     )
-    max_run_s: float = Field(3600.0, gt=0, description="Longest one run may take before it fails as `timeout`.")
+    max_run_s: float = Field(
+        3600.0, gt=0, description="Longest one run (generation and storing its MP4) may take before it fails as "
+        "`timeout`.",
+    )
     poll_s: float = Field(
         1.0, gt=0, description="An idle runner looks for queued jobs this often (jobs created on this replica wake "
         "it at once; this bounds the delay for jobs created on another replica).",

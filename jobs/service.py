@@ -330,13 +330,17 @@ class JobService:
             run.finished = True  # the keeper's loop ends even if its cancel is lost
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            del self._running[job.id]
+            if self._running.get(job.id) is run:  # not when this run lost the job and its retry started here
+                del self._running[job.id]
             self._feed.notify(job.id)
 
     async def _call_backend(self, run: _Run) -> None:
         job = run.job
+        # One deadline for the whole run, the upload of its output included: the lease keeper renews the lease
+        # until the run returns, so nothing in it may wait without bound.
+        deadline_at = asyncio.get_running_loop().time() + self._config.max_run_s
         try:
-            async with asyncio.timeout(self._config.max_run_s) as deadline:
+            async with asyncio.timeout_at(deadline_at) as deadline:
                 output = await self._backend.run(job.spec, run.backend_run())
         except VideoCancelled:
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
@@ -348,9 +352,7 @@ class JobService:
             logger.error("video job %s: backend failed: %s", job.id, exc)
             await self._fail(run, "server_error", str(exc))
         except asyncio.CancelledError:
-            # This replica is stopping: give the job back now rather than after its lease expires.
-            release = asyncio.to_thread(self._store.release, job.id, run.lease_owner, self._config.max_attempts)
-            await asyncio.shield(release)
+            await self._give_back(run)
             raise
         except TimeoutError as exc:
             if not deadline.expired():
@@ -362,7 +364,16 @@ class JobService:
             logger.exception("video job %s: backend failed", job.id)
             await self._fail(run, "server_error", f"{type(exc).__name__}: {exc}")
         else:
-            await self._finish(run, output)
+            try:
+                await self._finish(run, output, deadline_at)
+            except asyncio.CancelledError:  # stopping while the output is stored or recorded: the same
+                await self._give_back(run)
+                raise
+
+    async def _give_back(self, run: _Run) -> None:
+        """This replica is stopping: give the job back now rather than after its lease expires."""
+        release = asyncio.to_thread(self._store.release, run.job.id, run.lease_owner, self._config.max_attempts)
+        await asyncio.shield(release)
 
     async def _worker_lost(self, run: _Run, cause: str) -> None:
         """The backend's worker died: run the job again if no denoising step had run (runs left), else fail it."""
@@ -377,7 +388,7 @@ class JobService:
         if outcome is JobStatus.QUEUED:
             self._wake.set()
 
-    async def _finish(self, run: _Run, output: VideoOutput) -> None:
+    async def _finish(self, run: _Run, output: VideoOutput, deadline_at: float) -> None:
         job = run.job
         if run.stop_reason is not None:  # cancelled or lost after the last step: keep nothing
             if output.stored:
@@ -388,22 +399,32 @@ class JobService:
         timings = output.timings.model_copy(
             update={"queued_s": max(0.0, (job.started_at or job.created_at) - job.created_at)}
         )
+        upload = asyncio.timeout_at(deadline_at)
         try:
             if not output.stored:
                 start = time.perf_counter()
-                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
-                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png)
+                async with upload:
+                    await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
+                    await asyncio.to_thread(
+                        self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png
+                    )
                 timings = timings.model_copy(update={"upload_s": time.perf_counter() - start})
-        except Exception as exc:  # full disk, unreachable object store: the job fails, the runner goes on
-            logger.exception("video job %s: storing its output under %s failed", job.id, self._outputs.url)
+        except Exception as exc:  # full disk, unreachable or hung object store: the job fails, the runner goes on
             with contextlib.suppress(Exception):  # best effort: no half-stored outputs left behind
                 await asyncio.to_thread(self._outputs.delete, run.output_key)
+            if upload.expired():  # a put still hung in its thread may leave an orphan file later
+                limit = f"max_run_s={self._config.max_run_s:g}"
+                await self._fail(run, "timeout", f"the run took longer than {limit} (storing its output)")
+                return
+            logger.exception("video job %s: storing its output under %s failed", job.id, self._outputs.url)
             await self._fail(run, "server_error", f"storing the output failed: {type(exc).__name__}: {exc}")
             return
         completed = await self._write(
             self._store.complete, job.id, run.lease_owner, run.output_key, timings, output.stats,
             self._config.retention_s,
         )
+        if completed is None:  # no answer from the store: the job may be completed, so its outputs stay (if it is
+            return  # not, the reaper fails it and they are an orphan: never a completed job without its MP4)
         if not completed:  # cancelled, deleted or reaped meanwhile: the outputs belong to no job
             await asyncio.to_thread(self._outputs.delete, run.output_key)
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
@@ -465,7 +486,10 @@ class JobService:
         if report.failed:
             logger.warning("video jobs lost by their replica, failed: %s", report.failed)
         for key in await asyncio.to_thread(self._store.expire_outputs):
-            await asyncio.to_thread(self._outputs.delete, key)
+            try:
+                await asyncio.to_thread(self._outputs.delete, key)
+            except Exception:  # its key is forgotten already: an orphan file, but the rest of the batch goes
+                logger.exception("deleting expired video output %s from %s failed", key, self._outputs.url)
         return report
 
 

@@ -318,6 +318,9 @@ class SqlJobStore(ABC):
 
     def delete(self, job_id: str) -> JobRecord | None:
         with self._transaction(write=True) as tx:
+            # Lock first, then read: a write in flight (the runner's complete) lands before we read, so the
+            # record answered carries the output key the caller must delete.
+            tx.fetch("SELECT id FROM video_jobs WHERE id = ?" + self.ROW_LOCK, (job_id,))
             record = self._get(tx, job_id)
             if record is not None:
                 tx.fetch("DELETE FROM video_jobs WHERE id = ?", (job_id,))

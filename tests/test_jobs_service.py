@@ -8,17 +8,19 @@ not skip, when it cannot start). Waits are bounded polls, never wall-clock asser
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import JobsConfig
-from jobs.errors import JobNotFound, OutputExpired, QueueFull
+from jobs.errors import JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.limits import VideoModelLimits
 from jobs.outputs import OutputStore, VideoVariant
 from jobs.records import JobError, JobRecord, JobStatus
@@ -73,6 +75,15 @@ async def wait_for_job(service: JobService, job_id: str, predicate, what: str) -
         if predicate(record):
             return record
         assert loop.time() < deadline, f"gave up waiting for {what}; job is {record}"
+        await asyncio.sleep(0.01)
+
+
+async def wait_until(predicate, what: str) -> None:
+    """Poll until predicate() holds; fail naming `what` after WAIT_S."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while not predicate():
+        assert loop.time() < deadline, f"gave up waiting for {what}"
         await asyncio.sleep(0.01)
 
 
@@ -199,6 +210,87 @@ def test_a_failed_upload_fails_the_job_and_the_runner_goes_on(sqlite_url, tmp_pa
         )
         assert done.status is JobStatus.COMPLETED
         assert len(output_files(tmp_path)) == 2  # only the second job's MP4 and thumbnail
+
+    asyncio.run(scenario())
+
+
+class HungOutputs(OutputStore):
+    """An output store whose puts block until `unblock()` (a hung network file system); `uploading` is set
+    once a put is blocked."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.uploading, self._unblocked = threading.Event(), threading.Event()
+
+    def put(self, key, variant, data):
+        self.uploading.set()
+        self._unblocked.wait(timeout=2 * WAIT_S)
+        super().put(key, variant, data)
+
+    def unblock(self) -> None:
+        self._unblocked.set()
+
+
+def test_a_hung_output_store_fails_the_job_at_max_run_s(sqlite_url, tmp_path):
+    """max_run_s bounds the whole run, the upload included: its lease keeper would otherwise renew the lease of a
+    job whose upload never returns, and the job would stay in_progress for good."""
+    async def scenario():
+        outputs = HungOutputs(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url), outputs=outputs, backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path, max_run_s=1.0))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "the job to end despite its hung upload")
+        finally:
+            outputs.unblock()
+            await service.stop()
+        assert (record.status, record.error) == (
+            JobStatus.FAILED, JobError("timeout", "the run took longer than max_run_s=1 (storing its output)")
+        )
+
+    asyncio.run(scenario())
+
+
+class UnansweredComplete:
+    """A store whose `complete` raises StoreUnavailable, after committing (the connection dropped before the
+    server's answer came back) or not (the server was down): either way the runner cannot tell."""
+
+    def __init__(self, store, committed: bool) -> None:
+        self._store, self._committed = store, committed
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def complete(self, *args):
+        if self._committed:
+            self._store.complete(*args)
+        raise StoreUnavailable("server closed the connection unexpectedly")
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_complete_without_an_answer_leaves_the_job_to_the_store(sqlite_url, tmp_path, committed):
+    """A runner that does not know whether its complete landed keeps the outputs and writes nothing more. Landed:
+    the job is completed with its MP4 (deleting it gave a completed job answering 410). Not landed: its lease
+    expires and the reaper fails it with the cause (not "cancelled": nobody cancelled it)."""
+    async def scenario():
+        service = JobService(store=UnansweredComplete(open_job_store(sqlite_url), committed),
+                             outputs=OutputStore(str(tmp_path / "outputs")), backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            record = await wait_for_job(service, job.id, finished, "the job to settle")
+            await wait_until(lambda: service.num_running == 0, "the run to end")
+        finally:
+            await service.stop()
+        if committed:
+            assert record.status is JobStatus.COMPLETED
+            blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
+            assert blob.read(0, blob.size) == fake_mp4(job.spec)
+        else:  # the message depends on whether the lease keeper wrote the last step before the run ended
+            assert (record.status, record.error.code) == (JobStatus.FAILED, "worker_lost")
+            assert "the replica running it stopped renewing its lease" in record.error.message
 
     asyncio.run(scenario())
 
@@ -388,6 +480,125 @@ def test_stopping_a_replica_gives_its_running_job_back_at_once(
     asyncio.run(scenario())
 
 
+def test_stopping_a_replica_while_it_stores_an_output_gives_the_job_back_at_once(sqlite_url, tmp_path):
+    """The denoising is over and the MP4 is being written when the replica stops: the job is released like one
+    stopped mid-run (failed with the cause), not left in_progress under a lease nobody renews."""
+    async def scenario():
+        outputs = HungOutputs(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url), outputs=outputs, backend=FakeVideoBackend(),
+                             models=[TINY], config=fast_config(tmp_path, lease_s=600))  # no lease expiry
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_until(outputs.uploading.is_set, "the upload")
+            await wait_for_job(service, job.id, lambda r: r.step == 4, "the last step recorded")
+        finally:
+            await service.stop()
+            outputs.unblock()
+        record = await service.get(job.id, None)
+        assert (record.status, record.error, record.lease_owner) == (
+            JobStatus.FAILED, JobError("worker_lost", "lost at step 4/4 of run 1: the replica running it shut down"),
+            None,
+        )
+
+    asyncio.run(scenario())
+
+
+class StalledHeartbeat:
+    """A store whose lease renewals and progress writes hang while `stalled` is set (a paused process, a
+    heartbeat that cannot get through); every other operation goes through."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.stalled, self._resumed = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def _stall(self) -> None:
+        if self.stalled.is_set():
+            self._resumed.wait(timeout=2 * WAIT_S)
+
+    def renew_lease(self, *args):
+        self._stall()
+        return self._store.renew_lease(*args)
+
+    def set_progress(self, *args):
+        self._stall()
+        return self._store.set_progress(*args)
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+
+def test_a_runner_that_lost_its_lease_cannot_overwrite_the_retry(database_url, tmp_path):
+    """Replica A's heartbeat stalls before the job's first step; its lease expires, the job is retried and completed
+    by replica B; then A's run finishes after all. A's late complete is refused and only its own files are removed:
+    the job keeps B's outcome and B's MP4."""
+    async def scenario():
+        clock = FakeClock()
+        store_a = StalledHeartbeat(open_job_store(database_url, clock=clock))
+        backend_a, backend_b = FakeVideoBackend(hold_before_step=1), FakeVideoBackend()
+        a = JobService(store=store_a, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend_a,
+                       models=[TINY], config=fast_config(tmp_path))
+        b = make_service(database_url, tmp_path, backend_b, clock=clock)
+        job = await a.submit(make_spec(), None)
+        await a.start()
+        try:
+            await wait_until(lambda: backend_a.started == [job.id], "A to start the job")
+            store_a.stalled.set()
+            clock.advance(LEASE_S + 1)
+            await b.start()
+            done = await wait_for_job(b, job.id, finished, "B to complete the retry")
+            backend_a.release()
+            await wait_until(lambda: a.num_running == 0, "A's late run to end")
+        finally:
+            store_a.resume()
+            await a.stop()
+            await b.stop()
+        (_, key_a), (_, key_b) = backend_a.runs[0], backend_b.runs[0]
+        assert (done.status, done.attempts, done.output_key) == (JobStatus.COMPLETED, 2, key_b)
+        assert backend_a.steps_done[job.id] == 4  # A did run to the end
+        assert await b.get(job.id, None) == done
+        assert output_files(tmp_path) == [f"{key_b}.mp4", f"{key_b}.png"] and key_a != key_b
+        blob = await b.open_output(job.id, None, VideoVariant.VIDEO)
+        assert blob.read(0, blob.size) == fake_mp4(job.spec)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_runs_the_retry_of_its_own_lost_run_keeps_track_of_it(sqlite_url, tmp_path, caplog):
+    """A replica's heartbeat stalls, its own reaper retries the job and its second runner takes the retry; when
+    the lost first run ends, the retry is still this replica's running job (cancel's fast path reaches it, and its
+    own end is clean)."""
+    async def scenario():
+        clock = FakeClock()
+        store = StalledHeartbeat(open_job_store(sqlite_url, clock=clock))
+        backend = FakeVideoBackend(hold_before_step=1)
+        service = JobService(store=store, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend,
+                             models=[TINY], config=fast_config(tmp_path, concurrency=2))
+        job = await service.submit(make_spec(), None)
+        await service.start()
+        try:
+            await wait_until(lambda: backend.started == [job.id], "the first run")
+            store.stalled.set()
+            clock.advance(LEASE_S + 1)
+            await wait_until(lambda: backend.started == [job.id, job.id], "the retry on the second runner")
+            store.resume()  # the first run learns it lost the job and stops
+            await wait_until(lambda: len(service._runs) == 1, "the lost run to end")
+            assert service.num_running == 1
+            backend.release()
+            done = await wait_for_job(service, job.id, finished, "the retry to complete")
+            await wait_until(lambda: service.num_running == 0, "the retry to end")
+        finally:
+            store.resume()
+            await service.stop()
+        assert (done.status, done.attempts) == (JobStatus.COMPLETED, 2)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+    asyncio.run(scenario())
+
+
 def test_a_restarted_service_sees_old_jobs_and_their_content(database_url, tmp_path):
     async def scenario():
         first = make_service(database_url, tmp_path, FakeVideoBackend())
@@ -429,6 +640,42 @@ def test_outputs_past_retention_are_deleted_and_answer_expired(sqlite_url, tmp_p
         with pytest.raises(OutputExpired):
             await service.open_output(job.id, None, VideoVariant.VIDEO)
         assert (await service.get(job.id, None)).status is JobStatus.COMPLETED  # the record stays
+
+    asyncio.run(scenario())
+
+
+class OneFailedDelete(OutputStore):
+    """An output store whose first delete fails (an object store's transient error)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.failed: list[str] = []
+
+    def delete(self, key):
+        if not self.failed:
+            self.failed.append(key)
+            raise OSError(5, "Input/output error")
+        super().delete(key)
+
+
+def test_one_output_that_fails_to_delete_does_not_keep_the_others_past_retention(sqlite_url, tmp_path):
+    """Retention forgets a batch of keys, then deletes their files: a failed delete is logged and the rest of the
+    batch is still deleted (they would stay in the output store for good: no record names them any more)."""
+    async def scenario():
+        clock = FakeClock()
+        outputs = OneFailedDelete(str(tmp_path / "outputs"))
+        service = JobService(store=open_job_store(sqlite_url, clock=clock), outputs=outputs,
+                             backend=FakeVideoBackend(), models=[TINY], config=fast_config(tmp_path, retention_s=3600))
+        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(3)]
+        await service.start()
+        try:
+            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
+        finally:
+            await service.stop()
+        clock.advance(3600)
+        await service.reap_once()
+        assert outputs.failed == [done[0].output_key]
+        assert output_files(tmp_path) == [f"{done[0].output_key}.mp4", f"{done[0].output_key}.png"]
 
     asyncio.run(scenario())
 

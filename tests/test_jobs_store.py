@@ -431,6 +431,33 @@ def test_a_postgres_claim_skips_a_row_another_claimer_holds(postgres_url, clock)
     assert claimed[0].id == second.id
 
 
+def test_a_postgres_delete_answers_the_row_a_concurrent_complete_committed(postgres_url, clock):
+    """A delete racing the runner's complete (whose transaction holds the row): the delete waits for it and answers
+    the completed record with its output key, so the service deletes the MP4 too. An answer read before the wait
+    (still in_progress, no key) would leave the deleted job's MP4 in the output store for good."""
+    reset_postgres(postgres_url)
+    store = PostgresJobStore(postgres_url, clock=clock)
+    job = store.create(make_spec(), None, BIG_QUEUE)
+    store.claim(["m1"], "r1", LEASE_S)
+    deleted = []
+    with psycopg.connect(postgres_url) as runner, psycopg.connect(postgres_url, autocommit=True) as monitor:
+        # The runner's complete, caught between its UPDATE and its COMMIT.
+        runner.execute(
+            "UPDATE video_jobs SET status = 'completed', output_key = 'key-1', lease_owner = NULL WHERE id = %s",
+            (job.id,),
+        )
+        deleter = threading.Thread(target=lambda: deleted.append(store.delete(job.id)))
+        deleter.start()
+        deadline = time.monotonic() + 10
+        while not monitor.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchone()[0]:
+            assert time.monotonic() < deadline, "the delete never waited for the runner's row lock"
+            time.sleep(0.01)
+        runner.commit()
+        deleter.join(timeout=10)
+    store.close()
+    assert (deleted[0].status, deleted[0].output_key) == (JobStatus.COMPLETED, "key-1")
+
+
 CLAIM_SCRIPT = """
 import os, sys, time
 from jobs.store import open_job_store
