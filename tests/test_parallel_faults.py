@@ -28,7 +28,9 @@ from actors.gpu_worker import RANK_FAILURE, GpuWorkerActor, OwnPlacementGroup, P
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled, ServerFault
+from model.layout import H3Checkpoint
 from model.tiny import make_tiny_checkpoint
+from model.weights import TransformerWeights
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -208,6 +210,29 @@ def test_a_request_queued_behind_the_failing_one_fails_at_once(ray_cluster, chec
         queued.join(timeout=60)
         assert set(outcomes) == {"running", "queued"}
         assert all(isinstance(error, ServerFault) and "rank 1 of 2 died" in str(error) for error in outcomes.values())
+
+
+def test_a_share_of_a_plan_rebuild_that_fails_on_one_rank_fails_the_request_and_keeps_the_group(
+        ray_cluster, tmp_path, faulty):
+    """Each rank reads only its AdaLN units (tiny: 4 blocks, rank 1 owns blocks 2, 3 and the final layer), so a
+    shard cut short in block 3's projection fails rank 1's share alone; rank 0's went well. Both must leave the
+    rebuild together (a rank leaving alone pairs its next collective with its peer's exchange, and gloo aborts
+    the process), fail the request with the cause, and serve once the file is back."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
+    h3 = H3Checkpoint.open(checkpoint)
+    weights = TransformerWeights(h3.transformer_dir, h3.layout)
+    location = weights.location("transformer_blocks.3.adaln_proj.linear.weight")
+    with replica(checkpoint, adaln={"mode": "online", "gpu_plans": 32, "host_cache_gb": 0.0}) as engine:
+        saved = location.path.read_bytes()
+        location.path.write_bytes(saved[: location.offset + location.nbytes // 2])
+        with pytest.raises(ServerFault, match=r"rank\(s\) \[1\] could not rebuild their share") as failed:
+            engine.generate(request())
+        assert failed.value.kind == "RebuildError"
+        assert engine.health()["status"] == "ok"
+        location.path.write_bytes(saved)
+        result = engine.generate(request())
+        assert result.stats.parallel.ranks_agree and result.stats.adaln.built_plans == 8
+        assert [ranks["held_plan_refs"] for ranks in engine.debug_stats()["ranks"]] == [0, 0]
 
 
 # --- what the caller does right leaves the replica serving -----------------------------------------------------
