@@ -53,7 +53,7 @@ from actors.host_cache_pool import make_pool_client
 from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
 from engine.config import EngineConfig
 from engine.engine import Engine, check_parallel_config, resolve_device
-from engine.errors import EngineError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import RANK_FAILURE, EngineError, GenerationCancelled, ServerFault, WeightsRejected
 from engine.startup import EngineStartup
 from parallel.group import init_group
 
@@ -67,8 +67,6 @@ RANK_CONCURRENCY = 8
 POLL_S = 0.1
 #: After one rank failed, the others get timeout_s (their next collective fails by then) plus this.
 FAILURE_GRACE_S = 10.0
-#: Error kind of a replica that lost a rank (or whose ranks diverged).
-RANK_FAILURE = "RankFailure"
 
 
 class ParallelStartError(RuntimeError):
