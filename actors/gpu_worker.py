@@ -28,7 +28,8 @@ its peers fail their next collective within `timeout_s` (`parallel.group`); once
 failed) or a rank whose group failed make the replica unusable: the request fails with `ServerFault` naming the
 first cause, the rank actors are killed, and from then on `health()` raises, so Serve replaces the replica. An
 error every rank raised alike (a `ClientError`, `GenerationCancelled`, a plan the ranks agreed they could not
-prepare) is the request's and is re-raised as it is; the replica stays healthy (after its ranks confirm it).
+prepare) is the request's and is re-raised as it is; the replica stays healthy (after its ranks confirm it). So
+is a cancel rank 0 alone saw before it decoded (its peers returned: every collective ran on every rank).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from actors.host_cache_pool import make_pool_client
 from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
 from engine.config import EngineConfig
 from engine.engine import Engine, check_parallel_config, resolve_device
-from engine.errors import EngineError, ServerFault, WeightsRejected
+from engine.errors import RANK_FAILURE, EngineError, GenerationCancelled, ServerFault, WeightsRejected
 from engine.startup import EngineStartup
 from parallel.group import init_group
 
@@ -66,8 +67,6 @@ RANK_CONCURRENCY = 8
 POLL_S = 0.1
 #: After one rank failed, the others get timeout_s (their next collective fails by then) plus this.
 FAILURE_GRACE_S = 10.0
-#: Error kind of a replica that lost a rank (or whose ranks diverged).
-RANK_FAILURE = "RankFailure"
 
 
 class ParallelStartError(RuntimeError):
@@ -252,6 +251,15 @@ def _outcome_of(rank: int, ref: ray.ObjectRef) -> RankOutcome:
         return RankOutcome(rank, error=exc.cause if isinstance(exc.cause, BaseException) else exc)
 
 
+def _cancelled_while_rank_0_decoded(outcomes: list[RankOutcome]) -> bool:
+    """Rank 0 alone decodes, after the loop's last collective, and checks for a cancel before it does (unagreed:
+    its peers are done by then); only it raising GenerationCancelled there is the request's cancel, not ranks that
+    disagreed."""
+    rank_0, peers = outcomes[0], outcomes[1:]
+    return isinstance(rank_0.error, GenerationCancelled) and all(
+        peer.error is None and peer.lost is None for peer in peers)
+
+
 @dataclass
 class _HealthProbe:
     refs: list[ray.ObjectRef]
@@ -352,6 +360,8 @@ class ParallelEngine:
                     for rank in self.ranks:
                         rank.cancel.remote(request_id)
                     raise
+                if _cancelled_while_rank_0_decoded(outcomes):  # the request's cancel, every rank done alike
+                    raise outcomes[0].error
                 results = self._values(outcomes, "generate")
             except BaseException:
                 self._num_failed += 1

@@ -136,6 +136,10 @@ class RebuildShards(Protocol):
     def select(self, units: Sequence[AdalnUnit]) -> list[AdalnUnit]:
         """This rank's share of the units (every block, then the final layer)."""
 
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """Called once per rebuild, after this rank rebuilt its share (`failed`: it raised) and before any
+        `exchange_`: the ranks whose share failed, the same list on every rank."""
+
     def exchange_(self, blocks: torch.Tensor, final: torch.Tensor) -> None:
         """In place, one plan's slab rows (blocks [num_blocks, M, adaln_width], final [M, final_width]): from
         this rank's units' rows to every unit's rows."""
@@ -632,8 +636,20 @@ class PlanCache:
         start = time.perf_counter()
         units = self.shards.select(self._units)
         # A rank may own no unit (more ranks than blocks): it only receives.
-        report = self.rebuilder.rebuild(units, targets, self.slab.blocks, self.slab.final) if units else \
-            RebuildReport(bytes_read=0, seconds=0.0, num_units=0, num_plans=len(targets))
+        report, error = RebuildReport(bytes_read=0, seconds=0.0, num_units=0, num_plans=len(targets)), None
+        try:
+            if units:
+                report = self.rebuilder.rebuild(units, targets, self.slab.blocks, self.slab.final)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            error = exc
+        # A share that failed (e.g. its shard unreadable: each rank reads only its own) fails the rebuild on every
+        # rank before the exchanges: a rank leaving here alone would pair its next collective with their exchange.
+        failed = self.shards.failed_ranks(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RebuildError(f"rank(s) {failed} could not rebuild their share of the AdaLN units (see their log); "
+                               "no rank used the plans")
         for target in targets:  # every rank ends with every unit's rows
             rows = slice(target.first_row, target.first_row + target.adaln_input.shape[0])
             self.shards.exchange_(self.slab.blocks[:, rows], self.slab.final[rows])

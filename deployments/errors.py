@@ -67,6 +67,10 @@ def validation_error(exc: ValidationError) -> RequestError:
     return RequestError(422, "invalid_request", summary, errors)
 
 
+#: ServerFault kinds of an unreadable checkpoint (others: a lost or diverged rank of a multi-GPU replica, ...).
+CHECKPOINT_FAULTS = ("RebuildError", "CheckpointError")
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a replica raised: Ray hands it to the caller wrapped in a RayTaskError."""
     return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
@@ -76,10 +80,10 @@ def worker_error(exc: BaseException, request_id: str) -> RequestError:
     """A failed worker call as the RequestError the caller sees."""
     cause = unwrap(exc)
     if isinstance(cause, ServerFault):
-        # The server's checkpoint broke, not the request: 5xx naming the type, details (paths) in the log only.
-        logger.error("generation %s failed reading the checkpoint", request_id, exc_info=exc)
-        return RequestError(500, "server_error", f"generation failed: {cause.kind} (the server could not read "
-                            "its checkpoint; retry later)")
+        # The server broke, not the request: 5xx naming the type, details (paths, ranks) in the log only.
+        what = "the server could not read its checkpoint" if cause.kind in CHECKPOINT_FAULTS else "a server fault"
+        logger.error("generation %s failed: %s", request_id, what, exc_info=exc)
+        return RequestError(500, "server_error", f"generation failed: {cause.kind} ({what}; retry later)")
     if isinstance(cause, ClientError):
         return RequestError(422, "invalid_request", str(cause))
     if isinstance(cause, GenerationCancelled):

@@ -39,12 +39,12 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.errors import unwrap
+from deployments.errors import CHECKPOINT_FAULTS, unwrap
 from deployments.schemas import ProgressEvent
 from deployments.stages import StoredVideo
 from deployments.worker import StageHandles
 from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult, GenerationStats
-from engine.errors import ClientError, GenerationCancelled, ServerFault
+from engine.errors import RANK_FAILURE, ClientError, GenerationCancelled, ServerFault
 from engine.stages import PromptEmbedding
 from jobs.backend import (
     VideoCancelled,
@@ -273,9 +273,12 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
         if cancel_asked:
             return VideoCancelled("cancelled")
         return VideoServerError("the worker replica stopped the generation (it was shutting down)")
+    if isinstance(cause, ServerFault) and cause.kind == RANK_FAILURE:  # like a replica that died: retried
+        return VideoWorkerLost(f"a rank of the multi-GPU replica running it failed ({cause})")
     if isinstance(cause, ServerFault):
-        logger.error("video generation failed reading the checkpoint", exc_info=exc)
-        return VideoServerError(f"generation failed: {cause.kind} (the server could not read its checkpoint)")
+        what = "the server could not read its checkpoint" if cause.kind in CHECKPOINT_FAULTS else "a server fault"
+        logger.error("video generation failed: %s", what, exc_info=exc)
+        return VideoServerError(f"generation failed: {cause.kind} ({what})")
     if isinstance(exc, RayActorError) or isinstance(cause, RayActorError):
         return VideoWorkerLost(f"the replica running it died ({type(cause).__name__})")
     if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):

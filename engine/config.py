@@ -121,17 +121,17 @@ class ParallelConfig(BaseModel):
         "calls. 1: one exchange per tensor.",
     )
     timeout_s: float = Field(
-        120.0, gt=0,
+        120.0, gt=0, allow_inf_nan=False,
         description="Bound on the ranks' rendezvous, on every collective between them, and on every coordinator "
         "call to a rank that is not a load or a generation: a dead or stuck rank fails the request within it "
         "(and the replica reports unhealthy).",
     )
     load_timeout_s: float = Field(
-        1800.0, gt=0,
+        1800.0, gt=0, allow_inf_nan=False,
         description="Bound on starting the rank actors (placement, checkpoint load) and on a weight update.",
     )
     request_timeout_s: float | None = Field(
-        None, gt=0,
+        None, gt=0, allow_inf_nan=False,
         description="Longest one generation may run before it fails as a server fault and the replica reports "
         "unhealthy; null: no limit (a dead or stuck rank is still caught within timeout_s by the collectives).",
     )

@@ -794,7 +794,9 @@ class RankShardedRebuild:
     layer), then `exchange_modulation_` gives every rank every row, bit-identical to one rank projecting all
     of them. Before that, once per request, the ranks check that their plan caches missed the same plans
     (a digest of the keys): caches that diverged fail the request on every rank (ServerFault) instead of
-    pairing mismatched collectives, and leave `divergence` set (the engine then reports unhealthy)."""
+    pairing mismatched collectives, and leave `divergence` set (the engine then reports unhealthy). A share that
+    failed on one rank (its shard unreadable) fails the rebuild on every rank before the exchange (`failed_ranks`),
+    the group intact."""
 
     def __init__(self, group: SpGroup, num_blocks: int):
         self.group = group
@@ -819,6 +821,12 @@ class RankShardedRebuild:
 
     def select(self, units: list[AdalnUnit]) -> list[AdalnUnit]:
         return self.shard.select(units)
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        flags = torch.empty(self.group.world_size, dtype=torch.int32, device=self.group.device)
+        local = torch.tensor([int(failed)], dtype=torch.int32, device=self.group.device)
+        self.group.all_gather(flags, local, host_wait=True)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def exchange_(self, blocks: torch.Tensor, final: torch.Tensor) -> None:
         exchange_modulation_(Modulation(blocks=blocks, final=final), self.shard, self.group)

@@ -57,3 +57,7 @@ class ServerFault(EngineError, RuntimeError):
 
 class GenerationCancelled(EngineError, RuntimeError):
     """The caller went away; the engine stopped between two steps."""
+
+
+#: ServerFault kind of a multi-device replica that lost a rank (or whose ranks diverged): it is being replaced.
+RANK_FAILURE = "RankFailure"

@@ -112,6 +112,9 @@ def test_a_cancelled_generation_stays_generation_cancelled(engine):
     (ServerFault("/srv/ckpt/transformer/diffusion_pytorch_model-00003-of-00005.safetensors is truncated",
                  "RebuildError"), 500, "server_error",
      "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
+    # A multi-GPU replica that lost a rank: no checkpoint was involved, the replica is being replaced.
+    (ServerFault("parallel replica unusable: generate: rank 1 of 2 died", "RankFailure"), 500, "server_error",
+     "generation failed: RankFailure (a server fault; retry later)"),
     (GenerationCancelled("stopped"), 499, "cancelled", "the request was cancelled"),
     # Anything else is a bug: 500 naming the type (a stray ValueError too: only ClientError is a 4xx).
     (RuntimeError("a bug"), 500, "server_error", "generation failed: RuntimeError"),

@@ -129,6 +129,17 @@ def test_sp_replica_keeps_the_workers_custom_resources_in_the_replicas_bundle(mo
     assert options["placement_group_bundles"][0] == {"CPU": 1.0, "h200": 0.01}
 
 
+@pytest.mark.parametrize("field", ["timeout_s", "load_timeout_s", "request_timeout_s"])
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
+def test_parallel_bounds_must_be_positive_and_finite(field, value):
+    """Every wait on a rank is bounded by these; YAML's .inf would leave it unbounded (or, for timeout_s, fail every
+    replica start in the rank's timedelta)."""
+    args = serve_config()["applications"][0]["args"]
+    args["engine"]["parallel"] = {**args["engine"]["parallel"], "sp": 2, field: value}
+    with pytest.raises(ValidationError, match=rf"engine.parallel.{field}\n.*(greater than 0|finite number)"):
+        AppConfig.model_validate(args)
+
+
 @pytest.mark.parametrize(("gpus", "num_gpus"), [(2, 1), (2, 0), (0, 2)])
 def test_sp_replica_refuses_a_gpu_count_other_than_one_per_rank(monkeypatch, gpus, num_gpus):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
