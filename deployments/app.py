@@ -34,6 +34,9 @@ logger = logging.getLogger("ray.serve")
 
 #: How often a stopping replica checks whether its requests are done (Serve's default: 2 s).
 SHUTDOWN_POLL_S = 0.2
+#: From a stopping stage replica's grace period to its callers hearing that it is gone (the controller's kill,
+#: Ray's report of the dead actor): the ingress drains this much longer than the stages.
+STAGE_STOP_REPORTED_S = 2.0
 
 
 def cluster_num_gpus() -> float:
@@ -136,6 +139,16 @@ def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S}
 
 
+def ingress_graceful_shutdown_s(config: AppConfig, split: bool) -> float:
+    """The ingress's drain: `http.graceful_shutdown_timeout_s`, and past every bound stage's. Serve kills a
+    replica whose requests outlast its grace period without calling `__del__`: an ingress cut before its
+    workers left its HTTP callers the proxy's bare "500 Internal Server Error". Outliving them, it answers
+    each open generation: its result, or a 503 naming the stopped worker."""
+    stages = (config.worker, config.text_encoder, config.decoder) if split else (config.worker,)
+    return max(config.http.graceful_shutdown_timeout_s,
+               max(stage.graceful_shutdown_timeout_s for stage in stages) + STAGE_STOP_REPORTED_S)
+
+
 def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
     """Pin relative paths to the builder's working directory, so every replica reads the same place."""
     update = {"checkpoint_root": os.path.abspath(engine.checkpoint_root)}
@@ -183,7 +196,7 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
         # The decorator's num_cpus 0, restated: options() replaces ray_actor_options whole.
         ray_actor_options={"num_cpus": 0, **({"resources": dict(config.http.resources)} if config.http.resources
                                              else {})},
-        **shutdown_options(config.http.graceful_shutdown_timeout_s),
+        **shutdown_options(ingress_graceful_shutdown_s(config, split)),
     )
     return ingress.bind(
         worker, config.http.model_dump(), admin.model_dump(), jobs.model_dump(), config.auth.model_dump(),

@@ -91,7 +91,8 @@ def worker_error(exc: BaseException, request_id: str) -> RequestError:
     if isinstance(exc, (RayActorError, BackPressureError, DeploymentUnavailableError)):
         return RequestError(503, "unavailable", f"no worker could take the request: {type(exc).__name__}")
     logger.error("generation %s failed", request_id, exc_info=exc)
-    return RequestError(500, "server_error", f"generation failed: {type(exc).__name__}")
+    # The replica's exception type (not Ray's wrapper, "RayTaskError(RuntimeError)"); its message stays in the log.
+    return RequestError(500, "server_error", f"generation failed: {type(cause).__name__}")
 
 
 class ClientErrorLogFilter(logging.Filter):

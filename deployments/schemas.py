@@ -303,7 +303,9 @@ class HttpOptions(BaseModel):
     )
     graceful_shutdown_timeout_s: float = Field(
         2.0, ge=0, description="When the ingress stops, how long its open requests may still wait for their "
-        "generations before they are cut (the worker then stops its own within worker.graceful_shutdown_timeout_s).",
+        "generations before they are cut; at least the stages' graceful_shutdown_timeout_s + 2 s (deployments."
+        "app.ingress_graceful_shutdown_s), so that when the whole app stops each open generation hears its worker "
+        "stop (a 503 naming it) instead of the proxy's bare 500.",
     )
 
 

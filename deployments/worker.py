@@ -18,8 +18,10 @@ response itself (`GenerationResponse`, encoded here), so latents the client did 
 ingress, and its `serve_timings` say how long each stage call and this replica took.
 
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
-`serve run` stops within seconds of Ctrl-C), then calls `__del__`, which stops the weights follower, asks
-every generation still running to stop at its next step and drops the queued ones, then force-kills it.
+`serve run` stops within seconds of Ctrl-C). Drained in time, it calls `__del__`, which stops the weights
+follower, asks every generation still running (one whose caller left) to stop at its next step and drops the
+queued ones; requests that outlast the grace period are killed with the replica, `__del__` never runs, and
+their callers hear a dead actor (the ingress, which outlives the workers when the whole app stops: a 503).
 """
 
 from __future__ import annotations
@@ -376,9 +378,11 @@ class Worker(ScheduleAffinityReporter):
 
     async def debug_stats(self) -> dict[str, Any]:
         """Replica bookkeeping for tests and operators: held plan references (0 when idle), stale plans,
-        weights version, outcomes, and the most recently submitted request's step and outcome."""
+        weights version, outcomes, generations submitted to the engine thread and not finished (`in_flight`,
+        queued or running), and the most recently submitted request's step and outcome."""
         return {
             "replica": self._replica_id,
+            "in_flight": len(self._in_flight),
             "weights_version": self._weights.applied_version,
             "outcomes": dict(self._outcomes),
             "last_request": dict(self._last_request),

@@ -131,7 +131,9 @@ def test_worker_errors_map_to_statuses(exc, status, kind, message):
     (ServerFault("/srv/ckpt/x is truncated", "RebuildError"), 500,
      "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
     (GenerationCancelled("stopped"), 499, "the request was cancelled"),
-    (RuntimeError("a bug"), 500, "generation failed: RayTaskError(RuntimeError)"),
+    # The replica's type, as for a local one: not Ray's wrapper ("RayTaskError(RuntimeError)").
+    (RuntimeError("a bug"), 500, "generation failed: RuntimeError"),
+    (KeyError("a bug"), 500, "generation failed: KeyError"),
 ])
 def test_worker_errors_from_a_replica_are_sorted_by_what_the_replica_raised(exc, status, message):
     error = worker_error(from_replica(exc), "gen-test")

@@ -236,3 +236,25 @@ def test_ingress_keeps_zero_cpus_beside_its_http_resources(stages, names):
     assert deployments["Ingress"].ray_actor_options["num_cpus"] == 0
     assert deployments["Ingress"].ray_actor_options["resources"] == {"head": 0.01}
     assert deployments["Worker"].ray_actor_options["num_cpus"] == 1.0
+
+
+@pytest.mark.parametrize("stages, http_s, worker_s, decoder_s, ingress_s", [
+    ("split", 2.0, 5.0, 5.0, 7.0),  # the shipped defaults: the ingress outlives the stages by STAGE_STOP_REPORTED_S
+    ("fused", 2.0, 5.0, 5.0, 7.0),
+    ("split", 1.0, 1.0, 1.0, 3.0),
+    ("fused", 1.0, 1.0, 9.0, 3.0),  # no Decoder bound: its setting does not count
+    ("split", 2.0, 1.0, 8.0, 10.0),  # the slowest stage counts
+    ("split", 30.0, 5.0, 5.0, 30.0),  # a longer http grace period stays
+])
+def test_the_ingress_drains_past_every_stage_so_a_stopping_app_answers_its_requests(stages, http_s, worker_s,
+                                                                                    decoder_s, ingress_s):
+    from deployments.app import build_application
+    from tests.fake_engine import FakeEngine
+
+    config = AppConfig.model_validate({"stages": stages, "http": {"graceful_shutdown_timeout_s": http_s},
+                                       "worker": {"graceful_shutdown_timeout_s": worker_s},
+                                       "text_encoder": {"graceful_shutdown_timeout_s": 1.0},
+                                       "decoder": {"graceful_shutdown_timeout_s": decoder_s}})
+    deployments = bound_deployments(build_application(config, FakeEngine))
+    assert deployments["Ingress"]._deployment_config.graceful_shutdown_timeout_s == ingress_s
+    assert deployments["Worker"]._deployment_config.graceful_shutdown_timeout_s == worker_s
