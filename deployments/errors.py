@@ -39,9 +39,11 @@ SERVE_LOGGER_NAME = "ray.serve"
 class RequestError(Exception):
     """A request we refuse; carries the HTTP status and the body."""
 
-    def __init__(self, status: int, kind: str, message: str, errors: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, status: int, kind: str, message: str, errors: list[dict[str, Any]] | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.message, self.errors = status, kind, message, errors
+        self.retry_after_s = retry_after_s  # sent as Retry-After
 
     @property
     def is_client_error(self) -> bool:
@@ -51,7 +53,8 @@ class RequestError(Exception):
         return {"error": {"type": self.kind, "message": self.message, "errors": self.errors}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=self.response_body())
+        headers = {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(status_code=self.status, content=self.response_body(), headers=headers)
 
     def for_handle_caller(self) -> Exception:
         """What a Python handle caller gets: ClientError (a ValueError) for 4xx, RuntimeError otherwise."""

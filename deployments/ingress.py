@@ -21,11 +21,13 @@ No `from __future__ import annotations` here: FastAPI must see real annotations 
 
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -67,7 +69,8 @@ _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},
     413: {"model": ErrorResponse, "description": "Body larger than http.max_body_bytes."},
     422: {"model": ErrorResponse, "description": "Invalid request: schema or model limits."},
-    503: {"model": ErrorResponse, "description": "No healthy worker."},
+    503: {"model": ErrorResponse, "description": "No healthy worker, or http.max_pending_generations reached "
+          "(then with Retry-After)."},
     504: {"model": ErrorResponse, "description": "Generation took longer than http.request_timeout_s."},
 }
 
@@ -83,6 +86,39 @@ def parse_request(payload: Any) -> GenerationRequest:
         return GenerationRequest.model_validate(payload)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+class PendingGenerations:
+    """`http.max_pending_generations`: the generations this ingress replica holds, running or waiting for a
+    worker. One over the bound is refused at once (503 + Retry-After) rather than queued behind work that would
+    outlast its timeout. Retry-After: the mean time of recent generations here (a slot frees about that often or
+    sooner), at least 1 s. Touched only from the replica's event loop."""
+
+    #: Weight of the newest generation in the running mean.
+    SMOOTHING = 0.2
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.count = limit, 0
+        self._mean_s: float | None = None
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.limit is not None and self.count >= self.limit:
+            raise RequestError(503, "overloaded", f"the server holds {self.count} generations "
+                               f"(http.max_pending_generations={self.limit}); retry later",
+                               retry_after_s=self.retry_after_s())
+        self.count += 1
+        start = time.perf_counter()
+        try:
+            yield
+            seconds = time.perf_counter() - start  # completed ones only: a refusal says nothing of the pace
+            self._mean_s = seconds if self._mean_s is None else \
+                self._mean_s + self.SMOOTHING * (seconds - self._mean_s)
+        finally:
+            self.count -= 1
+
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self._mean_s or 0.0))
 
 
 def _sse_event(name: str, item: Any) -> str:
@@ -106,6 +142,7 @@ class Ingress:
         install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
         self._worker = worker
         self._http = HttpOptions.model_validate(http or {})
+        self._pending = PendingGenerations(self._http.max_pending_generations)
         context = serve.get_replica_context()
         self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
         self._routing_metrics = RoutingMetrics()
@@ -129,17 +166,18 @@ class Ingress:
     async def _generate(self, request: GenerationRequest, request_id: str, start: float) -> GenerationResponse:
         """The worker's response (encoded there: latents travel only when asked for), with `ingress_s` since
         `start` (when this replica got the request) in its `serve_timings`."""
-        # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
-        response = self._worker.generate.remote(request, request_id, schedule_key=request.schedule_key)
-        try:
-            result: GenerationResponse = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
-            raise self._timeout_error() from None
-        except Exception as exc:  # noqa: BLE001 - sorted by worker_error
-            raise worker_error(exc, request_id) from None
-        finally:
-            self._routing_metrics.update()
+        with self._pending.admit():
+            # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
+            response = self._worker.generate.remote(request, request_id, schedule_key=request.schedule_key)
+            try:
+                result: GenerationResponse = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
+            except asyncio.TimeoutError:
+                response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
+                raise self._timeout_error() from None
+            except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+                raise worker_error(exc, request_id) from None
+            finally:
+                self._routing_metrics.update()
         if result.serve_timings is not None:
             result.serve_timings.ingress_s = time.perf_counter() - start
         return result
@@ -153,31 +191,32 @@ class Ingress:
         """Yields `ProgressEvent`s, then the `GenerationResponse`; RequestError on failure. Leaving early
         (the caller cancelled, closed the stream, or timed out) cancels the worker's stream, which stops the
         engine at its next step."""
-        stream = self._worker.options(stream=True).generate_stream.remote(
-            request, schedule_key=request.schedule_key
-        )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._http.request_timeout_s
-        try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - loop.time()))
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    raise self._timeout_error() from None
-                except Exception as exc:  # noqa: BLE001 - sorted by worker_error
-                    raise worker_error(exc, request_id) from None
-                if isinstance(event, ProgressEvent):
-                    yield event
-                else:
-                    yield await asyncio.to_thread(
-                        GenerationResponse.from_result, event, request_id=request_id,
-                        return_latents=request.return_latents,
-                    )
-        finally:
-            stream.cancel()  # no-op once the worker finished; otherwise it stops at the next step
-            self._routing_metrics.update()
+        with self._pending.admit():  # one generator: closing it early must reach the finally below at once
+            stream = self._worker.options(stream=True).generate_stream.remote(
+                request, schedule_key=request.schedule_key
+            )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._http.request_timeout_s
+            try:
+                while True:
+                    try:
+                        event = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - loop.time()))
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.TimeoutError:
+                        raise self._timeout_error() from None
+                    except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+                        raise worker_error(exc, request_id) from None
+                    if isinstance(event, ProgressEvent):
+                        yield event
+                    else:
+                        yield await asyncio.to_thread(
+                            GenerationResponse.from_result, event, request_id=request_id,
+                            return_latents=request.return_latents,
+                        )
+            finally:
+                stream.cancel()  # no-op once the worker finished; otherwise it stops at the next step
+                self._routing_metrics.update()
 
     async def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> AsyncIterator[Any]:
         """Handle API with per-step progress: `handle.options(stream=True).generate_stream.remote({...})`

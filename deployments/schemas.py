@@ -301,6 +301,12 @@ class HttpOptions(BaseModel):
         256, ge=1, description="Requests one ingress replica holds at once; the HTTP proxy queues the rest. Open "
         "video event streams and /v1/videos/sync waits count, so keep it well above the expected watchers.",
     )
+    max_pending_generations: int | None = Field(
+        None, ge=1, description="Generations (HTTP /v1/generations and its stream, handle generate and "
+        "generate_stream) one ingress replica holds at once, running or waiting for a worker; one more is refused at "
+        "once with 503 + Retry-After instead of waiting in Serve's queue until request_timeout_s (504). null: no "
+        "bound. Video jobs are not counted (jobs.max_queued_per_model bounds them).",
+    )
     graceful_shutdown_timeout_s: float = Field(
         2.0, ge=0, description="When the ingress stops, how long its open requests may still wait for their "
         "generations before they are cut; at least the stages' graceful_shutdown_timeout_s + 2 s (deployments."

@@ -3,6 +3,7 @@ statuses, and which of them the logs treat as server failures."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import re
@@ -194,3 +195,32 @@ def test_a_server_fault_keeps_error_level_and_its_traceback(exc):
     assert record.getMessage() == "Request failed."
     assert "Traceback" in logging.Formatter().format(record)
 
+
+
+def test_pending_generations_bound_counts_holders_and_suggests_the_recent_pace(monkeypatch):
+    """http.max_pending_generations: one over the bound is a 503 with Retry-After (the mean time of recent
+    completed generations, at least 1 s); a slot comes back however its generation ended."""
+    import deployments.ingress as ingress
+
+    now = [0.0]
+    monkeypatch.setattr(ingress.time, "perf_counter", lambda: now[0])
+    pending = ingress.PendingGenerations(limit=2)
+    with pending.admit(), pending.admit():
+        with pytest.raises(RequestError) as refused, pending.admit():
+            pass
+        assert (refused.value.status, refused.value.kind, refused.value.retry_after_s) == (503, "overloaded", 1)
+        assert refused.value.response().headers["retry-after"] == "1"
+        assert pending.count == 2
+    with pytest.raises(RuntimeError), pending.admit():  # a failed generation frees its slot, says nothing of pace
+        raise RuntimeError("worker fault")
+    assert (pending.count, pending.retry_after_s()) == (0, 1)  # the two above took no time
+    paced = ingress.PendingGenerations(limit=1)
+    for seconds, retry_after_s in ((9.5, 10), (4.5, 9)):  # the first sets the mean, the next moves it by 1/5
+        with paced.admit():
+            now[0] += seconds
+        assert paced.retry_after_s() == retry_after_s
+    unbounded = ingress.PendingGenerations(limit=None)
+    with contextlib.ExitStack() as stack:
+        for _ in range(100):
+            stack.enter_context(unbounded.admit())
+        assert unbounded.count == 100

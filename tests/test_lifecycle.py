@@ -228,3 +228,40 @@ def test_stopping_the_app_answers_its_running_and_queued_generations_with_a_name
         answers = [f.result(timeout=120) for f in [running, *queued]]
     assert answers[:2] == [(503, "no worker could take the request: ActorDiedError")] * 2
     assert answers[2][0] == "unavailable" and "ActorDiedError" in answers[2][1]
+
+
+# --- overload ---------------------------------------------------------------------------------------------
+
+
+def test_past_max_pending_generations_a_request_is_refused_at_once_with_retry_after(base_url):
+    """`http.max_pending_generations`: the generations an ingress replica holds (running or waiting); one more
+    is a 503 naming the bound with Retry-After, on every path, and nothing it holds is disturbed."""
+    from ray import serve
+
+    from deployments.app import build_application
+
+    config = AppConfig.model_validate({"stages": "fused", "worker": {"num_replicas": 1},
+                                       "http": {"request_timeout_s": 120, "max_pending_generations": 2}})
+    serve.run(build_application(config, LifecycleEngine), name="bounded", route_prefix="/bounded")
+    url = f"{base_url}/bounded"
+    wait_healthy(url)
+    held = {**SLOW, "steps": 20}
+    with ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(answer, url, {**held, "seed": 6000}), pool.submit(answer, url, {**held, "seed": 6001})]
+        wait_for("the two held requests never reached the worker", lambda s: s["in_flight"] == 2, app="bounded")
+        message = "the server holds 2 generations (http.max_pending_generations=2); retry later"
+        for path in ("/v1/generations", "/v1/generations:stream"):
+            r = requests.post(f"{url}{path}", json={**QUICK, "seed": 6002}, timeout=60)
+            assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["message"]) == (
+                503, "overloaded", message)
+            assert r.headers["retry-after"] == "1"  # no generation finished here yet
+        with pytest.raises(RuntimeError, match=r"max_pending_generations=2"):
+            app_handle("bounded").generate.remote({**QUICK, "seed": 6003}).result(timeout_s=60)
+        r = requests.post(f"{url}/v1/generations", json={**QUICK, "steps": "many"}, timeout=60)
+        assert r.status_code == 422  # bad input is still told so first
+        assert [f.result(timeout=120) for f in running] == [(200, "result")] * 2
+    stats = worker_stats("bounded")
+    assert 6002 not in stats["steps"] and 6003 not in stats["steps"]  # refused ones never reached the worker
+    r = requests.post(f"{url}/v1/generations", json={**QUICK, "seed": 6004}, timeout=60)
+    assert r.status_code == 200, r.text  # the slots came back
+    serve.delete("bounded")
