@@ -304,6 +304,55 @@ def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
         assert torch.equal(remote.plans[key].blocks, blocks) and torch.equal(remote.plans[key].final, final)
 
 
+class QueuedRemote:
+    """A remote tier that sends from its own thread, later (as `PoolClient` does): `publish_group` only queues,
+    `send()` waits for each group's copies (`ready`) and keeps what they wrote."""
+
+    def __init__(self):
+        self.plans: dict = {}
+        self.queued: list = []
+
+    def lookup(self, keys):
+        return {}
+
+    def publish_group(self, plans, ready):
+        self.queued.append((plans, ready))
+
+    def send(self):
+        for plans, ready in self.queued:
+            ready.synchronize()
+            self.plans.update({k: PlanRows(rows.blocks.clone(), rows.final.clone()) for k, rows in plans.items()})
+        self.queued.clear()
+
+
+@pytest.mark.parametrize("stage", ["_store", "_index"])
+def test_a_request_failing_after_its_rebuild_never_publishes_rows_a_later_rebuild_overwrote(tiny, stage, monkeypatch):
+    """A prepare that fails after its rebuild was offered to the remote tier (the D2H copies on the publish
+    stream still queued) frees its slots; a later request rebuilds into them. The remote must still get A's rows:
+    later slab writes wait for the publish copies, as after `release()`."""
+    cache = online_cache(tiny, gpu=FakeDevice(), gpu_plans=2)  # the publish stream's copies wait for a fence
+    remote = QueuedRemote()
+    cache.remote = remote
+
+    def fail(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, stage, fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            cache.prepare(A)
+    assert all(cache.slab.index.refcount(slot) == 0 for slot in range(2))
+    cache.prepare(B).release()            # rebuilt into the two slots A's failed request gave back
+    cache._publisher.drain()
+    remote.send()
+    reference = resident(tiny)
+    for p in A:
+        want = reference.prepare([p]).modulation(0)
+        got = remote.plans[plan_key(p, cache.weights_version)]
+        assert_same_modulation(got, want, f"published plan {p.tolist()}")
+    cache.close()
+
+
 def test_warm_up_sets_up_the_rebuild_so_the_first_miss_allocates_nothing(tiny):
     cache = online_cache(tiny)
     assert cache.rebuilder.num_staging_allocations == 0
