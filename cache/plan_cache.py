@@ -372,9 +372,11 @@ class PlanCache:
 
     # -- weights
     @property
-    def weights_version(self) -> tuple[Hashable, int]:
-        """(checkpoint fingerprint, refresh generation): part of every plan key."""
-        return (self.reader.fingerprint, self._generation)
+    def weights_version(self) -> tuple[Hashable, str, int]:
+        """(checkpoint fingerprint, projection, refresh generation): part of every plan key. The projection
+        setting is in it because it changes the plans' bits, and the node pool is shared by replicas that may
+        be configured differently."""
+        return (self.reader.fingerprint, self.config.projection, self._generation)
 
     def validate_weight_update_source(self, path: str | os.PathLike | None) -> None:
         """Reject (WeightUpdateError, nothing written) an update this cache cannot follow: no source path

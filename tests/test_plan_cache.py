@@ -270,6 +270,39 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
     assert_equal_to_resident(got, resident(tiny), A)
 
 
+@pytest.mark.parametrize("built_with, served_with", [("fp32", "match"), ("match", "fp32")])
+def test_a_remote_plan_built_under_another_projection_is_never_served(tiny, built_with, served_with):
+    """Replicas of the same checkpoint on one node share the pool; one with another `adaln.projection` builds
+    other bits (fp32 GEMM then cast vs the model dtype's GEMM: equal on this CPU, not on a GPU). Its plans are
+    other plans: a miss, rebuilt, never restored."""
+
+    class DictRemote:
+        def __init__(self):
+            self.plans: dict = {}
+
+        def lookup(self, keys):
+            return {k: self.plans[k] for k in keys if k in self.plans}
+
+        def publish_group(self, plans, ready):
+            ready.synchronize()
+            self.plans.update(plans)
+
+    remote = DictRemote()
+    builder = online_cache(tiny, projection=built_with)
+    builder.remote = remote
+    builder.prepare(A).release()
+    builder.close()
+    assert len(remote.plans) == 2
+    other = online_cache(tiny, projection=served_with)   # the same checkpoint, another projection
+    other.remote = remote
+    got = other.prepare(A)
+    assert (got.stats.pool_hit_plans, got.stats.built_plans) == (0, 2)
+    assert_equal_to_resident(got, resident(tiny, served_with), A)
+    same = online_cache(tiny, projection=built_with)     # the builder's setting still hits
+    same.remote = remote
+    assert same.prepare(A).stats.pool_hit_plans == 2
+
+
 def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
     """The built plans reach the remote tier from the publish thread: `prepare` returns while `publish` is
     still blocked, and the published rows are the slab's (copied before `release` lets the rows go)."""
