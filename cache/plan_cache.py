@@ -430,6 +430,12 @@ class PlanCache:
         self.host.synchronize()
 
     # -- the walk
+    def check_admission(self, plans: Sequence[torch.Tensor]) -> None:
+        """AdmissionError (or ValueError for a malformed plan) if `prepare(plans)` would be refused whatever the
+        slab holds: the engine's validation asks before the request is queued or any stage runs. Read-only, so it
+        may run beside a generation."""
+        self._admit(plans)
+
     def _admit(self, plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
         """Keys per step and distinct plans (first-appearance order); AdmissionError before any GPU work."""
         if not plans:
