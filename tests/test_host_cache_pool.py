@@ -272,7 +272,7 @@ def test_a_plan_whose_parts_landed_in_one_pool_only_is_a_miss_until_published_ag
     """pools_per_node=2 spreads a plan's blocks and final over both pools; with one pool dead at publish time the
     other keeps its parts. A plan missing a part is a miss (rebuilt), the plans with both parts come back exact."""
     client = new_client(8 * MiB, pools_per_node=2, lookup_timeout_s=30)
-    plans = {key("v1", i, i + 1): plan_rows(i) for i in range(8)}
+    plans = {key("v1", i, i + 1): plan_rows(i) for i in range(16)}  # plan 11 has both parts in pool 0
     client.actor(1)  # both pools exist
     dead = ray.get_actor(pool_actor_name(client.node_id, 1), namespace=client.namespace)
     ray.kill(dead, no_restart=True)
