@@ -259,11 +259,15 @@ class _Request:
     building: list[int] = dataclasses.field(default_factory=list)  # allocated, not yet committed
     published: Future | None = None  # the background publish of the plans it built (`_Publisher`)
 
-    def wait_published(self) -> None:
-        """Before a failed request gives its slots back: the publisher's copies read those rows."""
+    def wait_published(self, compute: Any) -> None:
+        """Before a failed request gives its slots back: the publisher's copies read those rows, so `compute`,
+        which every later slab write follows, waits for them (as `PreparedPlans.release` does); without this a
+        rebuild into the freed rows could land mid-copy and the remote tier would get a torn plan."""
         if self.published is not None:
             with contextlib.suppress(Exception):
-                self.published.result()
+                done = self.published.result()
+                if done is not None:
+                    compute.wait_event(done)
 
 
 @dataclasses.dataclass
@@ -368,9 +372,11 @@ class PlanCache:
 
     # -- weights
     @property
-    def weights_version(self) -> tuple[Hashable, int]:
-        """(checkpoint fingerprint, refresh generation): part of every plan key."""
-        return (self.reader.fingerprint, self._generation)
+    def weights_version(self) -> tuple[Hashable, str, int]:
+        """(checkpoint fingerprint, projection, refresh generation): part of every plan key. The projection
+        setting is in it because it changes the plans' bits, and the node pool is shared by replicas that may
+        be configured differently."""
+        return (self.reader.fingerprint, self.config.projection, self._generation)
 
     def validate_weight_update_source(self, path: str | os.PathLike | None) -> None:
         """Reject (WeightUpdateError, nothing written) an update this cache cannot follow: no source path
@@ -424,6 +430,12 @@ class PlanCache:
         self.host.synchronize()
 
     # -- the walk
+    def check_admission(self, plans: Sequence[torch.Tensor]) -> None:
+        """AdmissionError (or ValueError for a malformed plan) if `prepare(plans)` would be refused whatever the
+        slab holds: the engine's validation asks before the request is queued or any stage runs. Read-only, so it
+        may run beside a generation."""
+        self._admit(plans)
+
     def _admit(self, plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
         """Keys per step and distinct plans (first-appearance order); AdmissionError before any GPU work."""
         if not plans:
@@ -476,14 +488,14 @@ class PlanCache:
             self._rebuild_missing(request, found.to_build, compute)
             self._commit(request)
         except BaseException:
-            self._abort(request)
+            self._abort(request, compute)
             raise
         request.stats.gpu_evicted_plans = self.slab.index.num_evicted - evicted_before
         try:
             self._store(request, compute)
             row_index, spans = self._index(request, step_keys)
         except BaseException:
-            request.wait_published()
+            request.wait_published(compute)
             self._free(request.held)
             raise
         request.stats.prepare_s = time.perf_counter() - t_prepare
@@ -582,10 +594,10 @@ class PlanCache:
             self.slab.index.commit(slot)
         request.building.clear()
 
-    def _abort(self, request: _Request) -> None:
+    def _abort(self, request: _Request, compute: Any) -> None:
         """Undo a request that failed before `_commit`: its new slots stay invisible and free, its hits'
         references are dropped."""
-        request.wait_published()
+        request.wait_published(compute)
         index = self.slab.index
         for slot in request.building:
             index.abort(slot)

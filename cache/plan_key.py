@@ -1,8 +1,9 @@
 """Plan keys: one step's distinct fp32 timesteps, by exact bit pattern, plus the weights' version.
 
 Two plans are the same only if every timestep has the same fp32 bits (so 0.0 and -0.0 differ, and
-0.30000001 never aliases 0.3) and they were built from the same weights. The key is a plain tuple of
-Python ints so it hashes fast and never keeps a tensor alive.
+0.30000001 never aliases 0.3) and they were built from the same weights with the same projection (both in the
+plan cache's `weights_version`). The key is a plain tuple of Python ints so it hashes fast and never keeps a
+tensor alive.
 """
 
 from __future__ import annotations

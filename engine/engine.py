@@ -402,6 +402,11 @@ class Engine:
             schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
+        if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
+            try:
+                self.plan_cache.check_admission(schedule.plans)
+            except AdmissionError as exc:
+                raise AdmissionRejected(str(exc)) from exc
         if self.prompt_stage is not None:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)

@@ -76,13 +76,21 @@ def test_a_request_over_a_model_limit_is_a_client_error(engine, overrides, messa
         assert info.value.__cause__ is None  # the message is the whole story; no lower-layer type leaks
 
 
-def test_a_request_the_plan_cache_can_never_admit_is_admission_rejected_with_the_cache_message(engine):
-    # steps=4: 3 forwards with 3 distinct plans, the slab holds adaln.gpu_plans=2
-    with pytest.raises(AdmissionRejected) as info:
-        engine.generate(request(steps=4))
-    assert isinstance(info.value.__cause__, AdmissionError)
-    assert str(info.value) == str(info.value.__cause__)
-    assert "request needs 3 distinct AdaLN plans but the GPU slab holds adaln.gpu_plans=2" in str(info.value)
+def test_a_request_the_plan_cache_can_never_admit_is_admission_rejected_with_the_cache_message(engine, monkeypatch):
+    # steps=4: 3 forwards with 3 distinct plans, the slab holds adaln.gpu_plans=2. Refused by `validate` (the
+    # video API's check before it queues a job) and by `generate` before any stage ran, not mid-run.
+    def encode(prompt):
+        raise AssertionError("the prompt was encoded for a request the plan cache can never admit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.prompt_stage, "encode", encode)
+        for call in (engine.validate, engine.generate):
+            with pytest.raises(AdmissionRejected) as info:
+                call(request(steps=4))
+            assert isinstance(info.value.__cause__, AdmissionError)
+            assert str(info.value) == str(info.value.__cause__)
+            assert "request needs 3 distinct AdaLN plans but the GPU slab holds adaln.gpu_plans=2" in str(info.value)
+        engine.validate(request(steps=3))  # exactly the slab's plans: admitted
     assert engine.generate(request(steps=3)).video.shape == (24, 37, 4, 4)  # the engine serves on
 
 

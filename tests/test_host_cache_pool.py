@@ -266,3 +266,47 @@ def test_a_busy_publisher_drops_groups_instead_of_queueing_them(tier):
     assert tier.counts["published_groups"] == 2
     assert set(tier.lookup([key("v1", i) for i in range(4)])) == {key("v1", 0), key("v1", 1)}
     assert tier.publish_group({key("v1", 5): plan_rows(5, m=1)}, ready=None)  # free again once they were sent
+
+
+def test_a_plan_whose_parts_landed_in_one_pool_only_is_a_miss_until_published_again(ray_cluster):
+    """pools_per_node=2 spreads a plan's blocks and final over both pools; with one pool dead at publish time the
+    other keeps its parts. A plan missing a part is a miss (rebuilt), the plans with both parts come back exact."""
+    client = new_client(8 * MiB, pools_per_node=2, lookup_timeout_s=30)
+    plans = {key("v1", i, i + 1): plan_rows(i) for i in range(16)}  # plan 11 has both parts in pool 0
+    client.actor(1)  # both pools exist
+    dead = ray.get_actor(pool_actor_name(client.node_id, 1), namespace=client.namespace)
+    ray.kill(dead, no_restart=True)
+    wait_until_dead(dead)
+    assert client.publish_group(plans, ready=None)
+    client.flush()
+    assert client.counts["publish_failures"] == 1
+    whole = {k for k in plans if {pool_index((k, part), 2) for part in ("blocks", "final")} == {0}}
+    found = client.lookup(list(plans))
+    assert set(found) == whole and 0 < len(whole) < len(plans)
+    for k in found:
+        assert torch.equal(found[k].blocks.view(torch.uint16), plans[k].blocks.view(torch.uint16))
+        assert torch.equal(found[k].final.view(torch.uint16), plans[k].final.view(torch.uint16))
+    deadline = time.monotonic() + 30
+    while set(client.lookup(list(plans))) != set(plans):  # the next publish re-creates the dead pool
+        assert time.monotonic() < deadline, "the dead pool was not re-created"
+        client.publish_group(plans, ready=None)
+        client.flush()
+    client.close()
+
+
+def test_two_clients_publishing_one_group_at_once_store_it_once(ray_cluster):
+    first = new_client(8 * MiB, lookup_timeout_s=30)
+    second = PoolClient(8 * MiB, namespace=first.namespace, detached=False, lookup_timeout_s=30)
+    plans = {key("v1", i): plan_rows(i, m=1) for i in range(4)}
+    entries = {(k, part): tensor_to_numpy(getattr(rows, part))
+               for k, rows in plans.items() for part in ("blocks", "final")}
+    group = make_group_key(list(plans), "v1")
+    with ThreadPoolExecutor(2) as both:
+        assert all(both.map(lambda c: c.publish_arrays(group, entries), (first, second)))
+    (stats,) = first.pool_stats()
+    assert (stats["num_groups"], stats["num_objects"]) == (1, 8)
+    assert stats["used_bytes"] == sum(a.nbytes for a in entries.values())  # counted once
+    found = second.lookup(list(plans))
+    assert all(torch.equal(found[k].blocks.view(torch.uint16), plans[k].blocks.view(torch.uint16)) for k in plans)
+    first.close()
+    second.close()

@@ -270,6 +270,39 @@ def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
     assert_equal_to_resident(got, resident(tiny), A)
 
 
+@pytest.mark.parametrize("built_with, served_with", [("fp32", "match"), ("match", "fp32")])
+def test_a_remote_plan_built_under_another_projection_is_never_served(tiny, built_with, served_with):
+    """Replicas of the same checkpoint on one node share the pool; one with another `adaln.projection` builds
+    other bits (fp32 GEMM then cast vs the model dtype's GEMM: equal on this CPU, not on a GPU). Its plans are
+    other plans: a miss, rebuilt, never restored."""
+
+    class DictRemote:
+        def __init__(self):
+            self.plans: dict = {}
+
+        def lookup(self, keys):
+            return {k: self.plans[k] for k in keys if k in self.plans}
+
+        def publish_group(self, plans, ready):
+            ready.synchronize()
+            self.plans.update(plans)
+
+    remote = DictRemote()
+    builder = online_cache(tiny, projection=built_with)
+    builder.remote = remote
+    builder.prepare(A).release()
+    builder.close()
+    assert len(remote.plans) == 2
+    other = online_cache(tiny, projection=served_with)   # the same checkpoint, another projection
+    other.remote = remote
+    got = other.prepare(A)
+    assert (got.stats.pool_hit_plans, got.stats.built_plans) == (0, 2)
+    assert_equal_to_resident(got, resident(tiny, served_with), A)
+    same = online_cache(tiny, projection=built_with)     # the builder's setting still hits
+    same.remote = remote
+    assert same.prepare(A).stats.pool_hit_plans == 2
+
+
 def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
     """The built plans reach the remote tier from the publish thread: `prepare` returns while `publish` is
     still blocked, and the published rows are the slab's (copied before `release` lets the rows go)."""
@@ -302,6 +335,55 @@ def test_a_slow_remote_publish_never_holds_up_the_request(tiny):
     assert set(remote.plans) == set(want)
     for key, (blocks, final) in want.items():
         assert torch.equal(remote.plans[key].blocks, blocks) and torch.equal(remote.plans[key].final, final)
+
+
+class QueuedRemote:
+    """A remote tier that sends from its own thread, later (as `PoolClient` does): `publish_group` only queues,
+    `send()` waits for each group's copies (`ready`) and keeps what they wrote."""
+
+    def __init__(self):
+        self.plans: dict = {}
+        self.queued: list = []
+
+    def lookup(self, keys):
+        return {}
+
+    def publish_group(self, plans, ready):
+        self.queued.append((plans, ready))
+
+    def send(self):
+        for plans, ready in self.queued:
+            ready.synchronize()
+            self.plans.update({k: PlanRows(rows.blocks.clone(), rows.final.clone()) for k, rows in plans.items()})
+        self.queued.clear()
+
+
+@pytest.mark.parametrize("stage", ["_store", "_index"])
+def test_a_request_failing_after_its_rebuild_never_publishes_rows_a_later_rebuild_overwrote(tiny, stage, monkeypatch):
+    """A prepare that fails after its rebuild was offered to the remote tier (the D2H copies on the publish
+    stream still queued) frees its slots; a later request rebuilds into them. The remote must still get A's rows:
+    later slab writes wait for the publish copies, as after `release()`."""
+    cache = online_cache(tiny, gpu=FakeDevice(), gpu_plans=2)  # the publish stream's copies wait for a fence
+    remote = QueuedRemote()
+    cache.remote = remote
+
+    def fail(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, stage, fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            cache.prepare(A)
+    assert all(cache.slab.index.refcount(slot) == 0 for slot in range(2))
+    cache.prepare(B).release()            # rebuilt into the two slots A's failed request gave back
+    cache._publisher.drain()
+    remote.send()
+    reference = resident(tiny)
+    for p in A:
+        want = reference.prepare([p]).modulation(0)
+        got = remote.plans[plan_key(p, cache.weights_version)]
+        assert_same_modulation(got, want, f"published plan {p.tolist()}")
+    cache.close()
 
 
 def test_warm_up_sets_up_the_rebuild_so_the_first_miss_allocates_nothing(tiny):
