@@ -434,6 +434,8 @@ class PlanCache:
         """AdmissionError (or ValueError for a malformed plan) if `prepare(plans)` would be refused whatever the
         slab holds: the engine's validation asks before the request is queued or any stage runs. Read-only, so it
         may run beside a generation."""
+        if len(plans) <= self.config.gpu_plans and all(p.numel() <= self.config.plan_width for p in plans):
+            return  # no more plans than slab rows, whatever their keys: skip the keys (prepare computes them)
         self._admit(plans)
 
     def _admit(self, plans: Sequence[torch.Tensor]) -> tuple[list[PlanKey], dict[PlanKey, torch.Tensor]]:
