@@ -50,6 +50,11 @@ class JobsConfig(BaseModel):
         3600.0, gt=0, description="Longest one run (generation and storing its MP4) may take before it fails as "
         "`timeout`.",
     )
+    max_queued_s: float | None = Field(
+        24 * 3600.0, gt=0, description="A job still queued this long after it was created fails as "
+        "`queue_timeout` (no replica serving its model took it: the model was renamed or removed from the fleet, or "
+        "the fleet serves far less than the queue holds). null: a queued job waits for good.",
+    )
     poll_s: float = Field(
         1.0, gt=0, description="An idle runner looks for queued jobs this often (jobs created on this replica wake "
         "it at once; this bounds the delay for jobs created on another replica).",

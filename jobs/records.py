@@ -63,7 +63,7 @@ class LeaseStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class JobError:
-    """Why a job failed: `code` is one of invalid_request, server_error, worker_lost, timeout."""
+    """Why a job failed: `code` is one of invalid_request, server_error, worker_lost, timeout, queue_timeout."""
 
     code: str
     message: str

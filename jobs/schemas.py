@@ -85,7 +85,8 @@ class VideoCreateRequest(BaseModel):
 class VideoJobError(BaseModel):
     code: str = Field(
         ..., description="invalid_request (the model could not serve it), server_error, worker_lost (the replica "
-        "running it died; a job lost before its first step is retried once first), timeout.",
+        "running it died; a job lost before its first step is retried once first), timeout, queue_timeout (still "
+        "queued jobs.max_queued_s after it was created: no replica serving its model took it).",
     )
     message: str = Field(..., description="What went wrong.")
 

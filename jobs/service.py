@@ -477,7 +477,7 @@ class JobService:
             await asyncio.sleep(self._config.reap_interval_s)
 
     async def reap_once(self) -> ReapReport:
-        """Settle jobs whose lease expired, delete outputs past retention."""
+        """Settle jobs whose lease expired, fail jobs queued past max_queued_s, delete outputs past retention."""
         report = await asyncio.to_thread(self._store.reap, self._config.max_attempts)
         for job_id in report.job_ids:
             self._feed.notify(job_id)
@@ -485,6 +485,13 @@ class JobService:
             self._wake.set()
         if report.failed:
             logger.warning("video jobs lost by their replica, failed: %s", report.failed)
+        if self._config.max_queued_s is not None:
+            expired = await asyncio.to_thread(self._store.expire_queued, self._config.max_queued_s)
+            for job_id in expired:
+                self._feed.notify(job_id)
+            if expired:
+                logger.warning("video jobs queued past jobs.max_queued_s=%g s, failed: %s", self._config.max_queued_s,
+                               expired)
         for key in await asyncio.to_thread(self._store.expire_outputs):
             try:
                 await asyncio.to_thread(self._outputs.delete, key)

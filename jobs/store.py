@@ -97,6 +97,10 @@ class JobStore(Protocol):
         """Forget the output keys of completed jobs past their retention; the keys, for deletion."""
         ...
 
+    def expire_queued(self, max_queued_s: float) -> list[str]:
+        """Fail (`queue_timeout`) the jobs still queued `max_queued_s` after they were created; their ids."""
+        ...
+
     def queue_stats(self, model: str) -> QueueStats: ...
 
     def close(self) -> None: ...
@@ -450,6 +454,24 @@ class SqlJobStore(ABC):
             (self._clock(), message, *params_tail),
         )
         return JobStatus.FAILED
+
+    def expire_queued(self, max_queued_s: float) -> list[str]:
+        now = self._clock()
+        message = (f"queued for more than jobs.max_queued_s={max_queued_s:g} s: no replica serving its model took "
+                   "it (is the model still served?)")
+        with self._transaction(write=True) as tx:
+            rows = tx.fetch(
+                "SELECT id FROM video_jobs WHERE status = 'queued' AND created_at <= ? ORDER BY seq" + self.SKIP_LOCKED,
+                (now - max_queued_s,),
+            )
+            expired = []
+            for row in rows:  # still queued (a claim may have won the row meanwhile on SQLite's lock order)
+                if tx.fetch(
+                    "UPDATE video_jobs SET status = 'failed', completed_at = ?, error_code = 'queue_timeout', "
+                    "error_message = ? WHERE id = ? AND status = 'queued' RETURNING id", (now, message, row["id"]),
+                ):
+                    expired.append(str(row["id"]))
+        return expired
 
     def expire_outputs(self) -> list[str]:
         keys: list[str] = []

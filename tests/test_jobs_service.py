@@ -680,6 +680,37 @@ def test_one_output_that_fails_to_delete_does_not_keep_the_others_past_retention
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("max_queued_s", [3600.0, None])
+def test_a_job_no_replica_takes_fails_as_queue_timeout_after_max_queued_s(database_url, tmp_path, max_queued_s):
+    """A job of a model the fleet no longer serves is never claimed: it fails as queue_timeout max_queued_s after
+    it was created instead of staying queued for good; younger jobs wait on and run. null keeps it queued."""
+    async def scenario():
+        clock = FakeClock()
+        store = open_job_store(database_url, clock=clock)
+        orphan = store.create(make_spec().model_copy(update={"model": "retired-model"}), None, 16)
+        clock.advance(1800)
+        service = make_service(database_url, tmp_path, FakeVideoBackend(), clock=clock, max_queued_s=max_queued_s)
+        young = await service.submit(make_spec(), None)
+        clock.advance(1800 + 1)
+        await service.reap_once()
+        record = await service.get(orphan.id, None)
+        if max_queued_s is None:
+            assert record.status is JobStatus.QUEUED
+        else:
+            assert (record.status, record.error.code) == (JobStatus.FAILED, "queue_timeout")
+            assert "jobs.max_queued_s=3600" in record.error.message and record.completed_at == clock.now
+        assert (await service.get(young.id, None)).status is JobStatus.QUEUED  # 1801 s old: waits on
+        await service.start()
+        try:
+            done = await wait_for_job(service, young.id, finished, "the younger job to run")
+        finally:
+            await service.stop()
+        store.close()
+        assert done.status is JobStatus.COMPLETED
+
+    asyncio.run(scenario())
+
+
 def test_watch_follows_a_job_to_its_end(sqlite_url, tmp_path):
     async def scenario():
         service = make_service(sqlite_url, tmp_path, FakeVideoBackend(step_s=0.02), heartbeat_s=0.1)
