@@ -16,7 +16,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
 from cache.config import GB, AdalnConfig
-from cache.plan_cache import PlanCache, ResidentModulation
+from cache.plan_cache import PlanCache, PlanRows, ResidentModulation
 from device.streams import Device
 from model.adaln import ExternalModulation, Modulation, adaln_input, resident_modulation
 from model.layout import CheckpointError, H3Checkpoint, Layout
@@ -110,6 +110,20 @@ def assert_equal_to_resident(prepared, reference: ResidentModulation, plans: lis
     expected = reference.prepare(plans)
     for step in range(len(plans)):
         assert_same_modulation(prepared.modulation(step), expected.modulation(step), f"step {step}")
+
+
+class DictRemote:
+    """A node pool stand-in (the plan cache's RemoteTier): keeps copies of what it is sent once the copies landed."""
+
+    def __init__(self):
+        self.plans: dict = {}
+
+    def lookup(self, keys):
+        return {k: self.plans[k] for k in keys if k in self.plans}
+
+    def publish_group(self, plans, ready):
+        ready.synchronize()
+        self.plans.update({k: PlanRows(rows.blocks.clone(), rows.final.clone()) for k, rows in plans.items()})
 
 
 class FaultyReader:

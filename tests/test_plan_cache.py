@@ -21,8 +21,8 @@ from model.loading import load_transformer
 from model.tiny import make_tiny_checkpoint
 from model.weights import is_adaln_param
 from tests.adaln_support import (
-    TINY_ADALN_BYTES, FaultyReader, Models, assert_equal_to_resident, assert_same_modulation, host_gb, make_models,
-    online_cache, open_weights, plan, resident, resident_rows, schedule,
+    TINY_ADALN_BYTES, DictRemote, FaultyReader, Models, assert_equal_to_resident, assert_same_modulation, host_gb,
+    make_models, online_cache, open_weights, plan, resident, resident_rows, schedule,
 )
 
 A = schedule(0.1, 2)   # two plans of width 2
@@ -247,21 +247,11 @@ def test_stats_per_request_and_cumulative(tiny):
 
 
 def test_remote_tier_seam_between_host_tier_and_rebuild(tiny):
-    class DictRemote:
-        def __init__(self):
-            self.plans: dict = {}
-
-        def lookup(self, keys):
-            return {k: self.plans[k] for k in keys if k in self.plans}
-
-        def publish_group(self, plans, ready):
-            ready.synchronize()
-            self.plans.update(plans)
-
     remote = DictRemote()
     builder = online_cache(tiny)
     builder.remote = remote
     builder.prepare(A).release()
+    builder.close()  # drains the publish thread, which sends the plans to the remote after the request
     assert len(remote.plans) == 2
     other = online_cache(tiny)            # another worker with the same weights
     other.remote = remote
@@ -275,18 +265,6 @@ def test_a_remote_plan_built_under_another_projection_is_never_served(tiny, buil
     """Replicas of the same checkpoint on one node share the pool; one with another `adaln.projection` builds
     other bits (fp32 GEMM then cast vs the model dtype's GEMM: equal on this CPU, not on a GPU). Its plans are
     other plans: a miss, rebuilt, never restored."""
-
-    class DictRemote:
-        def __init__(self):
-            self.plans: dict = {}
-
-        def lookup(self, keys):
-            return {k: self.plans[k] for k in keys if k in self.plans}
-
-        def publish_group(self, plans, ready):
-            ready.synchronize()
-            self.plans.update(plans)
-
     remote = DictRemote()
     builder = online_cache(tiny, projection=built_with)
     builder.remote = remote

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from cache.plan_cache import PlanRows, SlabFullError
+from cache.plan_cache import SlabFullError
 from device.streams import FakeDevice
-from tests.adaln_support import assert_equal_to_resident, host_gb, online_cache, plan, resident
+from tests.adaln_support import DictRemote, assert_equal_to_resident, host_gb, online_cache, plan, resident
 
 
 def random_schedules(rng: random.Random, count: int) -> list[list[torch.Tensor]]:
@@ -24,20 +24,6 @@ def random_schedules(rng: random.Random, count: int) -> list[list[torch.Tensor]]
         schedules.append([plan(*sorted({rng.randint(0, 12) / 12 + 0.001 * j for j in range(width)}))
                           for _ in range(rng.randint(1, 5))])
     return schedules
-
-
-class DictRemote:
-    """A node pool stand-in: keeps copies of what it is sent once the copies landed."""
-
-    def __init__(self):
-        self.plans: dict = {}
-
-    def lookup(self, keys):
-        return {k: self.plans[k] for k in keys if k in self.plans}
-
-    def publish_group(self, plans, ready):
-        ready.synchronize()
-        self.plans.update({k: PlanRows(rows.blocks.clone(), rows.final.clone()) for k, rows in plans.items()})
 
 
 @pytest.mark.parametrize("with_remote", [False, True], ids=["no-remote", "remote"])
