@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from pathlib import Path
@@ -72,3 +73,13 @@ def run_app(base_url: str, args: dict, name: str = APP_NAME, route_prefix: str =
 
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
     wait_healthy(base_url + route_prefix.rstrip("/"))
+
+
+def sse_events(response: requests.Response):
+    """(event name, parsed data) per server-sent event, read incrementally."""
+    name = None
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])

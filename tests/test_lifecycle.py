@@ -19,7 +19,7 @@ import requests
 
 from deployments.schemas import AppConfig, GenerationResponse
 from tests.lifecycle_engine import FAIL_AFTER_FORWARDS, LifecycleEngine
-from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+from tests.serve_helpers import APP_NAME, serve_cluster, sse_events, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,15 +73,6 @@ def wait_running(seed: int, app: str = APP_NAME) -> None:
 def wait_idle_after(seed: int) -> dict:
     return wait_for(f"request {seed} never ended, or the worker never became idle",
                     lambda s: seed in s["ends"] and s["in_flight"] == 0 and s["held_plan_refs"] == 0)
-
-
-def sse_events(response: requests.Response):
-    name = None
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
 
 
 # --- a caller that goes away ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ leave no AdaLN plan reference held; the replica keeps serving.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -15,7 +14,7 @@ import pytest
 import requests
 
 from deployments.schemas import GenerationResponse, ProgressEvent
-from tests.serve_helpers import APP_NAME, free_port, run_app, serve_cluster, serve_config_args
+from tests.serve_helpers import APP_NAME, free_port, run_app, serve_cluster, serve_config_args, sse_events
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,16 +58,6 @@ def wait_idle(outcome: str, timeout_s: float = 60.0) -> dict:
             return stats
         assert time.monotonic() < deadline, f"worker never became idle with outcome {outcome}: {stats}"
         time.sleep(0.2)
-
-
-def sse_events(response: requests.Response):
-    """(event name, parsed data) per server-sent event, read incrementally."""
-    name = None
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("event: "):
-            name = line[len("event: "):]
-        elif line.startswith("data: "):
-            yield name, json.loads(line[len("data: "):])
 
 
 def assert_replica_still_serves() -> None:
