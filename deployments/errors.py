@@ -74,6 +74,11 @@ def validation_error(exc: ValidationError) -> RequestError:
 CHECKPOINT_FAULTS = ("RebuildError", "CheckpointError")
 
 
+def fault_cause(fault: ServerFault) -> str:
+    """What a ServerFault tells the client of its cause (paths and ranks stay in the log)."""
+    return "the server could not read its checkpoint" if fault.kind in CHECKPOINT_FAULTS else "a server fault"
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The exception a replica raised: Ray hands it to the caller wrapped in a RayTaskError."""
     return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
@@ -84,7 +89,7 @@ def worker_error(exc: BaseException, request_id: str) -> RequestError:
     cause = unwrap(exc)
     if isinstance(cause, ServerFault):
         # The server broke, not the request: 5xx naming the type, details (paths, ranks) in the log only.
-        what = "the server could not read its checkpoint" if cause.kind in CHECKPOINT_FAULTS else "a server fault"
+        what = fault_cause(cause)
         logger.error("generation %s failed: %s", request_id, what, exc_info=exc)
         return RequestError(500, "server_error", f"generation failed: {cause.kind} ({what}; retry later)")
     if isinstance(cause, ClientError):

@@ -39,7 +39,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.errors import CHECKPOINT_FAULTS, unwrap
+from deployments.errors import fault_cause, unwrap
 from deployments.schemas import ProgressEvent
 from deployments.stages import StoredVideo
 from deployments.worker import StageHandles
@@ -276,7 +276,7 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
     if isinstance(cause, ServerFault) and cause.kind == RANK_FAILURE:  # like a replica that died: retried
         return VideoWorkerLost(f"a rank of the multi-GPU replica running it failed ({cause})")
     if isinstance(cause, ServerFault):
-        what = "the server could not read its checkpoint" if cause.kind in CHECKPOINT_FAULTS else "a server fault"
+        what = fault_cause(cause)
         logger.error("video generation failed: %s", what, exc_info=exc)
         return VideoServerError(f"generation failed: {cause.kind} ({what})")
     if isinstance(exc, RayActorError) or isinstance(cause, RayActorError):

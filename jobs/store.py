@@ -459,19 +459,13 @@ class SqlJobStore(ABC):
         now = self._clock()
         message = (f"queued for more than jobs.max_queued_s={max_queued_s:g} s: no replica serving its model took "
                    "it (is the model still served?)")
-        with self._transaction(write=True) as tx:
+        with self._transaction(write=True) as tx:  # a row a claim holds is re-checked once it commits
             rows = tx.fetch(
-                "SELECT id FROM video_jobs WHERE status = 'queued' AND created_at <= ? ORDER BY seq" + self.SKIP_LOCKED,
-                (now - max_queued_s,),
+                "UPDATE video_jobs SET status = 'failed', completed_at = ?, error_code = 'queue_timeout', "
+                "error_message = ? WHERE status = 'queued' AND created_at <= ? RETURNING id",
+                (now, message, now - max_queued_s),
             )
-            expired = []
-            for row in rows:  # still queued (a claim may have won the row meanwhile on SQLite's lock order)
-                if tx.fetch(
-                    "UPDATE video_jobs SET status = 'failed', completed_at = ?, error_code = 'queue_timeout', "
-                    "error_message = ? WHERE id = ? AND status = 'queued' RETURNING id", (now, message, row["id"]),
-                ):
-                    expired.append(str(row["id"]))
-        return expired
+        return [str(row["id"]) for row in rows]
 
     def expire_outputs(self) -> list[str]:
         keys: list[str] = []
