@@ -113,6 +113,11 @@ def pack_ray(wheel: Path, out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(tmp)
+            # extractall drops the Unix modes a wheel records: Ray's gcs_server and raylet must stay executable.
+            for member in archive.infolist():
+                mode = member.external_attr >> 16 & 0o777
+                if mode and not member.is_dir():
+                    (Path(tmp) / member.filename).chmod(mode)
         for unused in RAY_UNUSED:
             shutil.rmtree(Path(tmp) / unused, ignore_errors=True)
         with tarfile.open(out, "w:xz", preset=6) as tar:

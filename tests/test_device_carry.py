@@ -4,6 +4,8 @@ image has, what the benches never import, and torch (the image's own build). No 
 from __future__ import annotations
 
 import importlib.util
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,17 @@ def test_the_walk_follows_extras_and_leaves_out_the_image_torch_and_what_is_neve
     stack = carry.needed(("cache-dit",), on_device=set())
     assert "diffusers" in stack and "torch" not in stack
     assert all(version for version in stack.values())  # this venv's versions, pinned
+
+
+def test_ray_is_repacked_without_the_unused_libraries_and_keeps_its_executables(carry, tmp_path):
+    wheel = tmp_path / "ray-0-cp312-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, mode in (("ray/core/src/ray/gcs/gcs_server", 0o755), ("ray/serve/api.py", 0o644),
+                           ("ray/rllib/algo.py", 0o644)):
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            archive.writestr(info, b"x")
+    carry.pack_ray(wheel, tmp_path / "ray_site.tar.xz")
+    with tarfile.open(tmp_path / "ray_site.tar.xz") as tar:
+        modes = {member.name: member.mode for member in tar.getmembers() if member.isfile()}
+    assert modes == {"ray/core/src/ray/gcs/gcs_server": 0o755, "ray/serve/api.py": 0o644}
