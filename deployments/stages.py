@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from ray import serve
 
 from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
+from engine.api import Latents
 from engine.config import EngineConfig
 from engine.stages import DecodedVideo, PromptEmbedding
 from engine.startup import ReplicaStartup, process_started_at
@@ -106,14 +106,14 @@ class Decoder:
         logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
 
-    async def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
+    async def decode(self, latents: Latents) -> DecodedVideo:
         """Latents -> the MP4 and its thumbnail (the research route `/v1/generations` of a split app)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._stage.decode, video, audio)
+        return await loop.run_in_executor(self._executor, self._stage.decode, latents.video, latents.audio)
 
-    async def decode_to_store(self, video: torch.Tensor, audio: torch.Tensor, output_key: str) -> StoredVideo:
+    async def decode_to_store(self, latents: Latents, output_key: str) -> StoredVideo:
         """Latents -> MP4 + thumbnail, written under `output_key` (a video job's run)."""
-        decoded = await self.decode(video, audio)
+        decoded = await self.decode(latents)
         start = time.perf_counter()
         await asyncio.to_thread(self._outputs.put, output_key, VideoVariant.VIDEO, decoded.mp4)
         await asyncio.to_thread(self._outputs.put, output_key, VideoVariant.THUMBNAIL, decoded.thumbnail_png)

@@ -396,7 +396,7 @@ class StagedVideoBackend(WorkerVideoBackend):
             raise VideoCancelled(f"video job {run.job_id} cancelled")
         try:
             stored: StoredVideo = await self._stages.decoder.decode_to_store.remote(
-                result.video, result.audio, run.output_key)
+                result.latents, run.output_key)
         except Exception as exc:  # noqa: BLE001 - sorted by backend_error (a dead decoder: steps ran, so failed)
             raise backend_error(exc, run.cancelled()) from exc
         done = time.perf_counter()

@@ -312,7 +312,7 @@ class Worker(ScheduleAffinityReporter):
             if cancelled.is_set():
                 raise GenerationCancelled("generation cancelled by the caller")
             start = time.perf_counter()
-            decoded = await stages.decoder.decode.remote(result.video, result.audio)
+            decoded = await stages.decoder.decode.remote(result.latents)
             calls.decode_s = time.perf_counter() - start
             result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
         return dataclasses.replace(result, timings=result.timings.with_stages(

@@ -20,6 +20,7 @@ from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
 from engine.startup import EngineStartup
+from engine.wire import TensorsAsArrays
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
 from model.text_encoder import PromptCacheStats
 from offload.layerwise import OffloadStats
@@ -161,9 +162,18 @@ class GenerationStats(BaseModel):
         return {k: v for k, v in data.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class Latents(TensorsAsArrays):
+    """A generation's latents, as the Decoder stage takes them (on the CPU, fp32)."""
+
+    video: torch.Tensor  # [C, F, H, W]
+    audio: torch.Tensor  # [2A, Ca] (left channel's A rows, then the right's)
+
+
 @dataclass
-class GenerationResult:
-    """What the engine returns: latents on the CPU in fp32, the MP4 when asked, phase timings and counters."""
+class GenerationResult(TensorsAsArrays):
+    """What the engine returns: latents on the CPU in fp32, the MP4 when asked, phase timings and counters.
+    Its tensors cross processes as arrays (`engine.wire`)."""
 
     video: torch.Tensor  # [C, F, H, W] fp32 video latents, cpu
     audio: torch.Tensor  # [2A, Ca] fp32 audio latent rows (left channel's A rows, then the right's), cpu
@@ -173,6 +183,10 @@ class GenerationResult:
     stats: GenerationStats
     mp4: bytes | None = None  # H.264 + AAC, when the request asked for video
     thumbnail_png: bytes | None = None  # first decoded frame
+
+    @property
+    def latents(self) -> Latents:
+        return Latents(self.video, self.audio)
 
 
 @dataclass(frozen=True)

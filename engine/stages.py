@@ -19,6 +19,7 @@ import torch
 
 from engine.config import TextEncoderConfig
 from engine.errors import ClientError
+from engine.wire import TensorsAsArrays
 from model.decode import AudioDecoder, VideoDecoder
 from model.geometry import H3_LATENTS
 from model.layout import H3Checkpoint
@@ -29,8 +30,9 @@ __all__ = ["DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
 
 
 @dataclass(frozen=True)
-class PromptEmbedding:
-    """One prompt's conditioning, as the denoiser takes it."""
+class PromptEmbedding(TensorsAsArrays):
+    """One prompt's conditioning, as the denoiser takes it. `embeds` crosses processes as an array
+    (`engine.wire`)."""
 
     embeds: torch.Tensor  # [num_tokens, text_dim] in the text encoder's dtype
     encode_s: float  # seconds the stage spent (a cache hit: ~0)
