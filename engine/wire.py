@@ -7,7 +7,9 @@ Serve hop on the 2-core CI box, a 16 MiB bf16 tensor took 41-50 ms as a tensor a
 
 Ray has the same idea behind `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS`, but it is process-wide and hands out tensors
 over the object store's read-only buffer (writes corrupt it); here the receiver copies the bytes once into memory
-of its own, which also releases the store's buffer at once. Dataclasses opt in with `TensorsAsArrays`.
+of its own, which also releases the store's buffer at once. Dataclasses opt in with `TensorsAsArrays`. (The node
+plan pool keeps read-only views on purpose: its plans go straight from shared memory to the GPU,
+`actors.host_cache_pool`.)
 """
 
 from __future__ import annotations
