@@ -32,12 +32,13 @@ from deployments.router import (
     DEFAULT_MISS_COST,
     REPLAN_EVERY,
     KeyPopularity,
+    ServiceCosts,
     SlabView,
     rank_for_placed_key,
     rank_for_slab_key,
 )
 
-ROUTERS = ("slab", "placed", "placed-true-rates", "default")
+ROUTERS = ("slab", "slab-hold", "placed", "placed-true-rates", "default")
 #: Serve's default router, as modelled here: two replicas drawn at random, the one with the shorter queue.
 DEFAULT_ROUTER = "default"
 
@@ -107,8 +108,12 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
             a, b = (ids[j] for j in rng.choice(len(ids), size=2, replace=False))
             popularity.record(key)
             return a if loads[a] <= loads[b] else b
-        if router == "slab":
-            ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor)
+        if router in ("slab", "slab-hold"):
+            # slab: the replicas report their service costs (as the Serve worker does once it has served a hit and
+            # a miss); slab-hold: they do not, so holders always come first (the policy before the costs).
+            costs = ServiceCosts(cfg.warm_ms / 1e3, P * cfg.rebuild_ms_per_plan / 1e3) if router == "slab" else None
+            ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor,
+                                       costs)
         else:
             if placement is None or since_placement >= REPLAN_EVERY:
                 rates = dict(known) if known is not None else popularity.counts()
@@ -164,6 +169,40 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
     }
 
 
+#: (name, warm_ms, rebuild_ms_per_plan): the CPU bench's (a miss is 5 hits), an H3 20-step request at h3 width
+#: (4.3 s; 19 plans rebuilt in ~0.25 s, bench/results/app-nvidia-h200.md), and one between.
+COST_REGIMES = (("cpu-bench", 20.0, 10.0), ("h3-20-steps", 4300.0, 13.0), ("between", 2000.0, 60.0))
+
+
+def write_costs_table(args: argparse.Namespace) -> None:
+    """Whether routing by reported service costs pays, per cost regime: mean over --seeds."""
+    from bench.common import command_line, markdown_table, write_results
+
+    rows = []
+    for regime, warm_ms, rebuild_ms in COST_REGIMES:
+        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                        hold_factor=args.hold_factor, warm_ms=warm_ms, rebuild_ms_per_plan=rebuild_ms)
+        for workload in args.workloads:
+            for router in ("slab", "slab-hold", DEFAULT_ROUTER):
+                runs = [simulate(workload, router, cfg, s) for s in args.seeds]
+                row = {"costs": regime, "hit_ms": warm_ms, "miss_extra_ms": cfg.plans_per_schedule * rebuild_ms,
+                       "workload": workload, "router": router}
+                for k in ("plan_hit_rate", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
+                    row[k] = round(float(np.mean([r[k] for r in runs])), 4)
+                rows.append(row)
+    notes = [
+        f"bench.routing_sim (virtual time): {NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, "
+        f"6 closed-loop clients, {args.requests} requests per run, first {args.warmup} left out; mean over seeds "
+        f"{args.seeds}; load_factor {args.load_factor}, hold_factor {args.hold_factor}.",
+        "slab: rank_for_slab_key with the replicas' service costs (an idle replica goes before a busy holder when a "
+        "miss costs less than the wait, ServiceCosts.idle_beats_holder); slab-hold: the same without costs (the "
+        "policy before them); default: Serve's default router modelled as power of two choices.",
+    ]
+    write_results("routing-sim-costs", rows, device="cpu", command=command_line(), notes=notes,
+                  out_dir=args.out)
+    print(markdown_table(rows))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -174,16 +213,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--load-factor", type=float, default=SimConfig.load_factor)
     parser.add_argument("--hold-factor", type=float, default=SimConfig.hold_factor)
     parser.add_argument("--miss-cost", type=float, default=SimConfig.miss_cost)
+    parser.add_argument("--warm-ms", type=float, default=SimConfig.warm_ms, help="a request whose plans are resident")
+    parser.add_argument("--rebuild-ms-per-plan", type=float, default=SimConfig.rebuild_ms_per_plan)
+    parser.add_argument("--write-costs", action="store_true",
+                        help="write bench/results/routing-sim-costs-cpu.md/json: slab (replicas report service costs) "
+                             "vs slab-hold (they do not) vs Serve's default, at COST_REGIMES' hit/miss times")
     parser.add_argument("--write", action="store_true",
                         help="write bench/results/routing-sim-cpu.md/json: the mean over --seeds per workload, "
                              "router, protected fraction (0: LRU, and the default) and hold_factor (3 and the given)")
+    parser.add_argument("--out", default=None, help="results folder of --write-costs (default bench/results)")
     args = parser.parse_args(argv)
     from bench.common import command_line, markdown_table, write_results
 
     columns = ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"]
+    if args.write_costs:
+        write_costs_table(args)
+        return
     if not args.write:
         cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
-                        hold_factor=args.hold_factor, miss_cost=args.miss_cost)
+                        hold_factor=args.hold_factor, miss_cost=args.miss_cost, warm_ms=args.warm_ms,
+                        rebuild_ms_per_plan=args.rebuild_ms_per_plan)
         rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
         print(markdown_table(rows, columns))
         return

@@ -26,6 +26,9 @@ plans are all resident, each one's plan count, the slab's capacity in plans; see
   together, cold ones churn where they hurt least, and a hot schedule is copied to a second replica only when
   its holder is over the bound.
 - Replicas over every bound come last (stale loads), least loaded first.
+- Once replicas report their service costs (a generation's seconds, a slab miss's plan seconds), an idle replica
+  goes before busy holders when the miss costs less than the wait behind them (``ServiceCosts``): on H3 a miss is
+  a few percent of a generation, so a hot schedule spreads over idle GPUs instead of queueing on its holder.
 
 With ``placement=True`` (opt-in) a placement computed from the observed request rates comes first
 (``deployments.placement``: a disjoint partition of the most requested schedules over the slabs, a schedule
@@ -70,10 +73,12 @@ import importlib
 import logging
 import math
 import random
+import statistics
 import threading
 import weakref
 import time
 from collections import Counter, OrderedDict, deque
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -156,6 +161,33 @@ def rank_for_key(
 
 
 @dataclass(frozen=True)
+class ServiceCosts:
+    """The replicas' recent means: seconds one generation keeps a replica busy, and seconds a request that missed
+    the GPU slab spent getting its plans (rebuild, pool or host tier)."""
+
+    generation_s: float
+    miss_s: float
+
+    @staticmethod
+    def parse(slab: Mapping[str, Any]) -> Optional["ServiceCosts"]:
+        """The costs in a slab report (:func:`slab_stats`); None when absent or not two finite seconds >= 0."""
+        try:
+            costs = ServiceCosts(float(slab["generation_s"]), float(slab["miss_s"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (math.isfinite(costs.generation_s + costs.miss_s) and min(costs.generation_s, costs.miss_s) >= 0):
+            return None
+        return costs
+
+    def idle_beats_holder(self, holder_load: int) -> bool:
+        """Whether a request should start at once on an idle replica (paying a plan miss) rather than queue on a
+        holder with ``holder_load`` requests: behind them it waits about ``holder_load - 1/2`` generations (the
+        running one is half done on average). On H3 a 20-step generation is ~4.3 s and a miss ~0.25 s (a pool
+        hit ~0.05 s), so an idle GPU always wins; where misses cost several generations it never does."""
+        return holder_load >= 1 and self.miss_s < (holder_load - 0.5) * self.generation_s
+
+
+@dataclass(frozen=True)
 class SlabView:
     """What one replica's GPU plan slab holds, as the router sees it: schedule keys, most recently used first
     (the last ones are what its LRU slab evicts next), each one's plan count, and the capacity in plans."""
@@ -197,16 +229,21 @@ class SlabView:
         return cost
 
 
-def slab_stats(state: SlabState, ongoing_keys: Sequence[str], now: float) -> Dict[str, Any]:
+def slab_stats(state: SlabState, ongoing_keys: Sequence[str], now: float,
+               costs: Optional[ServiceCosts] = None) -> Dict[str, Any]:
     """The wire form of a replica's slab report (``record_routing_stats()["slab"]``): ``keys`` in flight on the
-    replica come first (they will be resident once their plans are prepared), then the resident ones."""
-    return {
+    replica come first (they will be resident once their plans are prepared), then the resident ones; and the
+    replica's service costs once it has measured both."""
+    stats: Dict[str, Any] = {
         "keys": list(state.schedule_keys),
         "plans": list(state.schedule_plans),
         "ongoing": list(ongoing_keys),
         "capacity_plans": state.capacity_plans,
         "at": now,
     }
+    if costs is not None:
+        stats["generation_s"], stats["miss_s"] = costs.generation_s, costs.miss_s
+    return stats
 
 
 @dataclass(frozen=True)
@@ -218,6 +255,7 @@ class SlabReport:
     ongoing: Tuple[str, ...]
     capacity_plans: int
     at: float
+    costs: Optional[ServiceCosts] = None
 
     @staticmethod
     def parse(stats: Optional[Mapping[str, Any]]) -> Optional["SlabReport"]:
@@ -235,7 +273,7 @@ class SlabReport:
             return None
         if report.capacity_plans <= 0 or len(report.keys) != len(report.plans):
             return None
-        return report
+        return dataclasses.replace(report, costs=ServiceCosts.parse(slab))
 
     def view(self, sent_since: Sequence[str], plans_of: Callable[[str], int]) -> SlabView:
         """The slab as it will be once the replica has prepared what it has in flight and what this router sent
@@ -279,12 +317,16 @@ def rank_for_slab_key(
     popularity: Callable[[str], float],
     load_factor: float = DEFAULT_LOAD_FACTOR,
     hold_factor: float = DEFAULT_HOLD_FACTOR,
+    costs: Optional[ServiceCosts] = None,
 ) -> List[str]:
     """Replica ids in the order to try for ``key`` when every candidate reports its slab (``views``).
 
     Holders of ``key`` within ``hold_factor``'s bound first (least loaded first); then the other replicas within
     ``load_factor``'s bound by the harm of placing ``num_plans`` plans there (``SlabView.eviction_cost``), then
     load; the rest last, least loaded first. Ties keep rendezvous order, so every router agrees on a cold start.
+    With ``costs`` (the replicas report them), idle replicas go before busy holders when a plan miss costs less
+    than the wait (``ServiceCosts.idle_beats_holder``): a hot schedule then spreads instead of queueing while GPUs
+    idle.
     """
     order = rendezvous_order(key, loads)
     if not order:
@@ -299,6 +341,10 @@ def rank_for_slab_key(
                     key=lambda rid: (views[rid].eviction_cost(num_plans, popularity), loads[rid]))
     taken.update(within)
     rest = sorted((rid for rid in order if rid not in taken), key=loads.__getitem__)
+    if costs is not None and holders and costs.idle_beats_holder(loads[holders[0]]):
+        idle = [rid for rid in within if loads[rid] == 0]  # already in eviction-cost order
+        within = [rid for rid in within if loads[rid] != 0]
+        return idle + holders + within + rest
     return holders + within + rest
 
 
@@ -379,6 +425,16 @@ class ScheduleAffinityReporter:
                     while len(state.recent) > self.max_reported_warm_keys:
                         state.recent.popitem(last=True)
 
+    def record_service(self, generation_s: float, plans_s: float, missed_slab: bool) -> None:
+        """One finished generation: the seconds it kept this replica busy and, when its plans were not all in the
+        GPU slab, the seconds it spent getting them. The slab report carries their recent means
+        (:class:`ServiceCosts`) once both are known."""
+        state = self._affinity_state()
+        with state.lock:
+            state.generation_s = _moving_mean(state.generation_s, generation_s)
+            if missed_slab:
+                state.miss_s = _moving_mean(state.miss_s, plans_s)
+
     def forget_schedules(self, keys: Optional[Iterable[str]] = None) -> None:
         """Drop keys (all when None) from the recently-served list, e.g. after a weight update."""
         state = self._affinity_state()
@@ -404,13 +460,16 @@ class ScheduleAffinityReporter:
         with state.lock:
             ongoing = state.ongoing
             ongoing_keys = list(state.ongoing_keys)
+            costs = None
+            if state.generation_s is not None and state.miss_s is not None:
+                costs = ServiceCosts(state.generation_s, state.miss_s)
         stats: Dict[str, Any] = {
             ROUTING_STATS_ONGOING: ongoing,
             ROUTING_STATS_WARM_KEYS: self.warm_schedule_keys()[: self.max_reported_warm_keys],
         }
         slab = self.slab_state()
         if slab is not None and slab.capacity_plans > 0:
-            stats[ROUTING_STATS_SLAB] = slab_stats(slab, ongoing_keys, time.time())
+            stats[ROUTING_STATS_SLAB] = slab_stats(slab, ongoing_keys, time.time(), costs)
         return stats
 
 
@@ -420,6 +479,16 @@ class _ReporterState:
     ongoing: int = 0
     ongoing_keys: Counter = field(default_factory=Counter)  # schedule key -> requests in flight
     recent: "OrderedDict[str, None]" = field(default_factory=OrderedDict)
+    generation_s: Optional[float] = None  # moving means of record_service
+    miss_s: Optional[float] = None
+
+
+#: Weight of the newest sample in the reported service costs (about the last ten generations count).
+SERVICE_COST_WEIGHT = 0.2
+
+
+def _moving_mean(mean: Optional[float], sample: float) -> float:
+    return sample if mean is None else mean + SERVICE_COST_WEIGHT * (sample - mean)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -514,6 +583,7 @@ class ScheduleAffinityRouter(RequestRouter):
         self.counters = AffinityCounters()
         self.popularity = KeyPopularity()
         self.miss_cost = DEFAULT_MISS_COST
+        self.costs: Optional[ServiceCosts] = None  # the replicas' reported means, as of the last slab_views
         self.use_placement = False
         self._placement: Optional[Placement] = None
         self._placement_replicas: frozenset = frozenset()
@@ -619,6 +689,9 @@ class ScheduleAffinityRouter(RequestRouter):
         reports = {r.replica_id.unique_id: SlabReport.parse(r.routing_stats) for r in candidate_replicas}
         if not reports or any(report is None for report in reports.values()):
             return None
+        measured = [report.costs for report in reports.values() if report.costs is not None]
+        self.costs = ServiceCosts(statistics.fmean(c.generation_s for c in measured),
+                                  statistics.fmean(c.miss_s for c in measured)) if measured else None
         views = {}
         for rid, report in reports.items():
             for key, n in zip(report.keys, report.plans):
@@ -651,7 +724,7 @@ class ScheduleAffinityRouter(RequestRouter):
             return [by_id[rid] for rid in ranked]
         if views is not None:
             ranked = rank_for_slab_key(key, loads, views, self._plans_of(key), self.popularity.count,
-                                       self.load_factor, self.hold_factor)
+                                       self.load_factor, self.hold_factor, self.costs)
             return [by_id[rid] for rid in ranked]
         warm = {rid: self._reports_warm(r, key) for rid, r in by_id.items()}
         return [by_id[rid] for rid in rank_for_key(key, loads, self.load_factor, warm)]

@@ -191,6 +191,9 @@ class Worker(ScheduleAffinityReporter):
                 else:
                     result = self._engine.denoise(request, embedding, progress, cancelled.is_set)
                 outcome, stats = "ok", result.stats
+                adaln = result.stats.adaln
+                missed = adaln is not None and adaln.built_plans + adaln.host_hit_plans + adaln.pool_hit_plans > 0
+                self.record_service(time.perf_counter() - start, result.timings.plan_s, missed)
                 return result
             except GenerationCancelled:
                 outcome = "cancelled"

@@ -22,6 +22,7 @@ from deployments.router import (
     KeyPopularity,
     ScheduleAffinityReporter,
     ScheduleAffinityRouter,
+    ServiceCosts,
     SlabReport,
     SlabView,
     bounded_load_limit,
@@ -212,6 +213,61 @@ def test_slab_report_round_trip_and_view_with_in_flight_and_sent_keys():
     assert SlabReport.parse({"ongoing": 0}) is None
     assert SlabReport.parse({"slab": {"keys": ["a"], "plans": [], "capacity_plans": 8, "at": 0}}) is None
     assert SlabReport.parse({"slab": {"keys": [], "plans": [], "capacity_plans": 0, "at": 0}}) is None
+
+
+# Service costs: a 20-step H3 generation ~4.3 s against a ~0.25 s plan miss; the CPU bench's 20 ms hit against an
+# 80 ms rebuild.
+H3_COSTS = ServiceCosts(generation_s=4.3, miss_s=0.25)
+REBUILD_BOUND = ServiceCosts(generation_s=0.02, miss_s=0.08)
+
+
+@pytest.mark.parametrize("costs, holder_load, idle_wins", [
+    (H3_COSTS, 0, False),  # an idle holder: a hit at once beats anything
+    (H3_COSTS, 1, True),  # half a generation's wait (2.15 s) > one miss (0.25 s)
+    (REBUILD_BOUND, 1, False), (REBUILD_BOUND, 4, False),  # waiting 3.5 hits (70 ms) < one rebuild (80 ms)
+    (REBUILD_BOUND, 5, True),  # 4.5 hits (90 ms) > 80 ms
+])
+def test_an_idle_replica_beats_a_busy_holder_only_when_a_miss_costs_less_than_the_wait(costs, holder_load, idle_wins):
+    assert costs.idle_beats_holder(holder_load) is idle_wins
+    views = {"holder": view("hot"), "idle": view("other"), "busy": view()}
+    loads = {"holder": holder_load, "idle": 0, "busy": 1}
+    ranked = rank_for_slab_key("hot", loads, views, 8, lambda k: 0, hold_factor=8.0, costs=costs)
+    assert ranked[0] == ("idle" if idle_wins else "holder")
+    assert sorted(ranked) == sorted(views)  # a reordering: every replica stays a candidate
+    # without reported costs the holder always comes first while within the hold bound
+    assert rank_for_slab_key("hot", loads, views, 8, lambda k: 0, hold_factor=8.0)[0] == "holder"
+
+
+def test_idle_replicas_take_a_busy_holders_key_where_eviction_hurts_least():
+    popularity = {"keep": 50, "spare": 1}.get
+    views = {"holder": view("hot"), "a": view("keep", capacity=8), "b": view("spare", capacity=8)}
+    loads = {"holder": 2, "a": 0, "b": 0}
+    ranked = rank_for_slab_key("hot", loads, views, 8, lambda k: popularity(k, 0), costs=H3_COSTS)
+    assert ranked == ["b", "a", "holder"]
+
+
+def test_the_reporter_reports_moving_means_of_its_service_costs_once_it_has_both():
+    class Worker(ScheduleAffinityReporter):
+        def slab_state(self):
+            return SlabState(("a",), (8,), capacity_plans=16, free_plans=8)
+
+    w = Worker()
+    w.record_service(4.0, 0.001, missed_slab=False)
+    assert SlabReport.parse(w.record_routing_stats()).costs is None  # no miss measured yet
+    w.record_service(5.0, 0.3, missed_slab=True)
+    costs = SlabReport.parse(w.record_routing_stats()).costs
+    assert costs == ServiceCosts(generation_s=pytest.approx(4.2), miss_s=pytest.approx(0.3))
+    for _ in range(50):
+        w.record_service(2.0, 0.1, missed_slab=True)
+    assert SlabReport.parse(w.record_routing_stats()).costs == ServiceCosts(pytest.approx(2.0, rel=1e-3),
+                                                                           pytest.approx(0.1, rel=1e-3))
+
+
+@pytest.mark.parametrize("generation_s, miss_s", [("x", 0.1), (float("nan"), 0.1), (1.0, float("inf")), (-1.0, 0.1)])
+def test_malformed_service_costs_are_ignored_and_the_slab_report_kept(generation_s, miss_s):
+    slab = {"keys": ["a"], "plans": [8], "capacity_plans": 8, "at": 0, "generation_s": generation_s, "miss_s": miss_s}
+    report = SlabReport.parse({"slab": slab})
+    assert report is not None and report.keys == ("a",) and report.costs is None
 
 
 def test_reporter_without_a_slab_reports_none():
