@@ -37,7 +37,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
-from deployments.json_body import JsonBodyError, loads_body
+from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
 from deployments.schemas import (
     AdminOptions,
@@ -335,15 +335,8 @@ class Ingress:
         return await self._admin.status()
 
     async def _read_json(self, http_request: Request) -> Any:
-        limit = self._http.max_body_bytes
-        declared = http_request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, "payload_too_large", f"body of {declared} bytes exceeds http.max_body_bytes={limit}")
-        body = await http_request.body()
-        if len(body) > limit:
-            raise RequestError(413, "payload_too_large", f"body of {len(body)} bytes exceeds http.max_body_bytes={limit}")
         try:
-            return loads_body(body)
+            return loads_body(await read_body(http_request, self._http.max_body_bytes, "http.max_body_bytes"))
         except JsonBodyError as exc:
             raise RequestError(exc.status, exc.kind, exc.message) from None
 

@@ -41,11 +41,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
-from starlette.formparsers import MultiPartException
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 
-from deployments.json_body import JsonBodyError, loads_body
+from deployments.json_body import JsonBodyError, loads_body, read_body
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
@@ -240,26 +239,15 @@ def _checked_id(video_id: str) -> str:
     return video_id
 
 
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise _too_large(int(declared), max_body_bytes)
-    body = await request.body()
-    if len(body) > max_body_bytes:
-        raise _too_large(len(body), max_body_bytes)
-    return body
-
-
-def _too_large(num_bytes: int, max_body_bytes: int) -> ApiError:
-    return ApiError(413, "payload_too_large", f"body of {num_bytes} bytes exceeds jobs.max_body_bytes={max_body_bytes}")
-
-
 async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateRequest:
     """The POST body (JSON strictly typed; form fields as strings, converted) as a VideoCreateRequest."""
-    body = await _read_body(request, max_body_bytes)
+    try:
+        body = await read_body(request, max_body_bytes, "jobs.max_body_bytes")
+    except JsonBodyError as exc:
+        raise ApiError(exc.status, exc.kind, exc.message) from None
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request, body, content_type)
+        fields = await _form_fields(request.headers, body, content_type)
         try:
             return VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
@@ -282,16 +270,16 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
         raise _validation_error(exc) from None
 
 
-async def _form_fields(request: Request, body: bytes, content_type: str) -> dict[str, str]:
+async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict[str, str]:
     if content_type == "application/x-www-form-urlencoded":
         items: list[tuple[str, str | UploadFile]] = list(_urlencoded_fields(body))
     else:
         try:
-            items = (await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)).multi_items()
+            # The body already read (within jobs.max_body_bytes): what `Request.form()` would parse.
+            form = await MultiPartParser(headers, _once(body), max_files=1, max_fields=FORM_MAX_FIELDS).parse()
         except MultiPartException as exc:
             raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
-        except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
-            raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
+        items = form.multi_items()
     fields: dict[str, str] = {}
     for name, value in items:
         if isinstance(value, UploadFile):
@@ -300,6 +288,10 @@ async def _form_fields(request: Request, body: bytes, content_type: str) -> dict
             raise ApiError(422, "invalid_request", f"{name}: given more than once")
         fields[name] = value
     return fields
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
 
 def _urlencoded_fields(body: bytes) -> list[tuple[str, str]]:
