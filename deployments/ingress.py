@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
@@ -48,7 +49,7 @@ from deployments.schemas import (
     VideoOptions,
 )
 from deployments.video_jobs import VideoJobs
-from deployments.videos import VideoApiSlot, videos_router
+from deployments.videos import VideoApiSlot, routing_error_response, videos_router
 from deployments.worker import StageHandles
 from engine.api import GenerationRequest
 from jobs.config import AuthConfig, JobsConfig
@@ -64,6 +65,7 @@ api = FastAPI(
 #: This replica's video API: routes are declared with the app, the job service exists once the replica started.
 VIDEO_API = VideoApiSlot()
 api.include_router(videos_router(VIDEO_API.get))
+api.add_exception_handler(HTTPException, routing_error_response)  # 404 / 405 in the error shape, not {"detail"}
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},

@@ -12,10 +12,10 @@ Routes (every body and error described in OpenAPI):
   the record and the MP4).
 
 Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or unknown API key (when
-`auth.api_keys` is set), 404 unknown id (or another client's), 409 wrong state, 410 output expired, 413 body
-over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable range, 422 invalid request
-(message names the field and the limit), 429 queue full (Retry-After), 503 job database unavailable,
-504 sync wait over `jobs.sync_timeout_s`. Every error body is `{"error": {"type", "message", ...}}`.
+`auth.api_keys` is set), 404 unknown id (or another client's), 405 a method the route does not take, 409 wrong
+state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
+range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
+database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is `{"error": {"type", "message", ...}}`.
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
@@ -42,6 +42,7 @@ from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import Headers, UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
 from deployments.json_body import JsonBodyError, loads_body, read_body
@@ -59,6 +60,7 @@ __all__ = [
     "build_videos_app",
     "owner_for_key",
     "parse_range",
+    "routing_error_response",
     "videos_router",
 ]
 
@@ -84,8 +86,8 @@ class FieldError(BaseModel):
 class VideoErrorBody(BaseModel):
     type: str = Field(
         ..., description="invalid_request | invalid_json | invalid_id | unauthorized | not_found | conflict | "
-        "expired | payload_too_large | unsupported_media_type | range_not_satisfiable | queue_full | "
-        "unavailable | timeout | server_error | cancelled.",
+        "expired | method_not_allowed | payload_too_large | unsupported_media_type | range_not_satisfiable | "
+        "queue_full | unavailable | timeout | server_error | cancelled.",
     )
     message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
     errors: list[FieldError] | None = Field(None, description="Per-field validation errors.")
@@ -143,6 +145,20 @@ def _validation_error(exc: ValidationError) -> ApiError:
     ]
     summary = "; ".join(f"{'.'.join(map(str, e.loc)) or 'body'}: {e.msg}" for e in errors)
     return ApiError(422, "invalid_request", summary, errors=errors)
+
+
+#: Error types of Starlette's own refusals (a path no route has, a method the route does not take).
+_ROUTING_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def routing_error_response(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTPException (FastAPI: `{"detail": ...}`) in the app's error shape; its headers (405:
+    `Allow`) kept. Registered on every app that serves these routes: `app.add_exception_handler(
+    starlette.exceptions.HTTPException, routing_error_response)`."""
+    assert isinstance(exc, HTTPException)
+    kind = _ROUTING_ERROR_KINDS.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "server_error")
+    path = request.url.path if len(request.url.path) <= 128 else request.url.path[:128] + "..."
+    return ApiError(exc.status_code, kind, f"{request.method} {path}: {exc.detail}", headers=exc.headers).response()
 
 
 _REFUSALS = (ApiError, InvalidVideoRequest, JobNotFound, JobConflict, OutputExpired, QueueFull, StoreUnavailable)
@@ -744,5 +760,6 @@ def build_videos_app(api: VideoApi, *, title: str = "ditserve videos") -> FastAP
             await api.service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)
+    app.add_exception_handler(HTTPException, routing_error_response)
     app.include_router(videos_router(lambda: api))
     return app

@@ -38,7 +38,8 @@ class ChunkedUpload:
         if self.pulled == len(self.chunks):
             return {"type": "http.disconnect"}
         self.pulled += 1
-        return {"type": "http.request", "body": self.chunks[self.pulled - 1], "more_body": self.pulled < len(self.chunks)}
+        more = self.pulled < len(self.chunks)
+        return {"type": "http.request", "body": self.chunks[self.pulled - 1], "more_body": more}
 
 
 def scope(path: str) -> dict:
