@@ -3,7 +3,7 @@
 Routes (every body and error described in OpenAPI):
 - `POST /v1/videos` (JSON, or multipart / urlencoded form fields): validate, queue, answer the job at once.
 - `POST /v1/videos/sync`: the same, then wait and answer the MP4 itself (for short requests).
-- `GET /v1/videos` (newest first, `limit` / `after`), `GET /v1/videos/{id}`.
+- `GET /v1/videos` (newest first, `limit` / `after`; `order=asc` is refused), `GET /v1/videos/{id}`.
 - `GET|HEAD /v1/videos/{id}/content` (`video/mp4`, or `variant=thumbnail` PNG; single-range Range requests:
   206 + Content-Range, 416 when unsatisfiable).
 - `GET /v1/videos/{id}/events`: server-sent events, `progress` per change, then `completed`/`failed`/
@@ -571,12 +571,14 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         response_model=VideoList,
         summary="List video jobs, newest first.",
         description="With auth.api_keys set, only the caller's jobs. Page with `after` = the previous page's last_id.",
-        responses={**_COMMON_ERRORS, 422: _error_doc("limit out of range, or `after` is not a known video id.")},
+        responses={**_COMMON_ERRORS, 422: _error_doc("limit out of range, `after` not a known video id, or order=asc.")},
         openapi_extra={"parameters": [
             _query("limit", {"type": "integer", "minimum": 1, "default": 20},
                    "Jobs per page, at most jobs.max_list_limit."),
             _query("after", {"type": "string"},
                    "Return jobs older than this job id (the last_id of the previous page)."),
+            _query("order", {"type": "string", "enum": ["desc"], "default": "desc"},
+                   "Newest first, the only order served (asc is a 422)."),
         ]},
     )
     @_guarded
@@ -584,6 +586,10 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         api = get_api()
         owner = api.owner(request)
         limit = _limit(request.query_params.get("limit"), api.service.config.max_list_limit)
+        order = request.query_params.get("order", "desc")
+        if order != "desc":  # an OpenAI client's order=asc must not get newest-first pages it takes for oldest-first
+            raise ApiError(422, "invalid_request", f"order: {order[:32]!r} is not served; jobs list newest first "
+                           "(order=desc)")
         after = request.query_params.get("after")
         if after is not None and not VIDEO_ID.fullmatch(after):
             raise ApiError(422, "invalid_request", f"after: {after[:64]!r} is not a video id")

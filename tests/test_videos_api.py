@@ -196,6 +196,7 @@ def test_list_is_newest_first_in_pages(serve):
     page = client.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
     assert ([j["id"] for j in page["data"]], page["has_more"]) == ([ids[0]], False)
     assert [j["id"] for j in client.get("/v1/videos").json()["data"]] == ids[::-1]  # default limit 20
+    assert [j["id"] for j in client.get("/v1/videos", params={"order": "desc"}).json()["data"]] == ids[::-1]
 
 
 @pytest.mark.parametrize(
@@ -211,6 +212,8 @@ def test_list_is_newest_first_in_pages(serve):
         ({"limit": "9" * 5000}, "limit: " + "9" * 32 + " is outside 1..100"),  # past int()'s 4300 digits
         ({"after": "../../etc"}, "after: '../../etc' is not a video id"),
         ({"after": "video_" + "Z" * 22}, "after: no video job with id 'video_ZZZZZZZZZZZZZZZZZZZZZZ'"),
+        ({"order": "asc"}, "order: 'asc' is not served; jobs list newest first (order=desc)"),
+        ({"order": ""}, "order: '' is not served"),
     ],
 )
 def test_bad_list_parameters_are_422(serve, params, message):
@@ -541,7 +544,7 @@ def test_openapi_describes_every_route_and_field(serve):
         assert undescribed == [], f"{name} fields without a description: {undescribed}"
     assert "429" in create["responses"] and "Retry-After" in create["responses"]["429"]["headers"]
     list_params = {p["name"] for p in schema["paths"]["/v1/videos"]["get"]["parameters"]}
-    assert list_params == {"limit", "after"}
+    assert list_params == {"limit", "after", "order"}
 
 
 def test_routes_answer_503_until_the_ingress_sets_its_api(tmp_path):
