@@ -15,7 +15,8 @@ Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or u
 `auth.api_keys` is set), 404 unknown id (or another client's), 405 a method the route does not take, 409 wrong
 state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
 range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
-database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is `{"error": {"type", "message", ...}}`.
+database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is
+`{"error": {"type", "message", ...}}`.
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
@@ -571,7 +572,9 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         response_model=VideoList,
         summary="List video jobs, newest first.",
         description="With auth.api_keys set, only the caller's jobs. Page with `after` = the previous page's last_id.",
-        responses={**_COMMON_ERRORS, 422: _error_doc("limit out of range, `after` not a known video id, or order=asc.")},
+        responses={
+            **_COMMON_ERRORS, 422: _error_doc("limit out of range, `after` not a known video id, or order=asc."),
+        },
         openapi_extra={"parameters": [
             _query("limit", {"type": "integer", "minimum": 1, "default": 20},
                    "Jobs per page, at most jobs.max_list_limit."),
