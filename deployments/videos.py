@@ -297,6 +297,7 @@ async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict
         except MultiPartException as exc:
             raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
         items = form.multi_items()
+        await form.close()  # an upload's spooled file (uploads are refused below)
     fields: dict[str, str] = {}
     for name, value in items:
         if isinstance(value, UploadFile):
