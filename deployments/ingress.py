@@ -123,6 +123,11 @@ class PendingGenerations:
         return max(1, math.ceil(self._mean_s or 0.0))
 
 
+#: `?stream=` values of POST /v1/generations; any other is a 422.
+_STREAM_ON = ("1", "true", "yes")
+_STREAM_OFF = ("", "0", "false", "no")
+
+
 def _sse_event(name: str, item: Any) -> str:
     return f"event: {name}\ndata: {item.model_dump_json()}\n\n"
 
@@ -257,11 +262,14 @@ class Ingress:
         },
     )
     async def create_generation(self, http_request: Request) -> JSONResponse:
-        if http_request.query_params.get("stream", "").lower() in ("1", "true", "yes"):
+        stream = http_request.query_params.get("stream", "").lower()
+        if stream in _STREAM_ON:
             return await self._create_generation_stream(http_request)
         start = time.perf_counter()
         request_id = _new_id()
         try:
+            if stream not in _STREAM_OFF:  # `stream=on` must not quietly answer without streaming
+                raise RequestError(422, "invalid_request", f"stream: {stream[:32]!r} is not true or false")
             payload = await self._read_json(http_request)
             response = await self._generate(parse_request(payload), request_id, start)
         except RequestError as exc:
