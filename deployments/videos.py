@@ -709,10 +709,19 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
     @_guarded
     async def unknown_video_route(request: Request, rest: str) -> Response:
         # Ids with a slash (`../x`, `a%2Fb`) land here rather than on a route: a malformed id is a 400.
-        _checked_id(rest.split("/", 1)[0])
+        video_id, _, action = rest.partition("/")
+        _checked_id(video_id)
+        allowed = _JOB_ROUTE_METHODS.get(action)
+        if allowed is not None:  # a job's route, another method (HEAD or POST on the job, DELETE on its content)
+            raise ApiError(405, "method_not_allowed", f"{request.method} {request.url.path}: Method Not Allowed",
+                           headers={"allow": allowed})
         raise ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
 
     return router
+
+
+#: The methods of each route under /v1/videos/{id} (by what follows the id): the catch-all's 405 `Allow`.
+_JOB_ROUTE_METHODS = {"": "GET, DELETE", "content": "GET, HEAD", "events": "GET", "cancel": "POST"}
 
 
 def _limit(text: str | None, max_limit: int) -> int:

@@ -432,6 +432,26 @@ def test_malformed_ids_are_400_and_unknown_ones_404(serve, method, path, status)
     assert response.json()["error"]["type"] == ("invalid_id" if status == 400 else "not_found")
 
 
+@pytest.mark.parametrize(
+    ("method", "action", "allow"),
+    [("HEAD", "", "GET, DELETE"), ("POST", "", "GET, DELETE"), ("DELETE", "/content", "GET, HEAD"),
+     ("POST", "/events", "GET"), ("GET", "/cancel", "POST"), ("PUT", "", None), ("PATCH", "/cancel", None)],
+)
+def test_a_job_route_asked_with_another_method_is_405(serve, method, action, allow):
+    """The job exists: not a 404 (a HEAD to check a job's existence must not read as "no such job")."""
+    client = serve()
+    job_id = client.post("/v1/videos", json=VALID).json()["id"]
+    response = client.request(method, f"/v1/videos/{job_id}{action}")
+    assert response.status_code == 405
+    if allow is not None:  # PUT / PATCH: Starlette's own 405, Allow naming the first matching route's methods
+        assert response.headers["allow"] == allow
+    if method != "HEAD":
+        assert response.json()["error"] == {
+            "type": "method_not_allowed", "message": f"{method} /v1/videos/{job_id}{action}: Method Not Allowed",
+            "errors": None}
+    assert client.get(f"/v1/videos/{job_id}").status_code == 200
+
+
 def test_an_unknown_variant_is_422(serve):
     client = serve()
     job = completed(client, client.post("/v1/videos", json=VALID).json()["id"])
