@@ -34,10 +34,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
 from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
-from deployments.json_body import JsonBodyError, loads_body
+from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
 from deployments.schemas import (
     AdminOptions,
@@ -48,7 +49,7 @@ from deployments.schemas import (
     VideoOptions,
 )
 from deployments.video_jobs import VideoJobs
-from deployments.videos import VideoApiSlot, videos_router
+from deployments.videos import VideoApiSlot, routing_error_response, videos_router
 from deployments.worker import StageHandles
 from engine.api import GenerationRequest
 from jobs.config import AuthConfig, JobsConfig
@@ -64,6 +65,7 @@ api = FastAPI(
 #: This replica's video API: routes are declared with the app, the job service exists once the replica started.
 VIDEO_API = VideoApiSlot()
 api.include_router(videos_router(VIDEO_API.get))
+api.add_exception_handler(HTTPException, routing_error_response)  # 404 / 405 in the error shape, not {"detail"}
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},
@@ -119,6 +121,11 @@ class PendingGenerations:
 
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self._mean_s or 0.0))
+
+
+#: `?stream=` values of POST /v1/generations; any other is a 422.
+_STREAM_ON = ("1", "true", "yes")
+_STREAM_OFF = ("", "0", "false", "no")
 
 
 def _sse_event(name: str, item: Any) -> str:
@@ -255,11 +262,14 @@ class Ingress:
         },
     )
     async def create_generation(self, http_request: Request) -> JSONResponse:
-        if http_request.query_params.get("stream", "").lower() in ("1", "true", "yes"):
+        stream = http_request.query_params.get("stream", "").lower()
+        if stream in _STREAM_ON:
             return await self._create_generation_stream(http_request)
         start = time.perf_counter()
         request_id = _new_id()
         try:
+            if stream not in _STREAM_OFF:  # `stream=on` must not quietly answer without streaming
+                raise RequestError(422, "invalid_request", f"stream: {stream[:32]!r} is not true or false")
             payload = await self._read_json(http_request)
             response = await self._generate(parse_request(payload), request_id, start)
         except RequestError as exc:
@@ -335,15 +345,8 @@ class Ingress:
         return await self._admin.status()
 
     async def _read_json(self, http_request: Request) -> Any:
-        limit = self._http.max_body_bytes
-        declared = http_request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, "payload_too_large", f"body of {declared} bytes exceeds http.max_body_bytes={limit}")
-        body = await http_request.body()
-        if len(body) > limit:
-            raise RequestError(413, "payload_too_large", f"body of {len(body)} bytes exceeds http.max_body_bytes={limit}")
         try:
-            return loads_body(body)
+            return loads_body(await read_body(http_request, self._http.max_body_bytes, "http.max_body_bytes"))
         except JsonBodyError as exc:
             raise RequestError(exc.status, exc.kind, exc.message) from None
 

@@ -1,5 +1,8 @@
-"""Request bodies parsed as JSON, strictly: refuses what `json.loads` would let through silently or turn
-into a server error (used by the ingress and the `/v1/videos` routes; no Ray here).
+"""Request bodies read within a size limit and parsed as JSON, strictly: refuses what `json.loads` would let
+through silently or turn into a server error (used by the ingress and the `/v1/videos` routes; no Ray here).
+
+`read_body` stops at the limit: a chunked upload has no Content-Length to refuse up front, and reading it
+whole first (`Request.body()`) would hold a client's gigabytes in the replica's memory before the 413.
 
 - a key given twice in one object (`json.loads` keeps the last: a proxy that checked the first would be fooled);
 - an integer literal over Python's 4300-digit limit (`json.loads` raises a bare ValueError);
@@ -12,7 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["JsonBodyError", "loads_body"]
+from starlette.requests import Request
+
+__all__ = ["JsonBodyError", "loads_body", "read_body"]
 
 
 class JsonBodyError(ValueError):
@@ -36,6 +41,26 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _DuplicateKey(key)
         result[key] = value
     return result
+
+
+async def read_body(request: Request, max_bytes: int, setting: str) -> bytes:
+    """The body, or JsonBodyError 413 payload_too_large naming `setting` (the config key of `max_bytes`) as soon
+    as the declared length or the bytes received pass `max_bytes`; the rest is never read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(f"body of {declared} bytes", max_bytes, setting)
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > max_bytes:
+            raise _too_large(f"body of more than {max_bytes} bytes", max_bytes, setting)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(what: str, max_bytes: int, setting: str) -> JsonBodyError:
+    return JsonBodyError(413, "payload_too_large", f"{what} exceeds {setting}={max_bytes}")
 
 
 def loads_body(body: bytes) -> Any:

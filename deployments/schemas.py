@@ -170,7 +170,8 @@ class WeightUpdateRequest(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    type: str = Field(..., description="invalid_request | payload_too_large | server_error | unavailable.")
+    type: str = Field(..., description="invalid_json | invalid_request | not_found | method_not_allowed | "
+                      "payload_too_large | overloaded | server_error | unavailable | timeout.")
     message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
     errors: list[dict[str, Any]] | None = Field(None, description="Per-field validation errors (loc, msg).")
 

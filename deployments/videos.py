@@ -3,7 +3,7 @@
 Routes (every body and error described in OpenAPI):
 - `POST /v1/videos` (JSON, or multipart / urlencoded form fields): validate, queue, answer the job at once.
 - `POST /v1/videos/sync`: the same, then wait and answer the MP4 itself (for short requests).
-- `GET /v1/videos` (newest first, `limit` / `after`), `GET /v1/videos/{id}`.
+- `GET /v1/videos` (newest first, `limit` / `after`; `order=asc` is refused), `GET /v1/videos/{id}`.
 - `GET|HEAD /v1/videos/{id}/content` (`video/mp4`, or `variant=thumbnail` PNG; single-range Range requests:
   206 + Content-Range, 416 when unsatisfiable).
 - `GET /v1/videos/{id}/events`: server-sent events, `progress` per change, then `completed`/`failed`/
@@ -12,10 +12,11 @@ Routes (every body and error described in OpenAPI):
   the record and the MP4).
 
 Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or unknown API key (when
-`auth.api_keys` is set), 404 unknown id (or another client's), 409 wrong state, 410 output expired, 413 body
-over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable range, 422 invalid request
-(message names the field and the limit), 429 queue full (Retry-After), 503 job database unavailable,
-504 sync wait over `jobs.sync_timeout_s`. Every error body is `{"error": {"type", "message", ...}}`.
+`auth.api_keys` is set), 404 unknown id (or another client's), 405 a method the route does not take, 409 wrong
+state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
+range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
+database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is
+`{"error": {"type", "message", ...}}`.
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
@@ -41,11 +42,11 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Path, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException
-from starlette.formparsers import MultiPartException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
-from deployments.json_body import JsonBodyError, loads_body
+from deployments.json_body import JsonBodyError, loads_body, read_body
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
@@ -60,6 +61,7 @@ __all__ = [
     "build_videos_app",
     "owner_for_key",
     "parse_range",
+    "routing_error_response",
     "videos_router",
 ]
 
@@ -85,8 +87,8 @@ class FieldError(BaseModel):
 class VideoErrorBody(BaseModel):
     type: str = Field(
         ..., description="invalid_request | invalid_json | invalid_id | unauthorized | not_found | conflict | "
-        "expired | payload_too_large | unsupported_media_type | range_not_satisfiable | queue_full | "
-        "unavailable | timeout | server_error | cancelled.",
+        "expired | method_not_allowed | payload_too_large | unsupported_media_type | range_not_satisfiable | "
+        "queue_full | unavailable | timeout | server_error | cancelled.",
     )
     message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
     errors: list[FieldError] | None = Field(None, description="Per-field validation errors.")
@@ -144,6 +146,20 @@ def _validation_error(exc: ValidationError) -> ApiError:
     ]
     summary = "; ".join(f"{'.'.join(map(str, e.loc)) or 'body'}: {e.msg}" for e in errors)
     return ApiError(422, "invalid_request", summary, errors=errors)
+
+
+#: Error types of Starlette's own refusals (a path no route has, a method the route does not take).
+_ROUTING_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def routing_error_response(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTPException (FastAPI: `{"detail": ...}`) in the app's error shape; its headers (405:
+    `Allow`) kept. Registered on every app that serves these routes: `app.add_exception_handler(
+    starlette.exceptions.HTTPException, routing_error_response)`."""
+    assert isinstance(exc, HTTPException)
+    kind = _ROUTING_ERROR_KINDS.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "server_error")
+    path = request.url.path if len(request.url.path) <= 128 else request.url.path[:128] + "..."
+    return ApiError(exc.status_code, kind, f"{request.method} {path}: {exc.detail}", headers=exc.headers).response()
 
 
 _REFUSALS = (ApiError, InvalidVideoRequest, JobNotFound, JobConflict, OutputExpired, QueueFull, StoreUnavailable)
@@ -240,26 +256,15 @@ def _checked_id(video_id: str) -> str:
     return video_id
 
 
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise _too_large(int(declared), max_body_bytes)
-    body = await request.body()
-    if len(body) > max_body_bytes:
-        raise _too_large(len(body), max_body_bytes)
-    return body
-
-
-def _too_large(num_bytes: int, max_body_bytes: int) -> ApiError:
-    return ApiError(413, "payload_too_large", f"body of {num_bytes} bytes exceeds jobs.max_body_bytes={max_body_bytes}")
-
-
 async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateRequest:
     """The POST body (JSON strictly typed; form fields as strings, converted) as a VideoCreateRequest."""
-    body = await _read_body(request, max_body_bytes)
+    try:
+        body = await read_body(request, max_body_bytes, "jobs.max_body_bytes")
+    except JsonBodyError as exc:
+        raise ApiError(exc.status, exc.kind, exc.message) from None
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request, body, content_type)
+        fields = await _form_fields(request.headers, body, content_type)
         try:
             return VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
@@ -282,16 +287,17 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
         raise _validation_error(exc) from None
 
 
-async def _form_fields(request: Request, body: bytes, content_type: str) -> dict[str, str]:
+async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict[str, str]:
     if content_type == "application/x-www-form-urlencoded":
         items: list[tuple[str, str | UploadFile]] = list(_urlencoded_fields(body))
     else:
         try:
-            items = (await request.form(max_files=1, max_fields=FORM_MAX_FIELDS)).multi_items()
+            # The body already read (within jobs.max_body_bytes): what `Request.form()` would parse.
+            form = await MultiPartParser(headers, _once(body), max_files=1, max_fields=FORM_MAX_FIELDS).parse()
         except MultiPartException as exc:
             raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
-        except HTTPException as exc:  # Starlette's own 400 for a malformed form, in our error shape
-            raise ApiError(422, "invalid_request", f"form body: {exc.detail}") from None
+        items = form.multi_items()
+        await form.close()  # an upload's spooled file (uploads are refused below)
     fields: dict[str, str] = {}
     for name, value in items:
         if isinstance(value, UploadFile):
@@ -300,6 +306,10 @@ async def _form_fields(request: Request, body: bytes, content_type: str) -> dict
             raise ApiError(422, "invalid_request", f"{name}: given more than once")
         fields[name] = value
     return fields
+
+
+async def _once(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
 
 def _urlencoded_fields(body: bytes) -> list[tuple[str, str]]:
@@ -563,12 +573,16 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         response_model=VideoList,
         summary="List video jobs, newest first.",
         description="With auth.api_keys set, only the caller's jobs. Page with `after` = the previous page's last_id.",
-        responses={**_COMMON_ERRORS, 422: _error_doc("limit out of range, or `after` is not a known video id.")},
+        responses={
+            **_COMMON_ERRORS, 422: _error_doc("limit out of range, `after` not a known video id, or order=asc."),
+        },
         openapi_extra={"parameters": [
             _query("limit", {"type": "integer", "minimum": 1, "default": 20},
                    "Jobs per page, at most jobs.max_list_limit."),
             _query("after", {"type": "string"},
                    "Return jobs older than this job id (the last_id of the previous page)."),
+            _query("order", {"type": "string", "enum": ["desc"], "default": "desc"},
+                   "Newest first, the only order served (asc is a 422)."),
         ]},
     )
     @_guarded
@@ -576,6 +590,10 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         api = get_api()
         owner = api.owner(request)
         limit = _limit(request.query_params.get("limit"), api.service.config.max_list_limit)
+        order = request.query_params.get("order", "desc")
+        if order != "desc":  # an OpenAI client's order=asc must not get newest-first pages it takes for oldest-first
+            raise ApiError(422, "invalid_request", f"order: {order[:32]!r} is not served; jobs list newest first "
+                           "(order=desc)")
         after = request.query_params.get("after")
         if after is not None and not VIDEO_ID.fullmatch(after):
             raise ApiError(422, "invalid_request", f"after: {after[:64]!r} is not a video id")
@@ -691,10 +709,19 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
     @_guarded
     async def unknown_video_route(request: Request, rest: str) -> Response:
         # Ids with a slash (`../x`, `a%2Fb`) land here rather than on a route: a malformed id is a 400.
-        _checked_id(rest.split("/", 1)[0])
+        video_id, _, action = rest.partition("/")
+        _checked_id(video_id)
+        allowed = _JOB_ROUTE_METHODS.get(action)
+        if allowed is not None:  # a job's route, another method (HEAD or POST on the job, DELETE on its content)
+            raise ApiError(405, "method_not_allowed", f"{request.method} {request.url.path}: Method Not Allowed",
+                           headers={"allow": allowed})
         raise ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
 
     return router
+
+
+#: The methods of each route under /v1/videos/{id} (by what follows the id): the catch-all's 405 `Allow`.
+_JOB_ROUTE_METHODS = {"": "GET, DELETE", "content": "GET, HEAD", "events": "GET", "cancel": "POST"}
 
 
 def _limit(text: str | None, max_limit: int) -> int:
@@ -752,5 +779,6 @@ def build_videos_app(api: VideoApi, *, title: str = "ditserve videos") -> FastAP
             await api.service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)
+    app.add_exception_handler(HTTPException, routing_error_response)
     app.include_router(videos_router(lambda: api))
     return app

@@ -232,3 +232,53 @@ def test_pending_generations_bound_counts_holders_and_suggests_the_recent_pace(m
         for _ in range(100):
             stack.enter_context(unbounded.admit())
         assert unbounded.count == 100
+
+
+# --- routing refusals --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory):
+    """name -> TestClient: the ingress's FastAPI app (its routes need no replica to be refused) and the
+    standalone video app."""
+    from fastapi.testclient import TestClient
+
+    from deployments.ingress import api
+    from deployments.videos import VideoApi, build_videos_app
+    from jobs.config import AuthConfig, JobsConfig
+    from jobs.outputs import OutputStore
+    from jobs.service import JobService
+    from jobs.sqlite_store import SqliteJobStore
+    from jobs.testing import FakeVideoBackend
+    from tests.test_videos_api import TINY
+
+    state = tmp_path_factory.mktemp("state")
+    service = JobService(
+        store=SqliteJobStore(state / "jobs.sqlite3"), outputs=OutputStore(str(state / "outputs")),
+        backend=FakeVideoBackend(), models=[TINY], config=JobsConfig(state_dir=str(state)),
+    )
+    with TestClient(build_videos_app(VideoApi(service=service, auth=AuthConfig()))) as videos:
+        yield {"ingress": TestClient(api), "videos": videos}
+
+
+@pytest.mark.parametrize(
+    ("app", "method", "path", "status", "kind", "allow"),
+    [
+        ("ingress", "GET", "/v1/generations", 405, "method_not_allowed", "POST"),
+        ("ingress", "PUT", "/v1/generations:stream", 405, "method_not_allowed", "POST"),
+        ("ingress", "POST", "/healthz", 405, "method_not_allowed", "GET"),
+        ("ingress", "GET", "/v2/generations", 404, "not_found", None),
+        ("ingress", "PUT", "/v1/videos", 405, "method_not_allowed", None),  # Allow: Starlette names one route's
+        ("videos", "PUT", "/v1/videos", 405, "method_not_allowed", None),
+        ("videos", "PATCH", "/v1/videos/video_" + "A" * 22, 405, "method_not_allowed", None),
+        ("videos", "GET", "/v1/nothing", 404, "not_found", None),
+    ],
+)
+def test_routing_refusals_have_the_error_shape(apps, app, method, path, status, kind, allow):
+    """README: every error body is {"error": {"type", "message", "errors"}}, Starlette's own 404 / 405 too."""
+    response = apps[app].request(method, path)
+    assert response.status_code == status
+    assert response.json() == {"error": {"type": kind, "message": f"{method} {path}: {response.reason_phrase}",
+                                         "errors": None}}
+    if allow is not None:
+        assert response.headers["allow"] == allow

@@ -83,6 +83,21 @@ def test_engine_client_error_is_422_with_its_message(base_url):
     assert r.status_code == 422 and r.json()["error"]["message"].startswith("guidance_scale: 2.0 is not served")
 
 
+@pytest.mark.parametrize(("stream", "status"), [("false", 200), ("0", 200), ("on", 422), ("ture", 422)])
+def test_the_stream_query_flag_is_true_or_false(base_url, stream, status):
+    body = {"prompt": "x", "width": 96, "height": 64, "return_video": False}
+    r = requests.post(f"{base_url}/v1/generations", params={"stream": stream}, json=body, timeout=60)
+    assert (r.status_code, r.headers["content-type"]) == (status, "application/json"), r.text
+    if status == 422:
+        assert r.json()["error"]["message"] == f"stream: {stream!r} is not true or false"
+
+
+def test_a_method_a_route_does_not_take_is_405_in_the_error_shape_through_serve(base_url):
+    r = requests.get(f"{base_url}/v1/generations", timeout=30)
+    assert (r.status_code, r.headers["allow"]) == (405, "POST")
+    assert r.json()["error"]["type"] == "method_not_allowed"
+
+
 def test_body_over_limit_is_413(base_url):
     r = requests.post(f"{base_url}/v1/generations", data=b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 10) + b'"}',
                       timeout=30)

@@ -196,6 +196,7 @@ def test_list_is_newest_first_in_pages(serve):
     page = client.get("/v1/videos", params={"limit": 2, "after": page["last_id"]}).json()
     assert ([j["id"] for j in page["data"]], page["has_more"]) == ([ids[0]], False)
     assert [j["id"] for j in client.get("/v1/videos").json()["data"]] == ids[::-1]  # default limit 20
+    assert [j["id"] for j in client.get("/v1/videos", params={"order": "desc"}).json()["data"]] == ids[::-1]
 
 
 @pytest.mark.parametrize(
@@ -211,6 +212,8 @@ def test_list_is_newest_first_in_pages(serve):
         ({"limit": "9" * 5000}, "limit: " + "9" * 32 + " is outside 1..100"),  # past int()'s 4300 digits
         ({"after": "../../etc"}, "after: '../../etc' is not a video id"),
         ({"after": "video_" + "Z" * 22}, "after: no video job with id 'video_ZZZZZZZZZZZZZZZZZZZZZZ'"),
+        ({"order": "asc"}, "order: 'asc' is not served; jobs list newest first (order=desc)"),
+        ({"order": ""}, "order: '' is not served"),
     ],
 )
 def test_bad_list_parameters_are_422(serve, params, message):
@@ -429,6 +432,26 @@ def test_malformed_ids_are_400_and_unknown_ones_404(serve, method, path, status)
     assert response.json()["error"]["type"] == ("invalid_id" if status == 400 else "not_found")
 
 
+@pytest.mark.parametrize(
+    ("method", "action", "allow"),
+    [("HEAD", "", "GET, DELETE"), ("POST", "", "GET, DELETE"), ("DELETE", "/content", "GET, HEAD"),
+     ("POST", "/events", "GET"), ("GET", "/cancel", "POST"), ("PUT", "", None), ("PATCH", "/cancel", None)],
+)
+def test_a_job_route_asked_with_another_method_is_405(serve, method, action, allow):
+    """The job exists: not a 404 (a HEAD to check a job's existence must not read as "no such job")."""
+    client = serve()
+    job_id = client.post("/v1/videos", json=VALID).json()["id"]
+    response = client.request(method, f"/v1/videos/{job_id}{action}")
+    assert response.status_code == 405
+    if allow is not None:  # PUT / PATCH: Starlette's own 405, Allow naming the first matching route's methods
+        assert response.headers["allow"] == allow
+    if method != "HEAD":
+        assert response.json()["error"] == {
+            "type": "method_not_allowed", "message": f"{method} /v1/videos/{job_id}{action}: Method Not Allowed",
+            "errors": None}
+    assert client.get(f"/v1/videos/{job_id}").status_code == 200
+
+
 def test_an_unknown_variant_is_422(serve):
     client = serve()
     job = completed(client, client.post("/v1/videos", json=VALID).json()["id"])
@@ -541,7 +564,7 @@ def test_openapi_describes_every_route_and_field(serve):
         assert undescribed == [], f"{name} fields without a description: {undescribed}"
     assert "429" in create["responses"] and "Retry-After" in create["responses"]["429"]["headers"]
     list_params = {p["name"] for p in schema["paths"]["/v1/videos"]["get"]["parameters"]}
-    assert list_params == {"limit", "after"}
+    assert list_params == {"limit", "after", "order"}
 
 
 def test_routes_answer_503_until_the_ingress_sets_its_api(tmp_path):
