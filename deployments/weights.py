@@ -34,7 +34,8 @@ Why no request ever mixes old and new weights (the safety argument):
    leaves that engine unusable (it refuses requests, its health check fails, Serve replaces it), and a
    multi-GPU replica whose ranks end on different fingerprints is unusable too: never a mix served.
 4. A replica that starts later reads the target in its constructor and applies it before it takes a
-   request; one that misses heartbeats is not counted as live (and catches up when it comes back).
+   request (and a newer one its first heartbeat answers with: until the coordinator has heard from it, an
+   update's route does not wait for it); one that misses heartbeats is not counted as live (and catches up when it comes back).
 
 Across replicas the fleet is briefly mixed (some replicas already new, some still finishing old requests):
 each response names its `model` (`<preset>@<fingerprint>`), and the admin route returns only once every
@@ -163,7 +164,18 @@ class WeightFollower:
             version, path = 0, None
         if version > 0 and path is not None:
             self._apply(version, path)
-        self._applied(None)  # first heartbeat, with the state after the startup apply
+        # First heartbeat, with the state after the startup apply. An update may have set a newer target since
+        # it was read, and its route waits only for replicas the coordinator has heard from: apply what the
+        # answer names before the first request, until the coordinator has seen this replica on the target.
+        while self._coordinator is not None:
+            try:
+                version, path = ray.get(self._heartbeat_ref(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - the thread retries
+                self._coordinator = None
+                break
+            if version <= max(self.applied_version, self.failed_version) or path is None:
+                break
+            self._apply(version, path)
         self._thread = threading.Thread(target=self._loop, name="weights-follower", daemon=True)
         self._thread.start()
 
