@@ -73,27 +73,35 @@ class WeightCoordinator:
         self._version = 0
         self._path: str | None = None
         self._replicas: dict[str, dict[str, Any]] = {}
+        # The actor is threaded (max_concurrency > 1): without it a heartbeat could read a new version with the
+        # old path, or add a replica while a poll iterates the table.
+        self._lock = threading.Lock()
 
     def set_target(self, path: str) -> int:
-        self._version += 1
-        self._path = path
-        logger.info("weights target v%d: %s", self._version, path)
-        return self._version
+        with self._lock:
+            self._version += 1
+            self._path = path
+            version = self._version
+        logger.info("weights target v%d: %s", version, path)
+        return version
 
     def target(self) -> tuple[int, str | None]:
-        return self._version, self._path
+        with self._lock:
+            return self._version, self._path
 
     def heartbeat(self, replica_id: str, state: dict[str, Any]) -> tuple[int, str | None]:
         """A replica reports its state; the answer is the target."""
-        self._replicas[replica_id] = {**state, "replica": replica_id, "last_seen": time.time()}
-        return self._version, self._path
+        with self._lock:
+            self._replicas[replica_id] = {**state, "replica": replica_id, "last_seen": time.time()}
+            return self._version, self._path
 
     def replicas(self, live_within_s: float = LIVE_WITHIN_S) -> list[dict[str, Any]]:
         """Replicas heard from within `live_within_s` seconds (older ones are forgotten)."""
         now = time.time()
-        for rid in [r for r, s in self._replicas.items() if now - s["last_seen"] > 10 * live_within_s]:
-            del self._replicas[rid]
-        return [dict(s) for s in self._replicas.values() if now - s["last_seen"] <= live_within_s]
+        with self._lock:
+            for rid in [r for r, s in self._replicas.items() if now - s["last_seen"] > 10 * live_within_s]:
+                del self._replicas[rid]
+            return [dict(s) for s in self._replicas.values() if now - s["last_seen"] <= live_within_s]
 
 
 def get_coordinator(app_name: str) -> Any:

@@ -1,9 +1,10 @@
 """The fleet weight update's bookkeeping without a cluster: the replica side (`WeightFollower`) and the admin
 route (`WeightAdmin`) against a `WeightCoordinator` called in process (its methods stand in for the actor's).
 
-Two races the end-to-end tests cannot pin down: a replica that starts while an update is being set (it must
-come up on the target, not serve the old weights after the route answered), and two updates racing (the first
-must not be reported as applied when the fleet ended on the second).
+Races the end-to-end tests cannot pin down: a replica that starts while an update is being set (it must
+come up on the target, not serve the old weights after the route answered), two updates racing (the first
+must not be reported as applied when the fleet ended on the second), and the threaded coordinator actor taking
+a heartbeat while it answers a poll.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +143,32 @@ def test_of_two_racing_updates_the_first_is_reported_superseded_not_applied(tmp_
     assert first.status_code == 409, body
     assert body["status"] == "superseded" and body["version"] == 1
     assert [(r["ok"], r["new_version"], r["error"]) for r in body["replicas"]] == [(False, 2, "superseded by v2")]
+
+
+class BeatDuringIteration(dict):
+    """The coordinator's replica table; iterating it lets another thread's heartbeat in (what a thread switch
+    of the threaded actor, max_concurrency > 1, does) and waits a little for it to land."""
+
+    coordinator: WeightCoordinator
+
+    def items(self):
+        for n, item in enumerate(super().items()):
+            if n == 0:
+                beat = threading.Thread(target=self.coordinator.heartbeat, args=("r-new", {}))
+                beat.start()
+                beat.join(0.5)  # lands at once unless the coordinator serializes its methods
+            yield item
+
+
+def test_the_coordinator_answers_a_poll_while_a_new_replica_beats():
+    coordinator = WeightCoordinator()
+    coordinator.heartbeat("r1", {})
+    table = BeatDuringIteration(coordinator._replicas)
+    table.coordinator = coordinator
+    coordinator._replicas = table
+    assert [r["replica"] for r in coordinator.replicas()] == ["r1"]  # old code: dictionary changed size
+    deadline = time.monotonic() + 30
+    while len(coordinator._replicas) < 2:
+        assert time.monotonic() < deadline, "the new replica's heartbeat never landed"
+        time.sleep(0.01)
+    assert sorted(r["replica"] for r in coordinator.replicas()) == ["r-new", "r1"]
