@@ -49,7 +49,8 @@ StepsMaskPolicy = Literal["slow", "medium", "fast", "ultra"]
 
 _DESCRIPTIONS = {
     "enabled": "Apply DBCache (cache-dit) to the DiT blocks.",
-    "Fn_compute_blocks": "Leading blocks always computed; their residual decides whether the step is cached.",
+    "Fn_compute_blocks": "Leading blocks always computed (at least 1); their residual decides whether the step "
+    "is cached.",
     "Bn_compute_blocks": "Trailing blocks always computed, also in cached steps.",
     "max_warmup_steps": "First steps always computed.",
     "warmup_interval": "Compute every n-th step within the warmup.",
@@ -76,7 +77,7 @@ class CacheDitConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = Field(False, description=_DESCRIPTIONS["enabled"])
-    Fn_compute_blocks: int = Field(1, ge=0, description=_DESCRIPTIONS["Fn_compute_blocks"])
+    Fn_compute_blocks: int = Field(1, ge=1, description=_DESCRIPTIONS["Fn_compute_blocks"])
     Bn_compute_blocks: int = Field(0, ge=0, description=_DESCRIPTIONS["Bn_compute_blocks"])
     max_warmup_steps: int = Field(8, ge=0, description=_DESCRIPTIONS["max_warmup_steps"])
     warmup_interval: int = Field(1, ge=1, description=_DESCRIPTIONS["warmup_interval"])
@@ -119,7 +120,11 @@ class CacheDitConfig(BaseModel):
         if isinstance(mask, str):
             import cache_dit
 
-            return list(cache_dit.steps_mask(total_steps=num_inference_steps, mask_policy=mask))
+            try:
+                return list(cache_dit.steps_mask(total_steps=num_inference_steps, mask_policy=mask))
+            except AssertionError as exc:  # e.g. under 8 steps only 4 or 6 have a named mask
+                raise ValueError(
+                    f"steps_computation_mask={mask!r} does not fit {num_inference_steps} steps: {exc}") from None
         if len(mask) < num_inference_steps:
             raise ValueError(
                 f"steps_computation_mask has {len(mask)} entries, the request has {num_inference_steps} steps"
@@ -158,7 +163,7 @@ class CacheDitOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool | None = Field(None, description=_DESCRIPTIONS["enabled"])
-    Fn_compute_blocks: int | None = Field(None, ge=0, description=_DESCRIPTIONS["Fn_compute_blocks"])
+    Fn_compute_blocks: int | None = Field(None, ge=1, description=_DESCRIPTIONS["Fn_compute_blocks"])
     Bn_compute_blocks: int | None = Field(None, ge=0, description=_DESCRIPTIONS["Bn_compute_blocks"])
     max_warmup_steps: int | None = Field(None, ge=0, description=_DESCRIPTIONS["max_warmup_steps"])
     warmup_interval: int | None = Field(None, ge=1, description=_DESCRIPTIONS["warmup_interval"])

@@ -86,10 +86,13 @@ class WeightAdmin:
                 return JSONResponse(status_code=504, content=body)
             await asyncio.sleep(POLL_S)
         reports = _reports(replicas, version)
+        # A later update set meanwhile: replicas may have gone straight to it, so this one is not what they serve.
+        latest, _ = await coordinator.target.remote()
         ok = all(r["ok"] for r in reports)
+        status, code = ("superseded", 409) if latest > version else ("ok", 200) if ok else ("failed", 500)
         body = {"version": version, "path": path, "fingerprint": checked.get("fingerprint"),
-                "status": "ok" if ok else "failed", "replicas": reports}
-        return JSONResponse(status_code=200 if ok else 500, content=body)
+                "status": status, "replicas": reports}
+        return JSONResponse(status_code=code, content=body)
 
     async def status(self) -> JSONResponse:
         """The fleet's weights target and each live worker replica's state."""
@@ -104,8 +107,12 @@ def _reports(replicas: list[dict[str, Any]], version: int) -> list[dict[str, Any
     reports = []
     for r in sorted(replicas, key=lambda r: r["replica"]):
         last = r.get("last_apply") or {}
-        if last.get("new_version", -1) < version:  # still pending (timeout) or superseded
-            last = {"ok": False, "error": "not applied yet" if r["applied_version"] < version else "superseded"}
+        applied = last.get("new_version", -1)
+        if applied < version:  # still pending (timeout)
+            last = {"ok": False, "error": "not applied yet"}
+        elif applied > version:  # a later update's outcome, not this one's
+            last = {"ok": False, "error": f"superseded by v{applied}", "old_version": last.get("old_version"),
+                    "old_model": last.get("old_model"), "seconds": last.get("seconds")}
         reports.append({
             "replica": r["replica"], "old_version": last.get("old_version"), "new_version": r["applied_version"],
             "old_model": last.get("old_model"), "new_model": r.get("model"), "ok": bool(last.get("ok")),

@@ -34,7 +34,8 @@ Why no request ever mixes old and new weights (the safety argument):
    leaves that engine unusable (it refuses requests, its health check fails, Serve replaces it), and a
    multi-GPU replica whose ranks end on different fingerprints is unusable too: never a mix served.
 4. A replica that starts later reads the target in its constructor and applies it before it takes a
-   request; one that misses heartbeats is not counted as live (and catches up when it comes back).
+   request (and a newer one its first heartbeat answers with: until the coordinator has heard from it, an
+   update's route does not wait for it); one that misses heartbeats is not counted as live (and catches up when it comes back).
 
 Across replicas the fleet is briefly mixed (some replicas already new, some still finishing old requests):
 each response names its `model` (`<preset>@<fingerprint>`), and the admin route returns only once every
@@ -72,27 +73,35 @@ class WeightCoordinator:
         self._version = 0
         self._path: str | None = None
         self._replicas: dict[str, dict[str, Any]] = {}
+        # The actor is threaded (max_concurrency > 1): without it a heartbeat could read a new version with the
+        # old path, or add a replica while a poll iterates the table.
+        self._lock = threading.Lock()
 
     def set_target(self, path: str) -> int:
-        self._version += 1
-        self._path = path
-        logger.info("weights target v%d: %s", self._version, path)
-        return self._version
+        with self._lock:
+            self._version += 1
+            self._path = path
+            version = self._version
+        logger.info("weights target v%d: %s", version, path)
+        return version
 
     def target(self) -> tuple[int, str | None]:
-        return self._version, self._path
+        with self._lock:
+            return self._version, self._path
 
     def heartbeat(self, replica_id: str, state: dict[str, Any]) -> tuple[int, str | None]:
         """A replica reports its state; the answer is the target."""
-        self._replicas[replica_id] = {**state, "replica": replica_id, "last_seen": time.time()}
-        return self._version, self._path
+        with self._lock:
+            self._replicas[replica_id] = {**state, "replica": replica_id, "last_seen": time.time()}
+            return self._version, self._path
 
     def replicas(self, live_within_s: float = LIVE_WITHIN_S) -> list[dict[str, Any]]:
         """Replicas heard from within `live_within_s` seconds (older ones are forgotten)."""
         now = time.time()
-        for rid in [r for r, s in self._replicas.items() if now - s["last_seen"] > 10 * live_within_s]:
-            del self._replicas[rid]
-        return [dict(s) for s in self._replicas.values() if now - s["last_seen"] <= live_within_s]
+        with self._lock:
+            for rid in [r for r, s in self._replicas.items() if now - s["last_seen"] > 10 * live_within_s]:
+                del self._replicas[rid]
+            return [dict(s) for s in self._replicas.values() if now - s["last_seen"] <= live_within_s]
 
 
 def get_coordinator(app_name: str) -> Any:
@@ -163,7 +172,18 @@ class WeightFollower:
             version, path = 0, None
         if version > 0 and path is not None:
             self._apply(version, path)
-        self._applied(None)  # first heartbeat, with the state after the startup apply
+        # First heartbeat, with the state after the startup apply. An update may have set a newer target since
+        # it was read, and its route waits only for replicas the coordinator has heard from: apply what the
+        # answer names before the first request, until the coordinator has seen this replica on the target.
+        while self._coordinator is not None:
+            try:
+                version, path = ray.get(self._heartbeat_ref(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - the thread retries
+                self._coordinator = None
+                break
+            if version <= max(self.applied_version, self.failed_version) or path is None:
+                break
+            self._apply(version, path)
         self._thread = threading.Thread(target=self._loop, name="weights-follower", daemon=True)
         self._thread.start()
 

@@ -483,6 +483,8 @@ class Engine:
                 self._busy = False
                 if self.modulation is not None:
                     self.modulation.clear()
+                if self.offloader is not None:  # a forward that raised inside a block left it "running"
+                    self.offloader.forward_ended()
             self._num_requests += 1
             return result
 

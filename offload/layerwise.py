@@ -416,6 +416,12 @@ class LayerwiseOffloader:
         """
         self._start_step(will_compute_middle)
 
+    def forward_ended(self) -> None:
+        """The model call is over, whether or not it finished: a block whose forward raised (e.g. out of memory)
+        never ran its post-forward hook, and would otherwise count as running until the next step (which
+        refuses `load_block_state_`)."""
+        self._running = None
+
     def release_streamed_(self) -> None:
         """Drop every streamed block from the device (e.g. when the engine goes idle)."""
         for i in self._streamed:

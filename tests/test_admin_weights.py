@@ -286,3 +286,27 @@ def test_an_update_that_fails_while_writing_leaves_the_engine_unusable_not_servi
         engine.health()
     with pytest.raises(ServerFault, match="mix of old and new weights"):
         engine.generate(request)
+
+
+def test_an_update_after_a_forward_that_raised_inside_an_offloaded_block_applies(tmp_path, monkeypatch):
+    # e.g. out of memory inside a block: its post-forward hook never ran, so the offloader still had it
+    # running, and the next update refused to write (ServerFault: engine unusable, replica replaced).
+    engine = Engine(EngineConfig(checkpoint_root=str(tmp_path), device="cpu", adaln={"mode": "resident"},
+                                 offload={"enabled": True}))
+    request = GenerationRequest(**{**BODIES[0], "return_latents": False})
+    block = engine.transformer.transformer_blocks[2]
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (simulated inside a block)")
+
+    monkeypatch.setattr(block, "forward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.generate(request)
+    monkeypatch.undo()
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    engine.update_weights(new)
+    assert engine.health()["status"] == "ok"
+    fresh = Engine(EngineConfig(checkpoint_root=str(tmp_path), checkpoint=str(new), device="cpu",
+                                adaln={"mode": "resident"}))
+    assert engine.model_name == fresh.model_name
+    assert torch.equal(engine.generate(request).video, fresh.generate(request).video)

@@ -87,6 +87,12 @@ def test_config_rejects_bad_values_naming_the_field():
         CacheDitOverrides(unknown_field=1)
     with pytest.raises(ValueError, match="steps_computation_mask has 3 entries"):
         CacheDitConfig(steps_computation_mask=[1, 1, 0]).resolve_mask(4)
+    with pytest.raises(ValueError, match="Fn_compute_blocks"):  # cache-dit needs one block to decide on
+        CacheDitConfig(Fn_compute_blocks=0)
+    with pytest.raises(ValueError, match="Fn_compute_blocks"):
+        CacheDitOverrides(Fn_compute_blocks=0)
+    with pytest.raises(ValueError, match="steps_computation_mask='fast' .*5 steps"):
+        CacheDitConfig(steps_computation_mask="fast").resolve_mask(5)
 
 
 def test_overrides_merge_and_label():

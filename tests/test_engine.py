@@ -314,6 +314,15 @@ def test_cache_dit_settings_past_the_model_are_a_client_error(cached):
         cached.generate(small_request(cache_dit={"Fn_compute_blocks": 4}))
 
 
+def test_cache_dit_settings_cache_dit_cannot_run_are_refused_before_the_run(cached):
+    # cache-dit asserts Fn >= 1 at the first forward: the request is refused when parsed, naming the field.
+    with pytest.raises(ValueError, match="Fn_compute_blocks"):
+        small_request(cache_dit={"Fn_compute_blocks": 0})
+    # steps=3 is 2 forwards; cache-dit's named masks exist for 4, 6 or >= 8 (its assertion, at the first forward).
+    with pytest.raises(ClientError, match=r"^cache_dit: steps_computation_mask='fast' does not fit 2 steps"):
+        cached.validate(small_request(cache_dit={"steps_computation_mask": "fast"}))
+
+
 # --- weight updates ------------------------------------------------------------------------------------
 
 
