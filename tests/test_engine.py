@@ -472,6 +472,29 @@ def test_explicit_missing_checkpoint_fails_naming_the_path(tmp_path):
         Engine(EngineConfig(checkpoint=str(tmp_path / "nope"), device="cpu"))
 
 
+# --- checkpoints that are not the one served --------------------------------------------------------------
+
+
+def ref2va_partition(tmp_path: Path) -> Path:
+    """A native Ref2VA partition directory: the FL2VA one's files (same shapes) under the Ref2VA marker."""
+    native = make_tiny_checkpoint(tmp_path / "native", "native", seed=1)
+    ref = Path(shutil.copytree(native / "FL2VA", tmp_path / "root" / "Ref2VA"))
+    (ref / "model_index.json").write_text(json.dumps({"_minimax_h3": {"partition": "ref2va", "tasks": ["ref2va"]}}))
+    return ref
+
+
+def test_a_ref2va_partition_is_served_neither_at_start_nor_as_a_weight_update(engine, tmp_path):
+    """The engine serves t2va, which only the FL2VA transformer does; Ref2VA's has the same shapes."""
+    ref = ref2va_partition(tmp_path)
+    with pytest.raises(CheckpointError, match="is the Ref2VA partition, not the FL2VA one"):
+        Engine(EngineConfig(checkpoint=str(ref), device="cpu"))
+    model = engine.model_name
+    for call in (engine.validate_weight_update, engine.update_weights):
+        with pytest.raises(WeightsRejected, match="is the Ref2VA partition, not the FL2VA one"):
+            call(ref)
+    assert engine.model_name == model
+
+
 def test_online_adaln_gives_the_resident_bits_on_cuda(checkpoint_root):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
