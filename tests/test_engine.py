@@ -30,9 +30,11 @@ from safetensors.torch import load_file, save_file
 from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, auto_checkpoint_dir, ensure_checkpoint
+from engine.engine import Engine, auto_checkpoint_dir, decode_stage, ensure_checkpoint, prompt_stage
 from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
+from model.text_encoder import TextEncoderLoadError
 from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
@@ -493,6 +495,45 @@ def test_a_ref2va_partition_is_served_neither_at_start_nor_as_a_weight_update(en
         with pytest.raises(WeightsRejected, match="is the Ref2VA partition, not the FL2VA one"):
             call(ref)
     assert engine.model_name == model
+
+
+def _wider_text_encoder(root: Path, monkeypatch) -> None:  # another Qwen3-VL: 48 wide, the transformer takes 32
+    from model import tiny_components
+
+    monkeypatch.setattr(tiny_components, "TINY_TEXT_DIM", 48)
+    shutil.rmtree(root / "text_encoder")
+    encoder = tiny_components.tiny_text_encoder(tiny_components.tiny_tokenizer(), seed=0)
+    encoder.save_pretrained(root / "text_encoder")
+
+
+def _edit_config(path: Path, **values) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+MISFITS = [  # (break the copy, which stage refuses it, error, message)
+    pytest.param(_wider_text_encoder, prompt_stage, TextEncoderLoadError, "encodes prompts 48 wide, but the "
+                 r"transformer \(.*config.json\) takes text_dim=32", id="text-encoder-width"),
+    pytest.param(lambda root, _: _edit_config(root / "audio_vae" / "config.json", sampling_rate=16000), decode_stage,
+                 DecoderLoadError, r"audio_vae does not decode MiniMax-H3 latents: latents per second 20 "
+                 r"\(expected 40\)", id="audio-sample-rate"),
+    pytest.param(lambda root, _: _edit_config(root / "vae" / "config.json", clip_length=13), decode_stage,
+                 DecoderLoadError, r"vae does not decode MiniMax-H3 latents: clip_length 13 \(expected 17\), latent "
+                 r"frames per clip 4 \(expected 5\)", id="video-clip-length"),
+]
+
+
+@pytest.mark.parametrize("breakage, stage, error, message", MISFITS)
+def test_components_that_do_not_fit_the_transformer_are_refused_at_start(engine, tmp_path, monkeypatch, breakage,
+                                                                         stage, error, message):
+    """Each loads on its own; served together they would fail every request (text width) or mux a soundtrack or
+    a video that does not last the requested time (a 16 kHz VAE decodes 40 latents/s into 10.35 s for 5.17 s)."""
+    root = Path(shutil.copytree(engine.checkpoint.root, tmp_path / "misfit"))
+    breakage(root, monkeypatch)
+    config = EngineConfig(checkpoint=str(root), device="cpu")
+    with pytest.raises(error, match=message):
+        stage(config)
+    with pytest.raises(error, match=message):
+        Engine(config)
 
 
 def test_online_adaln_gives_the_resident_bits_on_cuda(checkpoint_root):
