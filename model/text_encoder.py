@@ -114,6 +114,9 @@ class PromptEncoder:
         self.hidden_state_index = hidden_state_index
         self.tokenizer = _load_tokenizer(self.tokenizer_dir)
         text_config = _truncated_text_config(self.text_encoder_dir, hidden_state_index)
+        if len(self.tokenizer) > text_config.vocab_size:  # another model's tokenizer: ids past the embedding
+            raise TextEncoderLoadError(f"the tokenizer in {self.tokenizer_dir} has {len(self.tokenizer)} tokens, more "
+                                       f"than the {text_config.vocab_size} rows of {self.text_encoder_dir}'s embedding")
         self.text_dim: int = text_config.hidden_size
         self.split = split
         weight_files = _weight_files(self.text_encoder_dir)
@@ -165,9 +168,15 @@ def _load_tokenizer(tokenizer_dir: Path) -> Qwen2TokenizerFast:
     if not tokenizer_dir.is_dir():
         raise TextEncoderLoadError(f"tokenizer directory {tokenizer_dir} does not exist")
     try:
-        return Qwen2TokenizerFast.from_pretrained(tokenizer_dir)
+        tokenizer = Qwen2TokenizerFast.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
         raise TextEncoderLoadError(f"cannot load a Qwen2 tokenizer from {tokenizer_dir}: {e}") from None
+    # Without its vocabulary files transformers still builds a tokenizer, one that gives every prompt 0 tokens:
+    # each request would then be refused as the client's empty prompt.
+    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
+        raise TextEncoderLoadError(f"{tokenizer_dir} holds no tokenizer vocabulary (tokenizer.json, or vocab.json and "
+                                   f"merges.txt): it tokenizes text to nothing")
+    return tokenizer
 
 
 def language_model_config(text_encoder_dir: str | Path) -> Qwen3VLTextConfig:

@@ -196,6 +196,25 @@ def test_missing_tokenizer_directory_is_named(roots, tmp_path):
         PromptEncoder(roots["diffusers"] / "text_encoder", tmp_path / "absent", "cpu")
 
 
+def test_a_tokenizer_directory_without_its_vocabulary_is_refused(roots, tmp_path):
+    """tokenizer_config.json without tokenizer.json (a partial download) loads as a tokenizer that gives every
+    prompt 0 tokens: each request would be refused as the client's empty prompt."""
+    partial = Path(shutil.copytree(roots["diffusers"] / "tokenizer", tmp_path / "tokenizer"))
+    (partial / "tokenizer.json").unlink()
+    with pytest.raises(TextEncoderLoadError, match=f"{partial} holds no tokenizer vocabulary"):
+        PromptEncoder(roots["diffusers"] / "text_encoder", partial, "cpu")
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(roots, tmp_path):
+    """Another model's tokenizer: a prompt with its extra token would index past the embedding table."""
+    tokenizer = Qwen2TokenizerFast.from_pretrained(roots["diffusers"] / "tokenizer")
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["<|another_models_token|>"])
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(TextEncoderLoadError, match=f"has {rows + 1} tokens, more than the {rows} rows"):
+        PromptEncoder(roots["diffusers"] / "text_encoder", tmp_path / "tokenizer", "cpu")
+
+
 @pytest.mark.parametrize("prompt", ["", 7])
 def test_empty_or_non_string_prompt_is_refused(encoders, prompt):
     with pytest.raises(PromptError, match="no tokens" if prompt == "" else "must be a string") as raised:
