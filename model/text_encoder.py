@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
@@ -119,10 +119,15 @@ class PromptEncoder:
                                        f"than the {text_config.vocab_size} rows of {self.text_encoder_dir}'s embedding")
         self.text_dim: int = text_config.hidden_size
         self.split = split
-        weight_files = _weight_files(self.text_encoder_dir)
-        self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
-        self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
-                                     split.label if split is not None else "")
+        try:
+            weight_files = _weight_files(self.text_encoder_dir)
+            self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
+            self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
+                                         split.label if split is not None else "")
+        except (KeyError, json.JSONDecodeError, struct.error, OSError, SafetensorError) as e:
+            # An index without weight_map, a shard cut short: the bare errors name no file.
+            raise TextEncoderLoadError(f"cannot load the text encoder weights in {self.text_encoder_dir}: "
+                                       f"{type(e).__name__}: {e}") from e
 
     @property
     def dtype(self) -> torch.dtype:

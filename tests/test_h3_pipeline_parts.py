@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -215,6 +217,25 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused(roots, tmp_path):
         PromptEncoder(roots["diffusers"] / "text_encoder", tmp_path / "tokenizer", "cpu")
 
 
+def _without_weight_map(text_encoder: Path) -> None:
+    (text_encoder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+
+def _cut_short(path: Path) -> None:
+    os.truncate(path, 1000)
+
+
+@pytest.mark.parametrize("breakage, cause", [
+    pytest.param(_without_weight_map, "KeyError: 'weight_map'", id="index-without-weight-map"),
+    pytest.param(lambda d: _cut_short(d / "model.safetensors"), "SafetensorError", id="weights-cut-short"),
+])
+def test_unloadable_text_encoder_weights_are_a_load_error_naming_the_directory(roots, tmp_path, breakage, cause):
+    broken = Path(shutil.copytree(roots["diffusers"] / "text_encoder", tmp_path / "text_encoder"))
+    breakage(broken)
+    with pytest.raises(TextEncoderLoadError, match=f"weights in {re.escape(str(broken))}: {cause}"):
+        PromptEncoder(broken, roots["diffusers"] / "tokenizer", "cpu")
+
+
 @pytest.mark.parametrize("prompt", ["", 7])
 def test_empty_or_non_string_prompt_is_refused(encoders, prompt):
     with pytest.raises(PromptError, match="no tokens" if prompt == "" else "must be a string") as raised:
@@ -374,6 +395,30 @@ def test_directories_that_hold_no_video_or_audio_vae_are_refused(roots):
         VideoDecoder(roots["diffusers"] / "text_encoder", "cpu")
     with pytest.raises(DecoderLoadError, match="neither a diffusers AutoencoderKLMiniMaxH3Audio config nor a native"):
         AudioDecoder(roots["diffusers"] / "vae", "cpu")
+
+
+def _drop_key(path: Path, key: str) -> None:
+    config = json.loads(path.read_text())
+    del config[key]
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("directory, breakage, cause", [
+    pytest.param("video_vae", lambda d: _drop_key(d / "config.json", "latents_mean"), "KeyError: 'latents_mean'",
+                 id="video-wrapper-without-latents-mean"),
+    pytest.param("video_vae", lambda d: _cut_short(d / "source" / "model.safetensors"), "SafetensorError",
+                 id="video-weights-cut-short"),
+    pytest.param("audio_vae", lambda d: (d / "metadata.json").write_text("{"), "JSONDecodeError",
+                 id="audio-metadata-not-json"),
+    pytest.param("audio_vae", lambda d: _cut_short(d / "model.safetensors"), "SafetensorError",
+                 id="audio-weights-cut-short"),
+])
+def test_an_unloadable_native_vae_is_a_load_error_naming_its_directory(roots, tmp_path, directory, breakage, cause):
+    broken = Path(shutil.copytree(roots["native"] / directory, tmp_path / directory))
+    breakage(broken)
+    decoder = VideoDecoder if directory == "video_vae" else AudioDecoder
+    with pytest.raises(DecoderLoadError, match=f"cannot load the VAE in {re.escape(str(broken))}: {cause}"):
+        decoder(broken, "cpu")
 
 
 def test_native_video_vae_asking_for_an_unported_feature_is_refused(roots, tmp_path):
