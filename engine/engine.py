@@ -700,6 +700,10 @@ class Engine:
                 raise GenerationCancelled("generation cancelled by the caller")
             video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
+            # NaN latents decode to black frames (uint8 of NaN) and make the AAC encoder fail with EINVAL.
+            if not (torch.isfinite(video).all() and torch.isfinite(audio).all()):
+                raise ServerFault("the denoised latents hold NaN or inf: the transformer's weights or numerics are "
+                                  "broken, no video was made", "NonFiniteLatents")
             t2 = time.perf_counter()
             plan_stats = prepared.stats if prepared is not None else None
         finally:

@@ -438,6 +438,20 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
     assert same_bits(after, resident.generate(request))
 
 
+def test_a_transformer_that_outputs_nan_is_a_server_fault_not_a_black_video(tmp_path):
+    """NaN latents (NaN spreads from the video head to every row through joint attention) are the server's
+    fault, said before decoding: NaN frames decode to black uint8 and NaN audio fails the AAC encoder (EINVAL)."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
+    shard = _shard_holding(checkpoint, "proj_out.weight")  # the video output head: video rows only
+    tensors = load_file(shard)
+    tensors["proj_out.weight"] = torch.full_like(tensors["proj_out.weight"], float("nan"))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"mode": "resident"})
+    with pytest.raises(ServerFault, match="latents hold NaN or inf") as info:
+        engine.generate(small_request(return_video=True))
+    assert info.value.kind == "NonFiniteLatents" and engine.health()["failed"] == 1
+
+
 # --- the auto-made checkpoint --------------------------------------------------------------------------
 
 

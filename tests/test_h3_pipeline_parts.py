@@ -539,6 +539,8 @@ def test_mp4_audio_channels_survive_the_round_trip(tmp_path):
     (np.zeros((2, 8, 8, 3), np.uint8), 0, None, "fps must be a positive integer"),
     (np.zeros((2, 8, 8, 3), np.uint8), 24, np.zeros((3, 100), np.float32), "audio must be float32"),
     (np.zeros((2, 8, 8, 3), np.uint8), 24, np.zeros((2, 100), np.float64), "audio must be float32"),
+    (np.zeros((2, 8, 8, 3), np.uint8), 24, np.full((2, 100), np.nan, np.float32), "audio holds NaN or inf"),
+    (np.zeros((2, 8, 8, 3), np.uint8), 24, np.full((1, 100), np.inf, np.float32), "audio holds NaN or inf"),
 ])
 def test_mp4_refuses_bad_input(frames, fps, audio, message):
     with pytest.raises(MediaInputError, match=message):
