@@ -311,6 +311,18 @@ def test_the_longest_and_shortest_accepted_durations(engine):
         engine.validate(small_request(seconds=seconds))
 
 
+@pytest.mark.parametrize("geometry, message", [
+    ({"short_edge": 780}, "short_edge=780 is not a multiple of 32 px"),
+    ({"min_seconds": 10, "max_seconds": 5}, "no clip fits min_seconds=10 and max_seconds=5"),
+    ({"min_seconds": 5.5, "max_seconds": 5.6}, r"shortest clip of at least min_seconds lasts 5.875 s"),  # 141 frames
+])
+def test_geometry_limits_no_request_can_meet_are_refused_in_the_config(geometry, message):
+    """Else the server starts and refuses every request as the client's fault."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(geometry=geometry)
+    EngineConfig(geometry={"min_seconds": 5.875, "max_seconds": 5.875})  # exactly one clip length: 141 frames
+
+
 def test_cache_dit_settings_past_the_model_are_a_client_error(cached):
     with pytest.raises(ClientError, match=r"cache_dit: Fn_compute_blocks \+ Bn_compute_blocks = 4 \+ 1 exceeds"):
         cached.generate(small_request(cache_dit={"Fn_compute_blocks": 4}))
