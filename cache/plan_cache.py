@@ -164,10 +164,10 @@ def as_adaln_model(model: AdalnModel | nn.Module) -> AdalnModel:
 def open_h3_transformer(path: str) -> AdalnWeights:
     """The FL2VA transformer of the H3 checkpoint at `path` (any layout `model.layout.H3Checkpoint` opens): how
     a weight update's directory is opened by default. Serving another partition: pass `reader_factory`."""
-    from model.layout import H3Checkpoint  # lazy: only weight updates open new checkpoints
+    from model.layout import H3Checkpoint, Partition  # lazy: only weight updates open new checkpoints
     from model.weights import TransformerWeights
 
-    checkpoint = H3Checkpoint.open(path)
+    checkpoint = H3Checkpoint.open(path, Partition.FL2VA)
     return TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
 
 

@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
+from model.geometry import H3_LATENTS, snap_num_frames
 from offload.layerwise import OffloadConfig
 
 #: Hard cap on sampling steps: the AdaLN plan slab admits up to 65 plans per request (H3 takes <= 65 steps).
@@ -83,6 +85,20 @@ class GeometryConfig(BaseModel):
     max_pixels: int = Field(768 * 1344, ge=32 * 32, description="Largest width x height in pixels.")
     min_seconds: float = Field(5.0, gt=0, description="Shortest clip (the diffusers pipeline's bound: 5 s).")
     max_seconds: float = Field(15.0, gt=0, description="Longest clip, checked on the snapped frame count.")
+
+    @model_validator(mode="after")
+    def _satisfiable(self) -> GeometryConfig:
+        # Otherwise the server starts and refuses every request as the client's fault.
+        if self.short_edge is not None and self.short_edge % H3_LATENTS.pixel_multiple:
+            raise ValueError(f"short_edge={self.short_edge} is not a multiple of {H3_LATENTS.pixel_multiple} px: "
+                             "no request size could have it")
+        fps = H3_LATENTS.fps
+        shortest = snap_num_frames(max(1, math.ceil(self.min_seconds * fps))) / fps
+        if shortest > self.max_seconds:
+            raise ValueError(f"no clip fits min_seconds={self.min_seconds:g} and max_seconds={self.max_seconds:g}: "
+                             f"the shortest clip of at least min_seconds lasts {shortest:g} s (17n+5 frames at "
+                             f"{fps} fps)")
+        return self
 
 
 class ParallelConfig(BaseModel):

@@ -70,7 +70,7 @@ from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
-from model.layout import CheckpointError, H3Checkpoint
+from model.layout import CheckpointError, H3Checkpoint, Partition
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.schedule import H3Schedule, Task
 from model.text_encoder import PromptEncoder, language_model_config
@@ -90,6 +90,9 @@ logger = logging.getLogger(__name__)
 
 #: The published transformer width: a checkpoint of this width gets the model's own size rules by default.
 H3_HIDDEN_SIZE = 5376
+#: The partition whose transformer serves t2va, the one task the engine runs: a Ref2VA directory (its own
+#: transformer, trained for reference conditioning) has the same shapes and would otherwise load silently.
+SERVED_PARTITION = Partition.FL2VA
 
 
 def resolve_device(name: str, engine_device: torch.device | None = None) -> torch.device:
@@ -138,7 +141,7 @@ def checkpoint_num_heads(config: EngineConfig) -> int:
     an auto-made checkpoint has its preset's."""
     if not config.checkpoint:
         return TINY_TRANSFORMER.num_attention_heads
-    checkpoint = H3Checkpoint.open(config.checkpoint)
+    checkpoint = H3Checkpoint.open(config.checkpoint, SERVED_PARTITION)
     path = checkpoint.transformer_dir / CONFIG_FILE
     return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
 
@@ -148,7 +151,7 @@ def text_encoder_shape(config: EngineConfig) -> tuple[int, int, int]:
     an auto-made checkpoint has the tiny components'."""
     if not config.checkpoint:
         return TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
-    text = language_model_config(H3Checkpoint.open(config.checkpoint).text_encoder_dir)
+    text = language_model_config(H3Checkpoint.open(config.checkpoint, SERVED_PARTITION).text_encoder_dir)
     return text.num_attention_heads, text.num_key_value_heads, text.intermediate_size
 
 
@@ -260,7 +263,7 @@ class Engine:
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()
-        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
         checkpoint_s = time.perf_counter() - t
@@ -551,7 +554,7 @@ class Engine:
 
     def _checked_weights(self, path: str | os.PathLike) -> TransformerWeights:
         try:
-            checkpoint = H3Checkpoint.open(path)
+            checkpoint = H3Checkpoint.open(path, SERVED_PARTITION)
             weights = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
             weights.validate(expect=self.model_config, with_adaln=self.plan_cache is None)
             if self.plan_cache is not None:
@@ -699,6 +702,10 @@ class Engine:
                 raise GenerationCancelled("generation cancelled by the caller")
             video, audio = denoiser.finish(latents)
             video, audio = video.float().cpu(), audio.float().cpu()  # waits for the device
+            # NaN latents decode to black frames (uint8 of NaN) and make the AAC encoder fail with EINVAL.
+            if not (torch.isfinite(video).all() and torch.isfinite(audio).all()):
+                raise ServerFault("the denoised latents hold NaN or inf: the transformer's weights or numerics are "
+                                  "broken, no video was made", "NonFiniteLatents")
             t2 = time.perf_counter()
             plan_stats = prepared.stats if prepared is not None else None
         finally:
@@ -860,12 +867,12 @@ def _digest(text: str) -> int:
 
 def prompt_stage(config: EngineConfig) -> PromptStage:
     """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
     return PromptStage(config.text_encoder, checkpoint,
                        resolve_device(config.text_encoder.device, resolve_device(config.device)))
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:
     """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
     return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))

@@ -20,11 +20,13 @@ import torch
 from engine.config import TextEncoderConfig
 from engine.errors import ClientError
 from engine.wire import TensorsAsArrays
-from model.decode import AudioDecoder, VideoDecoder
-from model.geometry import H3_LATENTS
+from model.decode import AudioDecoder, DecoderLoadError, VideoDecoder
+from model.geometry import H3_LATENTS, LatentSpec
 from model.layout import H3Checkpoint
 from model.mp4 import thumbnail_png, write_mp4
-from model.text_encoder import LanguageModelSplit, PromptCacheStats, PromptEmbeddingCache, PromptEncoder
+from model.text_encoder import (LanguageModelSplit, PromptCacheStats, PromptEmbeddingCache, PromptEncoder,
+                                TextEncoderLoadError)
+from model.weights import CONFIG_FILE, H3TransformerConfig
 
 __all__ = ["DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
 
@@ -57,6 +59,12 @@ class PromptStage:
         self.config = config
         self.encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, device,
                                      hidden_state_index=config.hidden_state_index, split=split)
+        # Another model's encoder (e.g. a smaller Qwen3-VL) loads fine and fails every request in the transformer.
+        config_path = checkpoint.transformer_dir / CONFIG_FILE
+        text_dim = H3TransformerConfig.from_json(config_path.read_bytes(), checkpoint.layout, config_path).text_dim
+        if self.encoder.text_dim != text_dim:
+            raise TextEncoderLoadError(f"{checkpoint.text_encoder_dir} encodes prompts {self.encoder.text_dim} wide, "
+                                       f"but the transformer ({config_path}) takes text_dim={text_dim}")
         self.cache = PromptEmbeddingCache(int(config.prompt_cache_mb * 2**20))
 
     @property
@@ -105,6 +113,7 @@ class DecodeStage:
     def __init__(self, checkpoint: H3Checkpoint, device: torch.device) -> None:
         self.video_decoder = VideoDecoder(checkpoint.video_vae_dir, device)
         self.audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, device)
+        _check_latent_spec(self.video_decoder, self.audio_decoder, H3_LATENTS)
 
     @torch.no_grad()
     def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
@@ -120,3 +129,24 @@ class DecodeStage:
         return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail, num_frames=int(frames.shape[0]),
                             fps=H3_LATENTS.fps, sample_rate=sample_rate, decode_s=decoded - start,
                             mux_s=time.perf_counter() - decoded)
+
+
+def _check_latent_spec(video: VideoDecoder, audio: AudioDecoder, spec: LatentSpec) -> None:
+    """The VAEs must decode the latents the denoiser makes (`spec`, what the request geometry is derived from):
+    a VAE config that differs (another sample rate, clip length) still loads, then gives a video whose frames
+    or soundtrack do not last the requested time. DecoderLoadError naming the directory and the value."""
+    vae = video.vae
+    video_found = {"latent_channels": video.latent_channels, "spatial compression": video.spatial_ratio,
+                   "clip_length": vae.config.clip_length, "latent frames per clip": vae.tokens_chunk_size}
+    video_wanted = {"latent_channels": spec.latent_channels, "spatial compression": spec.spatial_ratio,
+                    "clip_length": spec.frames_per_chunk, "latent frames per clip": spec.latents_per_chunk}
+    audio_found = {"latent_channels": audio.latent_channels,
+                   "latents per second": audio.sample_rate / audio.samples_per_latent}
+    audio_wanted = {"latent_channels": spec.audio_latent_channels,
+                    "latents per second": spec.audio_latents_per_second}
+    for directory, found, wanted in ((video.vae_dir, video_found, video_wanted),
+                                     (audio.audio_vae_dir, audio_found, audio_wanted)):
+        wrong = [f"{name} {found[name]:g} (expected {wanted[name]:g})"
+                 for name in wanted if found[name] != wanted[name]]
+        if wrong:
+            raise DecoderLoadError(f"{directory} does not decode MiniMax-H3 latents: {', '.join(wrong)}")

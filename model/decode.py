@@ -25,6 +25,7 @@ renaming the tensors (the facts are those of diffusers' `scripts/convert_minimax
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 from accelerate import init_empty_weights
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 #: The video VAE's pixel convention: ImageNet-normalised RGB over [0, 1] (diffusers `pixel_mean` / `pixel_std`).
@@ -65,7 +67,8 @@ class VideoDecoder:
     def __init__(self, vae_dir: str | Path, device: torch.device | str, *,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         self.vae_dir, self.device = Path(vae_dir), torch.device(device)
-        self.vae = _load_video_vae(self.vae_dir, dtype).to(self.device)
+        with _named_load_errors(self.vae_dir):
+            self.vae = _load_video_vae(self.vae_dir, dtype).to(self.device)
         if self.vae.config.token_drop <= 0:
             raise DecoderLoadError(f"{self.vae_dir}: token_drop {self.vae.config.token_drop}; the clip streaming "
                                    f"here needs the released overlapping clips (token_drop > 0)")
@@ -135,7 +138,8 @@ class AudioDecoder:
 
     def __init__(self, audio_vae_dir: str | Path, device: torch.device | str) -> None:
         self.audio_vae_dir, self.device = Path(audio_vae_dir), torch.device(device)
-        self.vae = _load_audio_vae(self.audio_vae_dir).to(self.device)
+        with _named_load_errors(self.audio_vae_dir):
+            self.vae = _load_audio_vae(self.audio_vae_dir).to(self.device)
         config = self.vae.config
         self.sample_rate: int = config.sampling_rate
         self.latent_channels: int = config.latent_channels
@@ -158,6 +162,18 @@ class AudioDecoder:
 
 
 # --- Loading ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _named_load_errors(directory: Path) -> Iterator[None]:
+    """A native config lacking a key, a weights file cut short or absent: DecoderLoadError naming `directory`
+    (a bare KeyError or safetensors' "invalid header length" names no file)."""
+    try:
+        yield
+    except DecoderLoadError:
+        raise
+    except (KeyError, TypeError, ValueError, OSError, SafetensorError) as e:
+        raise DecoderLoadError(f"cannot load the VAE in {directory}: {type(e).__name__}: {e}") from e
 
 
 def _read_config(directory: Path) -> dict:

@@ -77,6 +77,8 @@ def _stereo(audio: np.ndarray, sample_rate: int) -> np.ndarray:
     if audio.ndim != 2 or audio.shape[0] not in (1, 2) or audio.shape[1] == 0 or audio.dtype != np.float32:
         raise MediaInputError(f"audio must be float32 [1 or 2 channels, samples >= 1], got {audio.dtype} "
                               f"{tuple(audio.shape)}")
+    if not np.isfinite(audio).all():  # FFmpeg's AAC encoder refuses them with a bare EINVAL
+        raise MediaInputError("audio holds NaN or inf samples")
     if not isinstance(sample_rate, int) or sample_rate <= 0:
         raise MediaInputError(f"sample_rate must be a positive integer, got {sample_rate!r}")
     if audio.shape[0] == 1:

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 from accelerate import init_empty_weights
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
@@ -114,12 +114,20 @@ class PromptEncoder:
         self.hidden_state_index = hidden_state_index
         self.tokenizer = _load_tokenizer(self.tokenizer_dir)
         text_config = _truncated_text_config(self.text_encoder_dir, hidden_state_index)
+        if len(self.tokenizer) > text_config.vocab_size:  # another model's tokenizer: ids past the embedding
+            raise TextEncoderLoadError(f"the tokenizer in {self.tokenizer_dir} has {len(self.tokenizer)} tokens, more "
+                                       f"than the {text_config.vocab_size} rows of {self.text_encoder_dir}'s embedding")
         self.text_dim: int = text_config.hidden_size
         self.split = split
-        weight_files = _weight_files(self.text_encoder_dir)
-        self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
-        self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
-                                     split.label if split is not None else "")
+        try:
+            weight_files = _weight_files(self.text_encoder_dir)
+            self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
+            self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
+                                         split.label if split is not None else "")
+        except (KeyError, json.JSONDecodeError, struct.error, OSError, SafetensorError) as e:
+            # An index without weight_map, a shard cut short: the bare errors name no file.
+            raise TextEncoderLoadError(f"cannot load the text encoder weights in {self.text_encoder_dir}: "
+                                       f"{type(e).__name__}: {e}") from e
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,9 +173,15 @@ def _load_tokenizer(tokenizer_dir: Path) -> Qwen2TokenizerFast:
     if not tokenizer_dir.is_dir():
         raise TextEncoderLoadError(f"tokenizer directory {tokenizer_dir} does not exist")
     try:
-        return Qwen2TokenizerFast.from_pretrained(tokenizer_dir)
+        tokenizer = Qwen2TokenizerFast.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as e:
         raise TextEncoderLoadError(f"cannot load a Qwen2 tokenizer from {tokenizer_dir}: {e}") from None
+    # Without its vocabulary files transformers still builds a tokenizer, one that gives every prompt 0 tokens:
+    # each request would then be refused as the client's empty prompt.
+    if not tokenizer("a", add_special_tokens=False)["input_ids"]:
+        raise TextEncoderLoadError(f"{tokenizer_dir} holds no tokenizer vocabulary (tokenizer.json, or vocab.json and "
+                                   f"merges.txt): it tokenizes text to nothing")
+    return tokenizer
 
 
 def language_model_config(text_encoder_dir: str | Path) -> Qwen3VLTextConfig:

@@ -30,9 +30,11 @@ from safetensors.torch import load_file, save_file
 from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, auto_checkpoint_dir, ensure_checkpoint
+from engine.engine import Engine, auto_checkpoint_dir, decode_stage, ensure_checkpoint, prompt_stage
 from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
+from model.text_encoder import TextEncoderLoadError
 from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
@@ -309,6 +311,18 @@ def test_the_longest_and_shortest_accepted_durations(engine):
         engine.validate(small_request(seconds=seconds))
 
 
+@pytest.mark.parametrize("geometry, message", [
+    ({"short_edge": 780}, "short_edge=780 is not a multiple of 32 px"),
+    ({"min_seconds": 10, "max_seconds": 5}, "no clip fits min_seconds=10 and max_seconds=5"),
+    ({"min_seconds": 5.5, "max_seconds": 5.6}, r"shortest clip of at least min_seconds lasts 5.875 s"),  # 141 frames
+])
+def test_geometry_limits_no_request_can_meet_are_refused_in_the_config(geometry, message):
+    """Else the server starts and refuses every request as the client's fault."""
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(geometry=geometry)
+    EngineConfig(geometry={"min_seconds": 5.875, "max_seconds": 5.875})  # exactly one clip length: 141 frames
+
+
 def test_cache_dit_settings_past_the_model_are_a_client_error(cached):
     with pytest.raises(ClientError, match=r"cache_dit: Fn_compute_blocks \+ Bn_compute_blocks = 4 \+ 1 exceeds"):
         cached.generate(small_request(cache_dit={"Fn_compute_blocks": 4}))
@@ -445,6 +459,20 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
     assert same_bits(after, resident.generate(request))
 
 
+def test_a_transformer_that_outputs_nan_is_a_server_fault_not_a_black_video(tmp_path):
+    """NaN latents (NaN spreads from the video head to every row through joint attention) are the server's
+    fault, said before decoding: NaN frames decode to black uint8 and NaN audio fails the AAC encoder (EINVAL)."""
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
+    shard = _shard_holding(checkpoint, "proj_out.weight")  # the video output head: video rows only
+    tensors = load_file(shard)
+    tensors["proj_out.weight"] = torch.full_like(tensors["proj_out.weight"], float("nan"))
+    save_file(tensors, shard, metadata={"format": "pt"})
+    engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"mode": "resident"})
+    with pytest.raises(ServerFault, match="latents hold NaN or inf") as info:
+        engine.generate(small_request(return_video=True))
+    assert info.value.kind == "NonFiniteLatents" and engine.health()["failed"] == 1
+
+
 # --- the auto-made checkpoint --------------------------------------------------------------------------
 
 
@@ -479,6 +507,68 @@ def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_complete_one(tmp_
 def test_explicit_missing_checkpoint_fails_naming_the_path(tmp_path):
     with pytest.raises(CheckpointError, match="nope"):
         Engine(EngineConfig(checkpoint=str(tmp_path / "nope"), device="cpu"))
+
+
+# --- checkpoints that are not the one served --------------------------------------------------------------
+
+
+def ref2va_partition(tmp_path: Path) -> Path:
+    """A native Ref2VA partition directory: the FL2VA one's files (same shapes) under the Ref2VA marker."""
+    native = make_tiny_checkpoint(tmp_path / "native", "native", seed=1)
+    ref = Path(shutil.copytree(native / "FL2VA", tmp_path / "root" / "Ref2VA"))
+    (ref / "model_index.json").write_text(json.dumps({"_minimax_h3": {"partition": "ref2va", "tasks": ["ref2va"]}}))
+    return ref
+
+
+def test_a_ref2va_partition_is_served_neither_at_start_nor_as_a_weight_update(engine, tmp_path):
+    """The engine serves t2va, which only the FL2VA transformer does; Ref2VA's has the same shapes."""
+    ref = ref2va_partition(tmp_path)
+    with pytest.raises(CheckpointError, match="is the Ref2VA partition, not the FL2VA one"):
+        Engine(EngineConfig(checkpoint=str(ref), device="cpu"))
+    model = engine.model_name
+    for call in (engine.validate_weight_update, engine.update_weights):
+        with pytest.raises(WeightsRejected, match="is the Ref2VA partition, not the FL2VA one"):
+            call(ref)
+    assert engine.model_name == model
+
+
+def _wider_text_encoder(root: Path, monkeypatch) -> None:  # another Qwen3-VL: 48 wide, the transformer takes 32
+    from model import tiny_components
+
+    monkeypatch.setattr(tiny_components, "TINY_TEXT_DIM", 48)
+    shutil.rmtree(root / "text_encoder")
+    encoder = tiny_components.tiny_text_encoder(tiny_components.tiny_tokenizer(), seed=0)
+    encoder.save_pretrained(root / "text_encoder")
+
+
+def _edit_config(path: Path, **values) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+MISFITS = [  # (break the copy, which stage refuses it, error, message)
+    pytest.param(_wider_text_encoder, prompt_stage, TextEncoderLoadError, "encodes prompts 48 wide, but the "
+                 r"transformer \(.*config.json\) takes text_dim=32", id="text-encoder-width"),
+    pytest.param(lambda root, _: _edit_config(root / "audio_vae" / "config.json", sampling_rate=16000), decode_stage,
+                 DecoderLoadError, r"audio_vae does not decode MiniMax-H3 latents: latents per second 20 "
+                 r"\(expected 40\)", id="audio-sample-rate"),
+    pytest.param(lambda root, _: _edit_config(root / "vae" / "config.json", clip_length=13), decode_stage,
+                 DecoderLoadError, r"vae does not decode MiniMax-H3 latents: clip_length 13 \(expected 17\), latent "
+                 r"frames per clip 4 \(expected 5\)", id="video-clip-length"),
+]
+
+
+@pytest.mark.parametrize("breakage, stage, error, message", MISFITS)
+def test_components_that_do_not_fit_the_transformer_are_refused_at_start(engine, tmp_path, monkeypatch, breakage,
+                                                                         stage, error, message):
+    """Each loads on its own; served together they would fail every request (text width) or mux a soundtrack or
+    a video that does not last the requested time (a 16 kHz VAE decodes 40 latents/s into 10.35 s for 5.17 s)."""
+    root = Path(shutil.copytree(engine.checkpoint.root, tmp_path / "misfit"))
+    breakage(root, monkeypatch)
+    config = EngineConfig(checkpoint=str(root), device="cpu")
+    with pytest.raises(error, match=message):
+        stage(config)
+    with pytest.raises(error, match=message):
+        Engine(config)
 
 
 def test_online_adaln_gives_the_resident_bits_on_cuda(checkpoint_root):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -196,6 +198,44 @@ def test_missing_tokenizer_directory_is_named(roots, tmp_path):
         PromptEncoder(roots["diffusers"] / "text_encoder", tmp_path / "absent", "cpu")
 
 
+def test_a_tokenizer_directory_without_its_vocabulary_is_refused(roots, tmp_path):
+    """tokenizer_config.json without tokenizer.json (a partial download) loads as a tokenizer that gives every
+    prompt 0 tokens: each request would be refused as the client's empty prompt."""
+    partial = Path(shutil.copytree(roots["diffusers"] / "tokenizer", tmp_path / "tokenizer"))
+    (partial / "tokenizer.json").unlink()
+    with pytest.raises(TextEncoderLoadError, match=f"{partial} holds no tokenizer vocabulary"):
+        PromptEncoder(roots["diffusers"] / "text_encoder", partial, "cpu")
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(roots, tmp_path):
+    """Another model's tokenizer: a prompt with its extra token would index past the embedding table."""
+    tokenizer = Qwen2TokenizerFast.from_pretrained(roots["diffusers"] / "tokenizer")
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["<|another_models_token|>"])
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(TextEncoderLoadError, match=f"has {rows + 1} tokens, more than the {rows} rows"):
+        PromptEncoder(roots["diffusers"] / "text_encoder", tmp_path / "tokenizer", "cpu")
+
+
+def _without_weight_map(text_encoder: Path) -> None:
+    (text_encoder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+
+def _cut_short(path: Path) -> None:
+    os.truncate(path, 1000)
+
+
+@pytest.mark.parametrize("breakage, cause", [
+    pytest.param(_without_weight_map, "KeyError: 'weight_map'", id="index-without-weight-map"),
+    pytest.param(lambda d: _cut_short(d / "model.safetensors"), "SafetensorError", id="weights-cut-short"),
+])
+def test_unloadable_text_encoder_weights_are_a_load_error_naming_the_directory(roots, tmp_path, breakage, cause):
+    broken = Path(shutil.copytree(roots["diffusers"] / "text_encoder", tmp_path / "text_encoder"))
+    breakage(broken)
+    with pytest.raises(TextEncoderLoadError, match=f"weights in {re.escape(str(broken))}: {cause}"):
+        PromptEncoder(broken, roots["diffusers"] / "tokenizer", "cpu")
+
+
 @pytest.mark.parametrize("prompt", ["", 7])
 def test_empty_or_non_string_prompt_is_refused(encoders, prompt):
     with pytest.raises(PromptError, match="no tokens" if prompt == "" else "must be a string") as raised:
@@ -357,6 +397,30 @@ def test_directories_that_hold_no_video_or_audio_vae_are_refused(roots):
         AudioDecoder(roots["diffusers"] / "vae", "cpu")
 
 
+def _drop_key(path: Path, key: str) -> None:
+    config = json.loads(path.read_text())
+    del config[key]
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("directory, breakage, cause", [
+    pytest.param("video_vae", lambda d: _drop_key(d / "config.json", "latents_mean"), "KeyError: 'latents_mean'",
+                 id="video-wrapper-without-latents-mean"),
+    pytest.param("video_vae", lambda d: _cut_short(d / "source" / "model.safetensors"), "SafetensorError",
+                 id="video-weights-cut-short"),
+    pytest.param("audio_vae", lambda d: (d / "metadata.json").write_text("{"), "JSONDecodeError",
+                 id="audio-metadata-not-json"),
+    pytest.param("audio_vae", lambda d: _cut_short(d / "model.safetensors"), "SafetensorError",
+                 id="audio-weights-cut-short"),
+])
+def test_an_unloadable_native_vae_is_a_load_error_naming_its_directory(roots, tmp_path, directory, breakage, cause):
+    broken = Path(shutil.copytree(roots["native"] / directory, tmp_path / directory))
+    breakage(broken)
+    decoder = VideoDecoder if directory == "video_vae" else AudioDecoder
+    with pytest.raises(DecoderLoadError, match=f"cannot load the VAE in {re.escape(str(broken))}: {cause}"):
+        decoder(broken, "cpu")
+
+
 def test_native_video_vae_asking_for_an_unported_feature_is_refused(roots, tmp_path):
     directory = Path(shutil.copytree(roots["native"] / "video_vae", tmp_path / "video_vae"))
     source_config = directory / "source" / "config.json"
@@ -475,6 +539,8 @@ def test_mp4_audio_channels_survive_the_round_trip(tmp_path):
     (np.zeros((2, 8, 8, 3), np.uint8), 0, None, "fps must be a positive integer"),
     (np.zeros((2, 8, 8, 3), np.uint8), 24, np.zeros((3, 100), np.float32), "audio must be float32"),
     (np.zeros((2, 8, 8, 3), np.uint8), 24, np.zeros((2, 100), np.float64), "audio must be float32"),
+    (np.zeros((2, 8, 8, 3), np.uint8), 24, np.full((2, 100), np.nan, np.float32), "audio holds NaN or inf"),
+    (np.zeros((2, 8, 8, 3), np.uint8), 24, np.full((1, 100), np.inf, np.float32), "audio holds NaN or inf"),
 ])
 def test_mp4_refuses_bad_input(frames, fps, audio, message):
     with pytest.raises(MediaInputError, match=message):

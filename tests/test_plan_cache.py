@@ -478,6 +478,14 @@ def test_weight_update_sources_are_validated_before_anything_changes(served, tmp
         resident(served).validate_weight_update_source(misshaped)
 
 
+def test_a_ref2va_partition_is_not_an_update_source_of_the_served_fl2va_transformer(tiny, tmp_path):
+    native = make_tiny_checkpoint(tmp_path / "native", Layout.NATIVE, seed=1, components=False)
+    ref = Path(shutil.copytree(native / "FL2VA", tmp_path / "Ref2VA"))  # same shapes, another task's weights
+    (ref / "model_index.json").write_text(json.dumps({"_minimax_h3": {"partition": "ref2va", "tasks": ["ref2va"]}}))
+    with pytest.raises(WeightUpdateError, match="is the Ref2VA partition, not the FL2VA one"):
+        online_cache(tiny).validate_weight_update_source(ref)
+
+
 @pytest.mark.parametrize("layout", list(Layout))
 def test_refresh_rebuilds_from_the_new_checkpoint_and_old_plans_are_never_served(layout, tmp_path):
     serving = make_models(tmp_path / "serving", layout)  # a private copy: the update writes into it
