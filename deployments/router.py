@@ -58,7 +58,7 @@ Policy when they do not (rendezvous hashing with bounded load):
 Ongoing counts come from Serve's queue-length cache (the replica's own count in its last reply, plus this
 process's sends, minus its completions), plus the choices this router made that Serve has not sent yet; a
 replica without a cache entry is probed, and ``record_routing_stats()["ongoing"]`` is the last resort. A spill
-away from a key's first choice is confirmed with a fresh probe first (see :class:`ScheduleAffinityRouter`).
+away from a key's first choice is confirmed with a fresh probe of both first (see :class:`ScheduleAffinityRouter`).
 
 The router runs inside every process holding a handle to the worker; nothing here blocks the event loop.
 Serve ships the router class to those processes by value (cloudpickle), so module-level state is not shared
@@ -566,7 +566,8 @@ class ScheduleAffinityRouter(RequestRouter):
     The cache can run high: a completion reaches it a little after the caller got the result, and another
     process's finished requests stay in it until the next reply. A spill costs the target a plan rebuild, so
     before spilling away from a key's first choice the router waits ``spill_confirm_s`` (default 10 ms) and
-    re-probes that replica: a back-to-back request for the same schedule stays on its warm replica.
+    re-probes that replica: a back-to-back request for the same schedule stays on its warm replica. It can also run
+    low (another process's sends), so the spill's target is probed with it.
 
     Each call returns exactly one replica (a single tier), so what Serve sends is what we counted; replicas
     Serve knows to be full are skipped, and when all are, every replica is offered in our order and Serve
@@ -794,9 +795,11 @@ class ScheduleAffinityRouter(RequestRouter):
             # About to spill. The numbers may count a request that just finished (the caller can have its
             # result a few ms before the replica and this router stop counting it): give that a moment to
             # settle, ask the replica itself, and decide again (reports and sends may have changed meanwhile).
+            # The target too: another process's sends reach this cache only when it next talks to that replica,
+            # so one that looks idle (what puts it before a busy holder, ServiceCosts) can be busy.
             if self.spill_confirm_s > 0:
                 await asyncio.sleep(self.spill_confirm_s)
-            await self.probe(preferred)
+            await self.probe([*preferred, ranked[0]])
             ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas))
         return ranked
 
