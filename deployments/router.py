@@ -662,8 +662,10 @@ class ScheduleAffinityRouter(RequestRouter):
         reported = stats.get(ROUTING_STATS_ONGOING, 0)
         return (reported if isinstance(reported, int) else 0) + unsent
 
-    async def probe(self, replicas: List[RunningReplica]) -> None:
-        """Refresh the queue-length cache of ``replicas`` from the replicas themselves (concurrently)."""
+    async def probe(self, replicas: List[RunningReplica], raise_only: bool = False) -> None:
+        """Refresh the queue-length cache of ``replicas`` from the replicas themselves (concurrently).
+        ``raise_only``: keep the cached count where it is higher (it has this process's sends that have not reached
+        the replica yet)."""
         deadline_s = self.queue_len_response_deadline_s
 
         async def one(replica: RunningReplica) -> None:
@@ -671,6 +673,8 @@ class ScheduleAffinityRouter(RequestRouter):
                 queue_len = await asyncio.wait_for(replica.get_queue_len(deadline_s=deadline_s), deadline_s)
             except Exception:  # noqa: BLE001 - no answer: keep the previous estimate
                 return
+            if raise_only:
+                queue_len = max(queue_len, self.replica_queue_len_cache.get(replica.replica_id) or 0)
             self.replica_queue_len_cache.update(replica.replica_id, queue_len)
 
         await asyncio.gather(*(one(r) for r in replicas))
@@ -799,7 +803,7 @@ class ScheduleAffinityRouter(RequestRouter):
             # so one that looks idle (what puts it before a busy holder, ServiceCosts) can be busy.
             if self.spill_confirm_s > 0:
                 await asyncio.sleep(self.spill_confirm_s)
-            await self.probe([*preferred, ranked[0]])
+            await asyncio.gather(self.probe(preferred), self.probe(ranked[:1], raise_only=True))
             ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas))
         return ranked
 

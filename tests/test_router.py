@@ -338,6 +338,24 @@ def test_an_idle_looking_replica_is_probed_before_a_busy_holders_key_spills_to_i
     assert choose(fake_router({holder: 2, stale: 0, idle: 0}), replicas, "hot") == "B"
 
 
+def test_the_spill_targets_probe_keeps_what_this_router_sent_it_meanwhile():
+    """A send lands in the cache at once but reaches the replica later: its own count, probed meanwhile, misses it."""
+    holder, target, idle = FakeReplica("H", ["hot"], 2), FakeReplica("B", [], 0), FakeReplica("C", ["x"], 0)
+    router = fake_router({holder: 2, target: 0, idle: 0})
+
+    def answer_after_a_send(replica):
+        async def get_queue_len(deadline_s: float) -> int:
+            # another routing task's request goes to B while the probes are out (Serve's on_send_request) ...
+            router.replica_queue_len_cache.update(target.replica_id, 1)
+            await asyncio.sleep(0)
+            return 0 if replica is target else replica.actual_load  # ... and has not reached B yet
+
+        return get_queue_len
+
+    holder.get_queue_len, target.get_queue_len = answer_after_a_send(holder), answer_after_a_send(target)
+    assert choose(router, [holder, target, idle], "hot") == "C"
+
+
 # -- on Serve ------------------------------------------------------------------------------------------
 
 APP = "router_test"
