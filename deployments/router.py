@@ -277,9 +277,9 @@ class SlabReport:
 
     def view(self, sent_since: Sequence[str], plans_of: Callable[[str], int]) -> SlabView:
         """The slab as it will be once the replica has prepared what it has in flight and what this router sent
-        it since the report (``sent_since``, oldest first)."""
+        it since the report (``sent_since``), each in arrival order (oldest first: a replica serves them in turn)."""
         view = SlabView(self.keys, self.plans, self.capacity_plans)
-        for key in (*reversed(self.ongoing), *sent_since):
+        for key in (*self.ongoing, *sent_since):
             view = view.with_served(key, plans_of(key))
         return view
 

@@ -218,6 +218,22 @@ def test_slab_report_round_trip_and_view_with_in_flight_and_sent_keys():
     assert SlabReport.parse({"slab": {"keys": [], "plans": [], "capacity_plans": 0, "at": 0}}) is None
 
 
+def test_slab_view_prepares_in_flight_keys_in_arrival_order():
+    """The replica runs its requests one at a time in arrival order (reported oldest first), so the newest in-flight
+    schedule is the most recently used once they are done, and the oldest the first evicted."""
+
+    class Worker(ScheduleAffinityReporter):
+        def slab_state(self):
+            return SlabState(("a", "x"), (8, 8), capacity_plans=16, free_plans=0)  # a's request is running
+
+    w = Worker()
+    with w.track_schedule("a"), w.track_schedule("b"), w.track_schedule("c"):
+        report = SlabReport.parse(w.record_routing_stats())
+    assert report.ongoing == ("a", "b", "c")
+    assert report.view([], lambda k: 8).keys == ("c", "b")  # b then c prepared: a and x evicted
+    assert report.view(["d"], lambda k: 8).keys == ("d", "c")
+
+
 # Service costs: a 20-step H3 generation ~4.3 s against a ~0.25 s plan miss; the CPU bench's 20 ms hit against an
 # 80 ms rebuild.
 H3_COSTS = ServiceCosts(generation_s=4.3, miss_s=0.25)
