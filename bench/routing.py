@@ -122,11 +122,13 @@ class FakePlanWorker(ScheduleAffinityReporter):
             async with self.lock:
                 hits, slots = self.slab.acquire(payload["schedule"], self.plans_per_schedule)
                 try:
-                    cost = self.warm_s + (self.plans_per_schedule - hits) * self.rebuild_s_per_plan
-                    if cost > 0:
-                        await asyncio.sleep(cost)
+                    plans_s = (self.plans_per_schedule - hits) * self.rebuild_s_per_plan
+                    if self.warm_s + plans_s > 0:
+                        await asyncio.sleep(self.warm_s + plans_s)
                 finally:
                     self.slab.release(slots)
+                # as the Serve worker does: the router weighs a miss against the wait behind a holder with these
+                self.record_service(self.warm_s + plans_s, plans_s, missed_slab=hits < self.plans_per_schedule)
                 return {"replica": self.replica, "plan_hits": hits, "plans": self.plans_per_schedule}
 
     def warm_schedule_keys(self) -> List[str]:

@@ -58,7 +58,7 @@ Policy when they do not (rendezvous hashing with bounded load):
 Ongoing counts come from Serve's queue-length cache (the replica's own count in its last reply, plus this
 process's sends, minus its completions), plus the choices this router made that Serve has not sent yet; a
 replica without a cache entry is probed, and ``record_routing_stats()["ongoing"]`` is the last resort. A spill
-away from a key's first choice is confirmed with a fresh probe first (see :class:`ScheduleAffinityRouter`).
+away from a key's first choice is confirmed with a fresh probe of both first (see :class:`ScheduleAffinityRouter`).
 
 The router runs inside every process holding a handle to the worker; nothing here blocks the event loop.
 Serve ships the router class to those processes by value (cloudpickle), so module-level state is not shared
@@ -277,9 +277,9 @@ class SlabReport:
 
     def view(self, sent_since: Sequence[str], plans_of: Callable[[str], int]) -> SlabView:
         """The slab as it will be once the replica has prepared what it has in flight and what this router sent
-        it since the report (``sent_since``, oldest first)."""
+        it since the report (``sent_since``), each in arrival order (oldest first: a replica serves them in turn)."""
         view = SlabView(self.keys, self.plans, self.capacity_plans)
-        for key in (*reversed(self.ongoing), *sent_since):
+        for key in (*self.ongoing, *sent_since):
             view = view.with_served(key, plans_of(key))
         return view
 
@@ -566,7 +566,8 @@ class ScheduleAffinityRouter(RequestRouter):
     The cache can run high: a completion reaches it a little after the caller got the result, and another
     process's finished requests stay in it until the next reply. A spill costs the target a plan rebuild, so
     before spilling away from a key's first choice the router waits ``spill_confirm_s`` (default 10 ms) and
-    re-probes that replica: a back-to-back request for the same schedule stays on its warm replica.
+    re-probes that replica: a back-to-back request for the same schedule stays on its warm replica. It can also run
+    low (another process's sends), so the spill's target is probed with it.
 
     Each call returns exactly one replica (a single tier), so what Serve sends is what we counted; replicas
     Serve knows to be full are skipped, and when all are, every replica is offered in our order and Serve
@@ -661,8 +662,10 @@ class ScheduleAffinityRouter(RequestRouter):
         reported = stats.get(ROUTING_STATS_ONGOING, 0)
         return (reported if isinstance(reported, int) else 0) + unsent
 
-    async def probe(self, replicas: List[RunningReplica]) -> None:
-        """Refresh the queue-length cache of ``replicas`` from the replicas themselves (concurrently)."""
+    async def probe(self, replicas: List[RunningReplica], raise_only: bool = False) -> None:
+        """Refresh the queue-length cache of ``replicas`` from the replicas themselves (concurrently).
+        ``raise_only``: keep the cached count where it is higher (it has this process's sends that have not reached
+        the replica yet)."""
         deadline_s = self.queue_len_response_deadline_s
 
         async def one(replica: RunningReplica) -> None:
@@ -670,6 +673,8 @@ class ScheduleAffinityRouter(RequestRouter):
                 queue_len = await asyncio.wait_for(replica.get_queue_len(deadline_s=deadline_s), deadline_s)
             except Exception:  # noqa: BLE001 - no answer: keep the previous estimate
                 return
+            if raise_only:
+                queue_len = max(queue_len, self.replica_queue_len_cache.get(replica.replica_id) or 0)
             self.replica_queue_len_cache.update(replica.replica_id, queue_len)
 
         await asyncio.gather(*(one(r) for r in replicas))
@@ -794,9 +799,11 @@ class ScheduleAffinityRouter(RequestRouter):
             # About to spill. The numbers may count a request that just finished (the caller can have its
             # result a few ms before the replica and this router stop counting it): give that a moment to
             # settle, ask the replica itself, and decide again (reports and sends may have changed meanwhile).
+            # The target too: another process's sends reach this cache only when it next talks to that replica,
+            # so one that looks idle (what puts it before a busy holder, ServiceCosts) can be busy.
             if self.spill_confirm_s > 0:
                 await asyncio.sleep(self.spill_confirm_s)
-            await self.probe(preferred)
+            await asyncio.gather(self.probe(preferred), self.probe(ranked[:1], raise_only=True))
             ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas))
         return ranked
 

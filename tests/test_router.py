@@ -9,10 +9,12 @@ then the same worker reporting a slab.
 import asyncio
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import ray
 from ray import serve
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.config import RequestRouterConfig
 
 from deployments.placement import Placement, plan_placement
@@ -36,6 +38,7 @@ from deployments.router import (
 from engine.api import SlabState
 
 KEYS = [f"steps=50/shift={s}" for s in range(200)]
+FAKE_DEPLOYMENT = DeploymentID(name="Worker", app_name="fake")
 
 # -- pure policy ---------------------------------------------------------------------------------------
 
@@ -215,6 +218,22 @@ def test_slab_report_round_trip_and_view_with_in_flight_and_sent_keys():
     assert SlabReport.parse({"slab": {"keys": [], "plans": [], "capacity_plans": 0, "at": 0}}) is None
 
 
+def test_slab_view_prepares_in_flight_keys_in_arrival_order():
+    """The replica runs its requests one at a time in arrival order (reported oldest first), so the newest in-flight
+    schedule is the most recently used once they are done, and the oldest the first evicted."""
+
+    class Worker(ScheduleAffinityReporter):
+        def slab_state(self):
+            return SlabState(("a", "x"), (8, 8), capacity_plans=16, free_plans=0)  # a's request is running
+
+    w = Worker()
+    with w.track_schedule("a"), w.track_schedule("b"), w.track_schedule("c"):
+        report = SlabReport.parse(w.record_routing_stats())
+    assert report.ongoing == ("a", "b", "c")
+    assert report.view([], lambda k: 8).keys == ("c", "b")  # b then c prepared: a and x evicted
+    assert report.view(["d"], lambda k: 8).keys == ("d", "c")
+
+
 # Service costs: a 20-step H3 generation ~4.3 s against a ~0.25 s plan miss; the CPU bench's 20 ms hit against an
 # 80 ms rebuild.
 H3_COSTS = ServiceCosts(generation_s=4.3, miss_s=0.25)
@@ -281,6 +300,76 @@ def test_reporter_without_a_slab_reports_none():
             return SlabState()  # resident AdaLN: no slab, every replica is as good
 
     assert "slab" not in Resident().record_routing_stats()
+
+
+# -- the router object, on fake replicas (no Ray cluster) ----------------------------------------------------
+
+
+class FakeReplica:
+    """A RunningReplica as the router uses it: an id, its routing stats, and its own queue length on probe."""
+
+    def __init__(self, rid: str, slab_keys=(), actual_load: int = 0, costs=(4.3, 0.25)):
+        self.replica_id = ReplicaID(rid, FAKE_DEPLOYMENT)
+        slab = {"keys": list(slab_keys), "plans": [8] * len(slab_keys), "ongoing": [], "capacity_plans": 32,
+                "at": time.time(), "generation_s": costs[0], "miss_s": costs[1]}
+        self.routing_stats = {"ongoing": actual_load, "slab": slab}
+        self.actual_load = actual_load
+        self.max_ongoing_requests = 8
+        self.probes = 0
+
+    async def get_queue_len(self, deadline_s: float) -> int:
+        self.probes += 1
+        return self.actual_load
+
+
+def fake_router(cached_loads, **kwargs) -> ScheduleAffinityRouter:
+    router = ScheduleAffinityRouter(deployment_id=FAKE_DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**kwargs)
+    for replica, load in cached_loads.items():
+        router.replica_queue_len_cache.update(replica.replica_id, load)
+    return router
+
+
+def choose(router, replicas, key: str) -> str:
+    async def one():
+        request = SimpleNamespace(kwargs={"schedule_key": key}, routing_context=SimpleNamespace(should_backoff=False),
+                                  future=asyncio.get_running_loop().create_future())
+        (choice,), = await router.choose_replicas(replicas, request)
+        return choice.replica_id.unique_id
+
+    return asyncio.run(one())
+
+
+def test_an_idle_looking_replica_is_probed_before_a_busy_holders_key_spills_to_it():
+    """Another process's sends reach this router's cache only when it next talks to that replica: an "idle" replica
+    can be busy. The spill to it is confirmed like the holder's load, so the key goes to one really idle."""
+    holder, stale, idle = FakeReplica("H", ["hot"], 2), FakeReplica("B", [], 1), FakeReplica("C", ["x"], 0)
+    replicas = [holder, stale, idle]
+    assert rank_for_slab_key("hot", {"H": 2, "B": 0, "C": 0}, {"H": view("hot"), "B": view(), "C": view("x")},
+                             8, lambda k: 1, costs=H3_COSTS)[0] == "B"  # as the cache has it, B goes first
+    router = fake_router({holder: 2, stale: 0, idle: 0})
+    assert choose(router, replicas, "hot") == "C"
+    assert stale.probes == 1
+    stale.actual_load = 0  # really idle: still the first choice
+    assert choose(fake_router({holder: 2, stale: 0, idle: 0}), replicas, "hot") == "B"
+
+
+def test_the_spill_targets_probe_keeps_what_this_router_sent_it_meanwhile():
+    """A send lands in the cache at once but reaches the replica later: its own count, probed meanwhile, misses it."""
+    holder, target, idle = FakeReplica("H", ["hot"], 2), FakeReplica("B", [], 0), FakeReplica("C", ["x"], 0)
+    router = fake_router({holder: 2, target: 0, idle: 0})
+
+    def answer_after_a_send(replica):
+        async def get_queue_len(deadline_s: float) -> int:
+            # another routing task's request goes to B while the probes are out (Serve's on_send_request) ...
+            router.replica_queue_len_cache.update(target.replica_id, 1)
+            await asyncio.sleep(0)
+            return 0 if replica is target else replica.actual_load  # ... and has not reached B yet
+
+        return get_queue_len
+
+    holder.get_queue_len, target.get_queue_len = answer_after_a_send(holder), answer_after_a_send(target)
+    assert choose(router, [holder, target, idle], "hot") == "C"
 
 
 # -- on Serve ------------------------------------------------------------------------------------------

@@ -4,8 +4,11 @@ The Belady row is an upper bound on any router's plan hit rate for the same requ
 deterministic for a seed (virtual time); every request is served.
 """
 
+import asyncio
+
 import pytest
 
+from bench.routing import FakePlanWorker
 from bench.routing_sim import ROUTERS, SimConfig, simulate, true_rates
 
 SMALL = SimConfig(requests=240, warmup=40)
@@ -50,3 +53,14 @@ def test_with_h3_costs_reported_a_hot_schedule_spreads_instead_of_queueing(workl
 def test_where_a_miss_costs_several_hits_reported_costs_change_nothing():
     cfg = SimConfig(requests=600, warmup=100)  # the CPU bench: 20 ms hit, 80 ms more for a miss
     assert simulate("zipf", "slab", cfg, seed=1) == {**simulate("zipf", "slab-hold", cfg, seed=1), "router": "slab"}
+
+
+def test_the_serve_benchs_fake_worker_reports_its_service_costs_as_the_worker_does():
+    """bench.routing's replicas: without the costs its affinity router would run the policy before them."""
+    from deployments.router import ServiceCosts, SlabReport
+
+    worker = FakePlanWorker(slab_plans=16, plans_per_schedule=4, warm_s=0.002, rebuild_s_per_plan=0.001)
+    for _ in range(2):  # a miss (4 plans built), then a hit
+        asyncio.run(worker.generate({"schedule": 3}, schedule_key="s3"))
+    costs = SlabReport.parse(worker.record_routing_stats()).costs
+    assert costs == ServiceCosts(generation_s=pytest.approx(0.006 + 0.2 * (0.002 - 0.006)), miss_s=pytest.approx(0.004))
