@@ -194,8 +194,8 @@ def write_costs_table(args: argparse.Namespace) -> None:
         f"bench.routing_sim (virtual time): {NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, "
         f"6 closed-loop clients, {args.requests} requests per run, first {args.warmup} left out; mean over seeds "
         f"{args.seeds}; load_factor {args.load_factor}, hold_factor {args.hold_factor}.",
-        "slab: rank_for_slab_key with the replicas' service costs (an idle replica goes before a busy holder when a "
-        "miss costs less than the wait, ServiceCosts.idle_beats_holder); slab-hold: the same without costs (the "
+        "slab: rank_for_slab_key with the replicas' service costs (candidates sorted by when the request would start "
+        "there, ServiceCosts.expected_start_s: the wait behind the load, plus a miss where the slab lacks the key); slab-hold: the same without costs (the "
         "policy before them); default: Serve's default router modelled as power of two choices.",
     ]
     write_results("routing-sim-costs", rows, device="cpu", command=command_line(), notes=notes,

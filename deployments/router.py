@@ -26,9 +26,10 @@ plans are all resident, each one's plan count, the slab's capacity in plans; see
   together, cold ones churn where they hurt least, and a hot schedule is copied to a second replica only when
   its holder is over the bound.
 - Replicas over every bound come last (stale loads), least loaded first.
-- Once replicas report their service costs (a generation's seconds, a slab miss's plan seconds), an idle replica
-  goes before busy holders when the miss costs less than the wait behind them (``ServiceCosts``): on H3 a miss is
-  a few percent of a generation, so a hot schedule spreads over idle GPUs instead of queueing on its holder.
+- Once replicas report their service costs (a generation's seconds, a slab miss's plan seconds), that order is
+  sorted by when the request would start (``ServiceCosts.expected_start_s``: the wait behind a replica's load,
+  plus a miss where its slab lacks the key), ties keeping it: on H3 a miss is a few percent of a generation, so a
+  hot schedule spreads over idle GPUs instead of queueing on its holder.
 
 With ``placement=True`` (opt-in) a placement computed from the observed request rates comes first
 (``deployments.placement``: a disjoint partition of the most requested schedules over the slabs, a schedule
@@ -179,12 +180,12 @@ class ServiceCosts:
             return None
         return costs
 
-    def idle_beats_holder(self, holder_load: int) -> bool:
-        """Whether a request should start at once on an idle replica (paying a plan miss) rather than queue on a
-        holder with ``holder_load`` requests: behind them it waits about ``holder_load - 1/2`` generations (the
-        running one is half done on average). On H3 a 20-step generation is ~4.3 s and a miss ~0.25 s (a pool
-        hit ~0.05 s), so an idle GPU always wins; where misses cost several generations it never does."""
-        return holder_load >= 1 and self.miss_s < (holder_load - 0.5) * self.generation_s
+    def expected_start_s(self, load: int, holds_key: bool) -> float:
+        """When a request sent now would have its plans on a replica with ``load`` requests: behind them it waits
+        about ``load - 1/2`` generations (the running one is half done on average), then a replica whose slab does
+        not hold the key gets its plans (a miss). On H3 a 20-step generation is ~4.3 s and a miss ~0.25 s (a pool
+        hit ~0.05 s), so an idle GPU beats any queue; where a miss costs several generations, holders win."""
+        return max(load - 0.5, 0.0) * self.generation_s + (0.0 if holds_key else self.miss_s)
 
 
 @dataclass(frozen=True)
@@ -324,9 +325,10 @@ def rank_for_slab_key(
     Holders of ``key`` within ``hold_factor``'s bound first (least loaded first); then the other replicas within
     ``load_factor``'s bound by the harm of placing ``num_plans`` plans there (``SlabView.eviction_cost``), then
     load; the rest last, least loaded first. Ties keep rendezvous order, so every router agrees on a cold start.
-    With ``costs`` (the replicas report them), idle replicas go before busy holders when a plan miss costs less
-    than the wait (``ServiceCosts.idle_beats_holder``): a hot schedule then spreads instead of queueing while GPUs
-    idle.
+    With ``costs`` (the replicas report them) that order is then sorted by when the request would start
+    (``ServiceCosts.expected_start_s``: the wait behind the replica's load, plus a miss where its slab lacks the
+    key), ties keeping it: a hot schedule spreads over idle GPUs instead of queueing where misses are cheap (H3),
+    and stays on its holders where they are not.
     """
     order = rendezvous_order(key, loads)
     if not order:
@@ -341,11 +343,10 @@ def rank_for_slab_key(
                     key=lambda rid: (views[rid].eviction_cost(num_plans, popularity), loads[rid]))
     taken.update(within)
     rest = sorted((rid for rid in order if rid not in taken), key=loads.__getitem__)
-    if costs is not None and holders and costs.idle_beats_holder(loads[holders[0]]):
-        idle = [rid for rid in within if loads[rid] == 0]  # already in eviction-cost order
-        within = [rid for rid in within if loads[rid] != 0]
-        return idle + holders + within + rest
-    return holders + within + rest
+    ranked = holders + within + rest
+    if costs is not None:  # a stable sort: equal starts keep the order above (holders, eviction harm, load)
+        ranked.sort(key=lambda rid: costs.expected_start_s(loads[rid], views[rid].holds(key)))
+    return ranked
 
 
 def rank_for_placed_key(

@@ -247,7 +247,7 @@ REBUILD_BOUND = ServiceCosts(generation_s=0.02, miss_s=0.08)
     (REBUILD_BOUND, 5, True),  # 4.5 hits (90 ms) > 80 ms
 ])
 def test_an_idle_replica_beats_a_busy_holder_only_when_a_miss_costs_less_than_the_wait(costs, holder_load, idle_wins):
-    assert costs.idle_beats_holder(holder_load) is idle_wins
+    assert (costs.expected_start_s(0, holds_key=False) < costs.expected_start_s(holder_load, holds_key=True)) is idle_wins
     views = {"holder": view("hot"), "idle": view("other"), "busy": view()}
     loads = {"holder": holder_load, "idle": 0, "busy": 1}
     ranked = rank_for_slab_key("hot", loads, views, 8, lambda k: 0, hold_factor=8.0, costs=costs)
@@ -263,6 +263,18 @@ def test_idle_replicas_take_a_busy_holders_key_where_eviction_hurts_least():
     loads = {"holder": 2, "a": 0, "b": 0}
     ranked = rank_for_slab_key("hot", loads, views, 8, lambda k: popularity(k, 0), costs=H3_COSTS)
     assert ranked == ["b", "a", "holder"]
+
+
+@pytest.mark.parametrize("costs, first", [(H3_COSTS, "light"), (REBUILD_BOUND, "holder")])
+def test_with_costs_the_replica_where_the_request_starts_first_comes_first(costs, first):
+    # H3: behind the holder's 3 requests ~10.8 s, behind the other's 1 plus a miss ~2.4 s; where a miss costs 4
+    # hits, 2.5 hits behind the holder (50 ms) beat half a hit plus a miss (90 ms).
+    views = {"holder": view("hot"), "light": view("other"), "heavy": view()}
+    loads = {"holder": 3, "light": 1, "heavy": 4}
+    ranked = rank_for_slab_key("hot", loads, views, 8, lambda k: 0, hold_factor=8.0, costs=costs)
+    assert ranked[0] == first and ranked[-1] == "heavy"
+    starts = [costs.expected_start_s(loads[rid], views[rid].holds("hot")) for rid in ranked]
+    assert starts == sorted(starts)
 
 
 def test_the_reporter_reports_moving_means_of_its_service_costs_once_it_has_both():

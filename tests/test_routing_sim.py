@@ -50,9 +50,11 @@ def test_with_h3_costs_reported_a_hot_schedule_spreads_instead_of_queueing(workl
     assert slab["p99_ms"] < hold["p99_ms"] and slab["p99_ms"] <= 1.2 * default["p99_ms"]
 
 
-def test_where_a_miss_costs_several_hits_reported_costs_change_nothing():
-    cfg = SimConfig(requests=600, warmup=100)  # the CPU bench: 20 ms hit, 80 ms more for a miss
-    assert simulate("zipf", "slab", cfg, seed=1) == {**simulate("zipf", "slab-hold", cfg, seed=1), "router": "slab"}
+@pytest.mark.parametrize("workload", ["zipf", "uniform"])
+def test_where_a_miss_costs_several_hits_the_costs_keep_schedules_on_their_holders(workload):
+    cfg = SimConfig(requests=900, warmup=150)  # the CPU bench: 20 ms hit, 80 ms more for a miss
+    slab, hold = (simulate(workload, router, cfg, seed=1) for router in ("slab", "slab-hold"))
+    assert slab["plan_hit_rate"] >= hold["plan_hit_rate"] - 0.02 and slab["req_per_s"] >= hold["req_per_s"]
 
 
 def test_the_serve_benchs_fake_worker_reports_its_service_costs_as_the_worker_does():
