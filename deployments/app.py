@@ -111,7 +111,7 @@ def replicas_fit(num_gpus: float, num_gpus_in_cluster: float) -> int:
         return 1
     if num_gpus >= 1:
         return int(num_gpus_in_cluster // num_gpus)
-    return int(1 // num_gpus + 1e-9) * int(num_gpus_in_cluster)
+    return int(1 / num_gpus + 1e-9) * int(num_gpus_in_cluster)  # 1 // 0.2 is 4.0 in floats
 
 
 def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) -> dict[str, Any]:

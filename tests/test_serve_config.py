@@ -87,6 +87,15 @@ def test_default_replicas_serve_every_gpu_from_the_start(gpus_in_cluster, worker
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (expect_min, expect_max)
 
 
+@pytest.mark.parametrize(("num_gpus", "gpus_in_cluster", "replicas"), [
+    (0.6, 2, 2), (0.5, 2, 4), (0.25, 1, 4), (0.2, 1, 5), (0.2, 3, 15), (0.1, 1, 10), (1 / 3, 1, 3), (0.3, 1, 3),
+])
+def test_fractional_replicas_fill_each_device(num_gpus, gpus_in_cluster, replicas):
+    """A replica of a device's fraction f: floor(1 / f) of them share each device (five of 0.2, as documented)."""
+    options = worker_deployment_options(WorkerOptions(num_gpus=num_gpus), num_gpus_in_cluster=gpus_in_cluster)
+    assert options["autoscaling_config"]["min_replicas"] == replicas == options["autoscaling_config"]["max_replicas"]
+
+
 def test_shipped_config_leaves_the_replica_count_to_the_gpu_count():
     (app,) = serve_config()["applications"]
     worker = AppConfig.model_validate(app["args"]).worker
