@@ -386,7 +386,7 @@ class AppConfig(BaseModel):
     http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")
     admin: AdminOptions = Field(default_factory=AdminOptions, description="Admin routes: fleet weight updates.")
     jobs: JobsConfig = Field(
-        default_factory=lambda: JobsConfig(state_dir="state"),
+        default_factory=JobsConfig,
         description="Video jobs (/v1/videos): job database, output store, queue bound, leases, retention. A "
         "relative state_dir lies next to engine.checkpoint_root (in the same parent directory).",
     )

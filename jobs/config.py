@@ -19,8 +19,9 @@ class JobsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     state_dir: str = Field(
-        "~/.local/state/ditserve", min_length=1,
-        description="Directory of the SQLite job database and (by default) the outputs; `~` is expanded.",
+        "state", min_length=1,
+        description="Directory of the SQLite job database and (by default) the outputs; `~` is expanded. The app "
+        "puts a relative one next to engine.checkpoint_root (`deployments.app.resolve_jobs_config`).",
     )
     database_url: str | None = Field(
         None, description="Job database: `sqlite:///ABS/PATH.db` or `postgresql://user@host:port/db` (shared "

@@ -14,7 +14,7 @@ from PIL import Image
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import resolve_engine_config, worker_deployment_options
+from deployments.app import resolve_engine_config, resolve_jobs_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
 from engine.api import GenerationResult, GenerationStats, GenerationTimings
 from model.mp4 import thumbnail_png
@@ -52,6 +52,14 @@ def test_app_config_rejects_unknown_names_with_the_field():
         AppConfig.model_validate({"engine": {"checkpoint_layout": "safetensors"}})
     with pytest.raises(ValidationError, match="min_replicas=3 exceeds max_replicas=2"):
         AppConfig.model_validate({"worker": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}})
+
+
+def test_a_jobs_section_without_state_dir_keeps_the_documented_default(tmp_path):
+    """README: `jobs.state_dir` defaults to `state`, next to engine.checkpoint_root, whether or not the yaml has a
+    `jobs:` section (one that set only `concurrency` put the job database under ~/.local/state/ditserve)."""
+    for args in ({}, {"jobs": {}}, {"jobs": {"concurrency": 2}}):
+        jobs = resolve_jobs_config(AppConfig.model_validate(args).jobs, str(tmp_path / "checkpoints"))
+        assert jobs.state_dir == str(tmp_path / "state"), args
 
 
 def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
