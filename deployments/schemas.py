@@ -198,7 +198,7 @@ SPLIT_STAGE_GPUS = 0.2
 class AutoscalingOptions(BaseModel):
     """Worker autoscaling (Ray Serve `autoscaling_config`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     min_replicas: int | None = Field(
         None, ge=0, description="Fewest worker replicas. None: as many as the cluster's GPUs hold at build time "
@@ -220,7 +220,7 @@ class AutoscalingOptions(BaseModel):
 class WorkerOptions(BaseModel):
     """How the worker deployment is replicated and placed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
     autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
@@ -266,7 +266,7 @@ class WorkerOptions(BaseModel):
 class StageOptions(BaseModel):
     """How a stage deployment (TextEncoder, Decoder) of `stages: split` is replicated and placed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
     autoscaling: AutoscalingOptions = Field(
@@ -289,7 +289,7 @@ class StageOptions(BaseModel):
 class HttpOptions(BaseModel):
     """Limits the ingress enforces before anything reaches a worker."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
@@ -319,7 +319,7 @@ class HttpOptions(BaseModel):
 class AdminOptions(BaseModel):
     """Admin routes (`/admin/*`): off unless a token is configured here or in $DITSERVE_ADMIN_TOKEN."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     token: str | None = Field(
         None, description="Bearer token of the admin routes; null: $DITSERVE_ADMIN_TOKEN of the ingress process, "
@@ -346,7 +346,7 @@ HIGH_QUALITY_CACHE_DIT = CacheDitOverrides(
 class VideoOptions(BaseModel):
     """How the ingress turns a video job into an engine request (`POST /v1/videos`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     high_quality: CacheDitOverrides = Field(
         HIGH_QUALITY_CACHE_DIT,
@@ -369,7 +369,7 @@ class VideoOptions(BaseModel):
 class AppConfig(BaseModel):
     """`args` of serve_config.yaml: validated once in `build_app`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine each worker replica runs.")
     stages: Literal["split", "fused"] = Field(

@@ -22,7 +22,7 @@ class PoolConfig(BaseModel):
     """The node-shared host-cache pool (`actors.host_cache_pool`): a tier between a worker's own pinned
     host tier and the rebuild, shared by every GPU worker of a node through Ray's object store."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool | None = Field(
         None,
@@ -49,7 +49,7 @@ class PoolConfig(BaseModel):
 class TextEncoderConfig(BaseModel):
     """The Qwen3-VL prompt encoder (`model.text_encoder`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     device: DeviceName | Literal["engine"] = Field(
         "engine", description="engine: the engine's device; cpu keeps the ~51.5 GB encoder off a small GPU."
@@ -67,7 +67,7 @@ class TextEncoderConfig(BaseModel):
 class DecodeConfig(BaseModel):
     """Video + audio VAE decode and MP4 mux (`model.decode`, `model.mp4`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     device: DeviceName | Literal["engine"] = Field("engine", description="engine: the engine's device.")
 
@@ -75,7 +75,7 @@ class DecodeConfig(BaseModel):
 class GeometryConfig(BaseModel):
     """Request sizes the server accepts (`model.geometry.GeometryLimits`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     short_edge: int | None = Field(
         768, ge=32, description="Required short edge in pixels (MiniMax-H3 is trained at 768); null: any."
@@ -90,7 +90,7 @@ class ParallelConfig(BaseModel):
     torch.distributed group, denoising each request together with Ulysses sequence parallelism
     (`parallel.sequence`). GPUs per replica = `sp`; the replica's ranks share a node."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     sp: int = Field(
         1, ge=1,
@@ -140,7 +140,7 @@ class ParallelConfig(BaseModel):
 class EngineConfig(BaseModel):
     """One GPU worker's engine: which checkpoint, which device, which memory/caching features."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     checkpoint: str = Field(
         "",

@@ -16,7 +16,7 @@ __all__ = ["AuthConfig", "JobsConfig"]
 class JobsConfig(BaseModel):
     """`jobs` of the app config. The defaults serve one node: SQLite and MP4s under `state_dir`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     state_dir: str = Field(
         "state", min_length=1,
@@ -108,7 +108,7 @@ class JobsConfig(BaseModel):
 class AuthConfig(BaseModel):
     """`auth` of the app config: optional API keys for the video routes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     api_keys: list[str] = Field(
         default_factory=list, description="Accepted keys (`Authorization: Bearer <key>`). Empty: no auth, every "

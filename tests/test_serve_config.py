@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
+import types
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import resolve_engine_config, resolve_jobs_config, worker_deployment_options
@@ -155,6 +158,40 @@ def test_parallel_bounds_must_be_positive_and_finite(field, value):
     args["engine"]["parallel"] = {**args["engine"]["parallel"], "sp": 2, field: value}
     with pytest.raises(ValidationError, match=rf"engine.parallel.{field}\n.*(greater than 0|finite number)"):
         AppConfig.model_validate(args)
+
+
+def float_settings(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The yaml path of every float setting under `model` (nested sections included, null-able ones too)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(field.annotation) if union else (field.annotation,)
+        sections = [kind for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        if sections:
+            paths += float_settings(sections[0], prefix + (name,))
+        elif float in kinds:
+            paths.append(prefix + (name,))
+    return paths
+
+
+@pytest.mark.parametrize("path", float_settings(AppConfig), ids=".".join)
+def test_every_float_setting_refuses_infinity(path):
+    """YAML's .inf passed every `ge=0` / `gt=0` bound: num_gpus .inf failed the build in Ray with an OverflowError
+    naming no setting, host_cache_gb .inf every replica's start, a timeout of .inf waited for good."""
+    args: dict = {}
+    section = args
+    for name in path[:-1]:
+        section = section.setdefault(name, {})
+    section[path[-1]] = float("inf")
+    with pytest.raises(ValidationError, match=rf"{re.escape('.'.join(path))}\n.*finite number"):
+        AppConfig.model_validate(args)
+
+
+def test_float_settings_reach_every_section():
+    sections = {path[:-1] for path in float_settings(AppConfig)}
+    assert {("worker",), ("worker", "autoscaling"), ("text_encoder",), ("http",), ("admin",), ("jobs",), ("videos",),
+            ("videos", "high_quality"), ("engine", "adaln"), ("engine", "pool"), ("engine", "offload"),
+            ("engine", "text_encoder"), ("engine", "geometry"), ("engine", "parallel"), ("engine", "cache_dit")} <= sections
 
 
 @pytest.mark.parametrize(("gpus", "num_gpus"), [(2, 1), (2, 0), (0, 2)])
