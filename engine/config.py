@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
+from model.geometry import H3_LATENTS
 from offload.layerwise import OffloadConfig
 
 #: Hard cap on sampling steps: the AdaLN plan slab admits up to 65 plans per request (H3 takes <= 65 steps).
@@ -83,6 +84,19 @@ class GeometryConfig(BaseModel):
     max_pixels: int = Field(768 * 1344, ge=32 * 32, description="Largest width x height in pixels.")
     min_seconds: float = Field(5.0, gt=0, description="Shortest clip (the diffusers pipeline's bound: 5 s).")
     max_seconds: float = Field(15.0, gt=0, description="Longest clip, checked on the snapped frame count.")
+
+    @model_validator(mode="after")
+    def _satisfiable(self) -> "GeometryConfig":
+        # Each of these would pass here and then refuse every request.
+        if self.min_seconds > self.max_seconds:
+            raise ValueError(f"min_seconds={self.min_seconds:g} exceeds max_seconds={self.max_seconds:g}")
+        if self.short_edge is not None:
+            multiple = H3_LATENTS.pixel_multiple
+            if self.short_edge % multiple:
+                raise ValueError(f"short_edge={self.short_edge} must be a multiple of {multiple} (pixels per patch)")
+            if self.short_edge**2 > self.max_pixels:
+                raise ValueError(f"short_edge={self.short_edge} needs max_pixels >= {self.short_edge**2}")
+        return self
 
 
 class ParallelConfig(BaseModel):

@@ -65,6 +65,19 @@ def test_a_jobs_section_without_state_dir_keeps_the_documented_default(tmp_path)
         assert jobs.state_dir == str(tmp_path / "state"), args
 
 
+@pytest.mark.parametrize(("geometry", "message"), [
+    ({"min_seconds": 10, "max_seconds": 5}, "min_seconds=10 exceeds max_seconds=5"),
+    ({"short_edge": 100}, "short_edge=100 must be a multiple of 32"),
+    ({"short_edge": 768, "max_pixels": 512 * 512}, "short_edge=768 needs max_pixels >= 589824"),
+])
+def test_a_geometry_no_request_can_meet_is_refused(geometry, message):
+    """Each of these passed validation and then refused every request with a 422."""
+    with pytest.raises(ValidationError, match=rf"engine.geometry\n.*{message}"):
+        AppConfig.model_validate({"engine": {"geometry": geometry}})
+    AppConfig.model_validate({"engine": {"geometry": {"short_edge": 512, "max_pixels": 512 * 512, "min_seconds": 5,
+                                                      "max_seconds": 5}}})
+
+
 def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
     cpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
     assert cpu["ray_actor_options"] == {"num_gpus": 0.0, "num_cpus": 1.0}
