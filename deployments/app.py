@@ -12,6 +12,7 @@ the one Worker that runs every stage.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -131,6 +132,36 @@ def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) 
     return deployment
 
 
+def check_split_fits(stage_options: dict[str, dict[str, Any]], num_gpus_in_cluster: float) -> None:
+    """Refuse split stages whose minimum replicas the cluster's devices cannot hold at build time (a replica no
+    device has room for stays pending, and `serve run` waits in DEPLOYING for good). `stage_options`: Serve options
+    by config section. First fit, largest share first; a share of 1 or more takes whole free devices. No GPUs at
+    build time: nothing to check (a cluster that adds GPU nodes on demand sets the shares explicitly)."""
+    if num_gpus_in_cluster <= 0:
+        return
+    used = [0.0] * int(num_gpus_in_cluster)  # GPU share taken on each device
+    asked, replicas = [], []
+    for section, options in stage_options.items():
+        share = options["ray_actor_options"]["num_gpus"]
+        count = options.get("num_replicas") or options["autoscaling_config"]["min_replicas"]
+        asked.append(f"{section} {count} x {share:g}")
+        replicas += [share] * count if share > 0 else []
+    for share in sorted(replicas, reverse=True):
+        if share >= 1:
+            free = [device for device, taken in enumerate(used) if taken == 0][:math.ceil(share - 1e-9)]
+            fits = len(free) == math.ceil(share - 1e-9)
+        else:
+            free = [device for device, taken in enumerate(used) if taken + share <= 1 + 1e-9][:1]
+            fits = bool(free)
+        if not fits:
+            raise ValueError(
+                f"stages: split: the minimum replicas ({', '.join(asked)} GPUs) do not fit the cluster's "
+                f"{num_gpus_in_cluster:g} GPUs; lower worker.num_gpus, text_encoder.num_gpus or decoder.num_gpus, "
+                "or their autoscaling.min_replicas / num_replicas")
+        for device in free:
+            used[device] += min(share, 1.0)
+
+
 def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:
     """Serve's drain settings for a replica: drain at most this long, checking every SHUTDOWN_POLL_S (Serve's
     default polls every 2 s, so even an idle replica took 2 s to stop, and the app's two deployments stop one
@@ -179,10 +210,12 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
                 engine.model_dump())
     text_encoder = decoder = None
     if split:
-        text_encoder = TextEncoder.options(**stage_deployment_options(config.text_encoder, num_gpus)).bind(
-            engine.model_dump())
-        decoder = Decoder.options(**stage_deployment_options(config.decoder, num_gpus)).bind(
-            engine.model_dump(), jobs.resolved_output_url)
+        text_encoder_options = stage_deployment_options(config.text_encoder, num_gpus)
+        decoder_options = stage_deployment_options(config.decoder, num_gpus)
+        check_split_fits({"worker": options, "text_encoder": text_encoder_options, "decoder": decoder_options},
+                         num_gpus)
+        text_encoder = TextEncoder.options(**text_encoder_options).bind(engine.model_dump())
+        decoder = Decoder.options(**decoder_options).bind(engine.model_dump(), jobs.resolved_output_url)
         worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory,
                                                 text_encoder, decoder)
     else:

@@ -305,6 +305,31 @@ def test_ingress_keeps_zero_cpus_beside_its_http_resources(stages, names):
     assert deployments["Worker"].ray_actor_options["num_cpus"] == 1.0
 
 
+@pytest.mark.parametrize(("gpus", "args", "fits"), [
+    (0, {}, True), (1, {}, True), (2, {}, True), (8, {}, True),              # the shipped shares: 0.6 + 0.2 + 0.2
+    (1, {"worker": {"num_gpus": 1}}, False),                                  # a whole GPU per worker: no room
+    (2, {"worker": {"num_gpus": 1, "autoscaling": {"min_replicas": 1}}}, True),  # ... unless a device is left
+    (1, {"text_encoder": {"num_gpus": 0.5}}, False),                          # 0.6 + 0.5 > 1
+    (2, {"text_encoder": {"num_gpus": 0.5}}, False),                          # 0.4 left on each device
+    (1, {"worker": {"num_gpus": 0.4}, "text_encoder": {"num_gpus": 0.2}}, False),  # two workers fill it
+    (1, {"worker": {"num_gpus": 0.5, "num_replicas": 1}, "text_encoder": {"num_gpus": 0.3}}, True),
+    (1, {"stages": "fused", "worker": {"num_gpus": 1}}, True),                # no stage beside the worker
+    (0, {"worker": {"num_gpus": 1}, "text_encoder": {"num_gpus": 0.5}}, True),  # GPU nodes come later
+])
+def test_split_stages_whose_minimum_replicas_do_not_fit_the_gpus_are_refused(monkeypatch, gpus, args, fits):
+    """A TextEncoder or Decoder replica that no device has room for stayed pending: `serve run` hung in DEPLOYING."""
+    from deployments import app
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.setattr(app, "cluster_num_gpus", lambda: float(gpus))
+    config = AppConfig.model_validate(args)
+    if fits:
+        app.build_application(config, FakeEngine)
+    else:
+        with pytest.raises(ValueError, match=rf"do not fit the cluster's {gpus} GPUs.*worker.num_gpus"):
+            app.build_application(config, FakeEngine)
+
+
 @pytest.mark.parametrize("stages, http_s, worker_s, decoder_s, ingress_s", [
     ("split", 2.0, 5.0, 5.0, 7.0),  # the shipped defaults: the ingress outlives the stages by STAGE_STOP_REPORTED_S
     ("fused", 2.0, 5.0, 5.0, 7.0),
