@@ -205,8 +205,8 @@ class AutoscalingOptions(BaseModel):
         "(GPUs / GPUs per replica), so every GPU serves from the start; 1 without GPUs.",
     )
     max_replicas: int | None = Field(
-        None, ge=1, description="Most worker replicas. None: the number of GPUs in the cluster at build time "
-        "(one replica per GPU), or 1 without GPUs.",
+        None, ge=1, description="Most worker replicas. None: as many as the cluster's GPUs hold at build time "
+        "(GPUs / GPUs per replica) and at least min_replicas, or 1 without GPUs.",
     )
     target_ongoing_requests: float = Field(1.0, gt=0, description="Requests per replica the autoscaler aims for.")
 
