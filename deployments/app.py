@@ -69,6 +69,10 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
             raise ValueError(f"worker.num_gpus={options.num_gpus:g} conflicts with engine.parallel.sp={sp}: a sequence-"
                              f"parallel replica takes one GPU per rank actor ({sp * gpus_per_rank} here); leave "
                              "worker.num_gpus null (engine.device: cpu runs the ranks on CPU)")
+        if gpus_per_rank and engine.parallel.text_encoder_tp and engine.text_encoder.device == "cpu":
+            raise ValueError("engine.parallel.text_encoder_tp splits the text encoder over the ranks' GPUs; "
+                             "text_encoder.device: cpu would put it on the CPU: use text_encoder.device: engine, or "
+                             "text_encoder_tp: false")
         node_gpus = (largest_node_num_gpus() if ray.is_initialized() else torch.cuda.device_count()) if gpus_per_rank else 0
         check_parallel_config(engine, node_gpus)
         deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus,

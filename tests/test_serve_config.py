@@ -243,6 +243,23 @@ def test_sp_replica_refuses_a_gpu_count_other_than_one_per_rank(monkeypatch, gpu
     assert worker_deployment_options(matching.worker, gpus, matching.engine)["ray_actor_options"]["num_gpus"] == 0
 
 
+@pytest.mark.parametrize(("gpus", "text_encoder_tp", "refused"), [(2, True, True), (2, False, False), (0, True, False)])
+def test_sp_replica_with_a_split_text_encoder_on_the_cpu_is_refused_at_build(monkeypatch, gpus, text_encoder_tp,
+                                                                              refused):
+    """text_encoder_tp runs the encoder's shards on the ranks' GPUs: text_encoder.device: cpu beside it passed the
+    build, then every rank refused to start and Serve restarted the replica over and over."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = sp_app_config(2)
+    engine = config.engine.model_copy(update={
+        "text_encoder": config.engine.text_encoder.model_copy(update={"device": "cpu"}),
+        "parallel": config.engine.parallel.model_copy(update={"text_encoder_tp": text_encoder_tp})})
+    if refused:
+        with pytest.raises(ValueError, match="text_encoder_tp splits the text encoder over the ranks' GPUs"):
+            worker_deployment_options(config.worker, gpus, engine)
+    else:
+        worker_deployment_options(config.worker, gpus, engine)
+
+
 def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
     # Serve's defaults (20 s per deployment, polled every 2 s) kept Ctrl-C on `serve run` waiting ~26 s under load.
     options = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
