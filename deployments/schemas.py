@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -195,6 +195,13 @@ SPLIT_WORKER_GPUS = 0.6
 SPLIT_STAGE_GPUS = 0.2
 
 
+def one_share_or_whole_gpus(num_gpus: float | None) -> float | None:
+    """A replica's GPUs: a share of one device (< 1) or whole devices, never a fraction spanning two."""
+    if num_gpus is not None and num_gpus > 1 and num_gpus != int(num_gpus):
+        raise ValueError(f"num_gpus={num_gpus:g}: a replica takes a share of one GPU (< 1) or whole GPUs")
+    return num_gpus
+
+
 class AutoscalingOptions(BaseModel):
     """Worker autoscaling (Ray Serve `autoscaling_config`)."""
 
@@ -229,6 +236,7 @@ class WorkerOptions(BaseModel):
         f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0. With "
         "engine.parallel.sp > 1 a replica takes sp GPUs, one per rank actor (any other value is refused)."
     )
+    _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica (e.g. a node or accelerator tag), "
@@ -277,6 +285,7 @@ class StageOptions(BaseModel):
         None, ge=0, description=f"GPUs per replica; None: {SPLIT_STAGE_GPUS} of a device if the Ray cluster has GPUs "
         "at build time (it shares the device with a worker), else 0.",
     )
+    _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
     max_ongoing_requests: int = Field(
         8, ge=1, description="Requests one replica holds (it runs one at a time on its device; the rest wait in order)."

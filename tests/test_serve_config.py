@@ -104,6 +104,19 @@ def test_a_geometry_no_request_can_meet_is_refused(geometry, message):
                                                       "max_seconds": 5}}})
 
 
+@pytest.mark.parametrize("section", ["worker", "text_encoder", "decoder"])
+@pytest.mark.parametrize(("num_gpus", "accepted"), [(0, True), (0.2, True), (1, True), (2, True), (1.5, False),
+                                                    (2.25, False)])
+def test_a_replica_takes_a_share_of_one_gpu_or_whole_gpus(section, num_gpus, accepted):
+    """1.5 GPUs (one device and half of another) is no placement a replica can use: refused, naming the key."""
+    args = {section: {"num_gpus": num_gpus}}
+    if accepted:
+        assert getattr(AppConfig.model_validate(args), section).num_gpus == num_gpus
+    else:
+        with pytest.raises(ValidationError, match=rf"{section}.num_gpus\n.*a share of one GPU \(< 1\) or whole GPUs"):
+            AppConfig.model_validate(args)
+
+
 def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
     cpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
     assert cpu["ray_actor_options"] == {"num_gpus": 0.0, "num_cpus": 1.0}
