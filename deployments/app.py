@@ -186,7 +186,7 @@ def ingress_graceful_shutdown_s(config: AppConfig, split: bool) -> float:
 
 def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
     """Pin relative paths to the builder's working directory, so every replica reads the same place."""
-    update = {"checkpoint_root": os.path.abspath(engine.checkpoint_root)}
+    update = {"checkpoint_root": os.path.abspath(os.path.expanduser(engine.checkpoint_root))}
     if engine.checkpoint:
         update["checkpoint"] = os.path.abspath(os.path.expanduser(engine.checkpoint))
     return engine.model_copy(update=update)

@@ -299,6 +299,15 @@ def test_relative_checkpoint_paths_are_pinned_to_the_builder_cwd(tmp_path, monke
     assert resolve_engine_config(AppConfig().engine).checkpoint == ""
 
 
+def test_a_home_relative_checkpoint_root_is_expanded_like_every_other_path(tmp_path, monkeypatch):
+    """`~` in checkpoint_root made a directory literally named `~` in the builder's cwd (checkpoint, weight_roots
+    and jobs.state_dir expand it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    engine = resolve_engine_config(AppConfig.model_validate({"engine": {"checkpoint_root": "~/ckpts"}}).engine)
+    assert engine.checkpoint_root == str(tmp_path / "home" / "ckpts")
+
+
 def test_response_latents_round_trip_through_safetensors_and_without_video_the_preview_is_latent():
     # 96x64 px for 5 s: video latents [24, 37, 4, 6], audio rows [414, 32]
     video, audio = torch.randn(24, 37, 4, 6), torch.randn(414, 32)
