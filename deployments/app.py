@@ -47,9 +47,18 @@ def cluster_num_gpus() -> float:
     return float(torch.cuda.device_count())
 
 
+def on_cpu(engine: EngineConfig, *devices: str) -> bool:
+    """Whether a deployment whose models run on `devices` ("engine": engine.device) needs no GPU: a null
+    num_gpus then asks for none, as a sequence-parallel rank pinned to the CPU does."""
+    return all((engine.device if device == "engine" else device) == "cpu" for device in devices)
+
+
 def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float,
                               engine: EngineConfig | None = None, split: bool = False) -> dict[str, Any]:
     default_gpus = SPLIT_WORKER_GPUS if split else 1.0
+    if engine is not None:  # the denoiser, and unless split, the text encoder and the VAEs
+        devices = (engine.device,) if split else (engine.device, engine.text_encoder.device, engine.decode.device)
+        default_gpus = 0.0 if on_cpu(engine, *devices) else default_gpus
     num_gpus = options.num_gpus if options.num_gpus is not None else (default_gpus if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus,
@@ -119,10 +128,11 @@ def replicas_fit(num_gpus: float, num_gpus_in_cluster: float) -> int:
     return int(1 / num_gpus + 1e-9) * int(num_gpus_in_cluster)  # 1 // 0.2 is 4.0 in floats
 
 
-def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) -> dict[str, Any]:
-    """Ray Serve options of a TextEncoder or Decoder deployment (stages: split)."""
+def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float, cpu_only: bool = False
+                             ) -> dict[str, Any]:
+    """Ray Serve options of a TextEncoder or Decoder deployment (stages: split); `cpu_only`: its device is the CPU."""
     num_gpus = options.num_gpus if options.num_gpus is not None else (
-        SPLIT_STAGE_GPUS if num_gpus_in_cluster > 0 else 0.0)
+        SPLIT_STAGE_GPUS if num_gpus_in_cluster > 0 and not cpu_only else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
         "max_ongoing_requests": options.max_ongoing_requests,
@@ -214,8 +224,9 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
                 engine.model_dump())
     text_encoder = decoder = None
     if split:
-        text_encoder_options = stage_deployment_options(config.text_encoder, num_gpus)
-        decoder_options = stage_deployment_options(config.decoder, num_gpus)
+        text_encoder_options = stage_deployment_options(config.text_encoder, num_gpus,
+                                                        on_cpu(engine, engine.text_encoder.device))
+        decoder_options = stage_deployment_options(config.decoder, num_gpus, on_cpu(engine, engine.decode.device))
         check_split_fits({"worker": options, "text_encoder": text_encoder_options, "decoder": decoder_options},
                          num_gpus)
         text_encoder = TextEncoder.options(**text_encoder_options).bind(engine.model_dump())

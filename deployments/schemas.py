@@ -233,7 +233,8 @@ class WorkerOptions(BaseModel):
     autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
     num_gpus: float | None = Field(
         None, ge=0, description=f"GPUs per replica; None: 1 if the Ray cluster has GPUs at build time "
-        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0. With "
+        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device) and its models "
+        "do not all run on the CPU (engine.device: cpu), else 0. With "
         "engine.parallel.sp > 1 a replica takes sp GPUs, one per rank actor (any other value is refused)."
     )
     _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
@@ -283,7 +284,7 @@ class StageOptions(BaseModel):
     )
     num_gpus: float | None = Field(
         None, ge=0, description=f"GPUs per replica; None: {SPLIT_STAGE_GPUS} of a device if the Ray cluster has GPUs "
-        "at build time (it shares the device with a worker), else 0.",
+        "at build time (it shares the device with a worker) and its device is not the CPU, else 0.",
     )
     _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")

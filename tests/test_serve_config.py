@@ -370,6 +370,28 @@ def test_ingress_keeps_zero_cpus_beside_its_http_resources(stages, names):
     assert deployments["Worker"].ray_actor_options["num_cpus"] == 1.0
 
 
+@pytest.mark.parametrize(("engine", "stages", "expected"), [
+    ({}, "split", {"Worker": 0.6, "TextEncoder": 0.2, "Decoder": 0.2}),
+    ({"device": "cpu"}, "split", {"Worker": 0, "TextEncoder": 0, "Decoder": 0}),
+    ({"device": "cpu", "text_encoder": {"device": "cuda"}}, "split", {"Worker": 0, "TextEncoder": 0.2, "Decoder": 0}),
+    ({"text_encoder": {"device": "cpu"}, "decode": {"device": "cpu"}}, "split",
+     {"Worker": 0.6, "TextEncoder": 0, "Decoder": 0}),                   # the yaml's "keep the encoder off the GPU"
+    ({}, "fused", {"Worker": 1.0}),
+    ({"device": "cpu"}, "fused", {"Worker": 0}),
+    ({"device": "cpu", "decode": {"device": "auto"}}, "fused", {"Worker": 1.0}),  # its VAEs may use the GPU
+])
+def test_a_stage_pinned_to_the_cpu_takes_no_gpu_by_default(monkeypatch, engine, stages, expected):
+    """num_gpus null follows the stage's device, as the sequence-parallel ranks' GPUs do: engine.device: cpu on a
+    GPU node held a GPU per worker replica it never used (and capped the replicas at the GPU count)."""
+    from deployments import app
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.setattr(app, "cluster_num_gpus", lambda: 2.0)
+    deployments = bound_deployments(app.build_application(
+        AppConfig.model_validate({"engine": engine, "stages": stages}), FakeEngine))
+    assert {name: deployments[name].ray_actor_options["num_gpus"] for name in expected} == expected
+
+
 @pytest.mark.parametrize(("gpus", "args", "fits"), [
     (0, {}, True), (1, {}, True), (2, {}, True), (8, {}, True),              # the shipped shares: 0.6 + 0.2 + 0.2
     (1, {"worker": {"num_gpus": 1}}, False),                                  # a whole GPU per worker: no room
