@@ -239,6 +239,28 @@ def test_every_float_setting_refuses_infinity(path):
         AppConfig.model_validate(args)
 
 
+def config_sections(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The yaml path of every section (nested model) of `model`, itself included."""
+    paths = [prefix]
+    for name, field in model.model_fields.items():
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(field.annotation) if union else (field.annotation,)
+        paths += [path for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)
+                  for path in config_sections(kind, prefix + (name,))]
+    return paths
+
+
+@pytest.mark.parametrize("path", config_sections(AppConfig), ids=lambda path: ".".join(path) or "args")
+def test_a_misspelled_key_is_refused_in_every_section(path):
+    args: dict = {}
+    section = args
+    for name in path:
+        section = section.setdefault(name, {})
+    section["num_gpu"] = 1
+    with pytest.raises(ValidationError, match=rf"{re.escape('.'.join(path + ('num_gpu',)))}\n.*Extra inputs"):
+        AppConfig.model_validate(args)
+
+
 def test_float_settings_reach_every_section():
     sections = {path[:-1] for path in float_settings(AppConfig)}
     assert {("worker",), ("worker", "autoscaling"), ("text_encoder",), ("http",), ("admin",), ("jobs",), ("videos",),
