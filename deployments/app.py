@@ -140,9 +140,10 @@ def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float, 
     }
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
-    else:  # one per device (beside each worker); 1 without GPUs
+    else:  # one per device (beside each worker), or as many as the devices hold of a multi-GPU stage; 1 without GPUs
         deployment["autoscaling_config"] = autoscaling_config(
-            options.autoscaling, int(num_gpus_in_cluster) if num_gpus > 0 else 1)
+            options.autoscaling, min(int(num_gpus_in_cluster), replicas_fit(num_gpus, num_gpus_in_cluster))
+            if num_gpus > 0 else 1)
     return deployment
 
 

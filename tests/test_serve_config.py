@@ -414,6 +414,18 @@ def test_a_stage_pinned_to_the_cpu_takes_no_gpu_by_default(monkeypatch, engine, 
     assert {name: deployments[name].ray_actor_options["num_gpus"] for name in expected} == expected
 
 
+@pytest.mark.parametrize(("num_gpus", "gpus_in_cluster", "replicas"), [
+    (None, 8, 8), (0.5, 8, 8), (1, 8, 8), (2, 8, 4), (4, 8, 2), (2, 3, 1), (None, 0, 1),
+])
+def test_stage_replicas_default_to_one_per_gpu_or_as_many_as_the_gpus_hold(num_gpus, gpus_in_cluster, replicas):
+    """A stage of 2 GPUs per replica defaulted to one replica per GPU: 8 replicas wanting 16 of 8 GPUs."""
+    from deployments.app import stage_deployment_options
+    from deployments.schemas import StageOptions
+
+    options = stage_deployment_options(StageOptions(num_gpus=num_gpus), gpus_in_cluster)
+    assert options["autoscaling_config"]["max_replicas"] == replicas == options["autoscaling_config"]["min_replicas"]
+
+
 @pytest.mark.parametrize(("gpus", "args", "fits"), [
     (0, {}, True), (1, {}, True), (2, {}, True), (8, {}, True),              # the shipped shares: 0.6 + 0.2 + 0.2
     (1, {"worker": {"num_gpus": 1}}, False),                                  # a whole GPU per worker: no room
