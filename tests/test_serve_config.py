@@ -265,7 +265,8 @@ def test_float_settings_reach_every_section():
     sections = {path[:-1] for path in float_settings(AppConfig)}
     assert {("worker",), ("worker", "autoscaling"), ("text_encoder",), ("http",), ("admin",), ("jobs",), ("videos",),
             ("videos", "high_quality"), ("engine", "adaln"), ("engine", "pool"), ("engine", "offload"),
-            ("engine", "text_encoder"), ("engine", "geometry"), ("engine", "parallel"), ("engine", "cache_dit")} <= sections
+            ("engine", "text_encoder"), ("engine", "geometry"), ("engine", "parallel"),
+            ("engine", "cache_dit")} <= sections
 
 
 @pytest.mark.parametrize(("gpus", "num_gpus"), [(2, 1), (2, 0), (0, 2)])
