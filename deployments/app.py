@@ -86,6 +86,9 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
         check_parallel_config(engine, node_gpus)
         deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus,
                                            **({"resources": dict(options.resources)} if options.resources else {})}
+        if options.num_cpus <= 0 and not any(amount > 0 for amount in options.resources.values()):
+            raise ValueError(f"worker.num_cpus=0 with engine.parallel.sp={sp}: the replica's bundle of its placement "
+                             "group would be empty (Ray refuses one); give it a CPU share or a worker.resources tag")
         bundles = replica_bundles(sp, gpus_per_rank, options.num_cpus)
         bundles[0].update(options.resources)  # Serve puts the replica in bundle 0: it must hold what the replica asks
         deployment["placement_group_bundles"] = bundles

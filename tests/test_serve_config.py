@@ -296,6 +296,18 @@ def test_sp_replica_with_a_split_text_encoder_on_the_cpu_is_refused_at_build(mon
         worker_deployment_options(config.worker, gpus, engine)
 
 
+def test_sp_replica_without_cpus_or_resources_is_refused_naming_the_setting(monkeypatch):
+    """The replica's bundle of its placement group holds what the replica asks; an empty one failed the build in
+    Ray ("Bundles cannot be an empty dictionary") naming no setting."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = sp_app_config(2, num_cpus=0)
+    with pytest.raises(ValueError, match="worker.num_cpus=0 with engine.parallel.sp=2"):
+        worker_deployment_options(config.worker, 2, config.engine)
+    tagged = sp_app_config(2, num_cpus=0, resources={"h200": 0.01})  # a node tag fills the bundle
+    assert worker_deployment_options(tagged.worker, 2, tagged.engine)["placement_group_bundles"][0] == {
+        "CPU": 0.0, "h200": 0.01}
+
+
 def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
     # Serve's defaults (20 s per deployment, polled every 2 s) kept Ctrl-C on `serve run` waiting ~26 s under load.
     options = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
