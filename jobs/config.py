@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ["AuthConfig", "JobsConfig"]
 
+#: What `jobs.store.open_job_store` opens.
+DATABASE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
+
 
 class JobsConfig(BaseModel):
     """`jobs` of the app config. The defaults serve one node: SQLite and MP4s under `state_dir`."""
@@ -81,6 +84,14 @@ class JobsConfig(BaseModel):
     )
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="POST bodies above this get 413.")
     max_list_limit: int = Field(100, ge=1, description="Largest `limit` GET /v1/videos accepts (more: 422).")
+
+    @field_validator("database_url")
+    @classmethod
+    def _supported_database(cls, url: str | None) -> str | None:
+        # The schemes jobs.store.open_job_store opens: refused here, not in every ingress replica's start.
+        if url is not None and not url.startswith(DATABASE_SCHEMES):
+            raise ValueError(f"database_url={url!r}: expected sqlite:///PATH or postgresql://...")
+        return url
 
     @model_validator(mode="after")
     def _heartbeat_within_lease(self) -> JobsConfig:

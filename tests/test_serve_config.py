@@ -117,6 +117,18 @@ def test_a_replica_takes_a_share_of_one_gpu_or_whole_gpus(section, num_gpus, acc
             AppConfig.model_validate(args)
 
 
+@pytest.mark.parametrize(("url", "accepted"), [("sqlite:////srv/jobs.db", True), ("postgresql://u@h:5432/db", True),
+                                             ("postgres://u@h/db", True), ("mysql://u@h/db", False),
+                                             ("/srv/jobs.db", False), ("sqlite://jobs.db", False)])
+def test_the_job_database_url_is_checked_when_the_app_is_built(url, accepted):
+    """An unsupported database_url passed the build, then every ingress replica failed to start."""
+    if accepted:
+        assert AppConfig.model_validate({"jobs": {"database_url": url}}).jobs.database_url == url
+    else:
+        with pytest.raises(ValidationError, match=r"jobs.database_url\n.*expected sqlite:///PATH or postgresql://"):
+            AppConfig.model_validate({"jobs": {"database_url": url}})
+
+
 def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
     cpu = worker_deployment_options(WorkerOptions(), num_gpus_in_cluster=0)
     assert cpu["ray_actor_options"] == {"num_gpus": 0.0, "num_cpus": 1.0}
