@@ -74,7 +74,7 @@ def _check_mask(v):
 class CacheDitConfig(BaseModel):
     """DBCache settings under cache-dit's own names (`cache_dit:` in serve_config.yaml)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool = Field(False, description=_DESCRIPTIONS["enabled"])
     Fn_compute_blocks: int = Field(1, ge=1, description=_DESCRIPTIONS["Fn_compute_blocks"])

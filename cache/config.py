@@ -19,7 +19,7 @@ class AdalnConfig(BaseModel):
     the same `projection`.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     mode: Literal["resident", "online"] = Field(
         "online",

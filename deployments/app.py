@@ -12,6 +12,7 @@ the one Worker that runs every stage.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -46,9 +47,18 @@ def cluster_num_gpus() -> float:
     return float(torch.cuda.device_count())
 
 
+def on_cpu(engine: EngineConfig, *devices: str) -> bool:
+    """Whether a deployment whose models run on `devices` ("engine": engine.device) needs no GPU: a null
+    num_gpus then asks for none, as a sequence-parallel rank pinned to the CPU does."""
+    return all((engine.device if device == "engine" else device) == "cpu" for device in devices)
+
+
 def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float,
                               engine: EngineConfig | None = None, split: bool = False) -> dict[str, Any]:
     default_gpus = SPLIT_WORKER_GPUS if split else 1.0
+    if engine is not None:  # the denoiser, and unless split, the text encoder and the VAEs
+        devices = (engine.device,) if split else (engine.device, engine.text_encoder.device, engine.decode.device)
+        default_gpus = 0.0 if on_cpu(engine, *devices) else default_gpus
     num_gpus = options.num_gpus if options.num_gpus is not None else (default_gpus if num_gpus_in_cluster > 0 else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus,
@@ -68,10 +78,17 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
             raise ValueError(f"worker.num_gpus={options.num_gpus:g} conflicts with engine.parallel.sp={sp}: a sequence-"
                              f"parallel replica takes one GPU per rank actor ({sp * gpus_per_rank} here); leave "
                              "worker.num_gpus null (engine.device: cpu runs the ranks on CPU)")
+        if gpus_per_rank and engine.parallel.text_encoder_tp and engine.text_encoder.device == "cpu":
+            raise ValueError("engine.parallel.text_encoder_tp splits the text encoder over the ranks' GPUs; "
+                             "text_encoder.device: cpu would put it on the CPU: use text_encoder.device: engine, or "
+                             "text_encoder_tp: false")
         node_gpus = (largest_node_num_gpus() if ray.is_initialized() else torch.cuda.device_count()) if gpus_per_rank else 0
         check_parallel_config(engine, node_gpus)
         deployment["ray_actor_options"] = {"num_gpus": 0, "num_cpus": options.num_cpus,
                                            **({"resources": dict(options.resources)} if options.resources else {})}
+        if options.num_cpus <= 0 and not any(amount > 0 for amount in options.resources.values()):
+            raise ValueError(f"worker.num_cpus=0 with engine.parallel.sp={sp}: the replica's bundle of its placement "
+                             "group would be empty (Ray refuses one); give it a CPU share or a worker.resources tag")
         bundles = replica_bundles(sp, gpus_per_rank, options.num_cpus)
         bundles[0].update(options.resources)  # Serve puts the replica in bundle 0: it must hold what the replica asks
         deployment["placement_group_bundles"] = bundles
@@ -111,13 +128,14 @@ def replicas_fit(num_gpus: float, num_gpus_in_cluster: float) -> int:
         return 1
     if num_gpus >= 1:
         return int(num_gpus_in_cluster // num_gpus)
-    return int(1 // num_gpus + 1e-9) * int(num_gpus_in_cluster)
+    return int(1 / num_gpus + 1e-9) * int(num_gpus_in_cluster)  # 1 // 0.2 is 4.0 in floats
 
 
-def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) -> dict[str, Any]:
-    """Ray Serve options of a TextEncoder or Decoder deployment (stages: split)."""
+def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float, cpu_only: bool = False
+                             ) -> dict[str, Any]:
+    """Ray Serve options of a TextEncoder or Decoder deployment (stages: split); `cpu_only`: its device is the CPU."""
     num_gpus = options.num_gpus if options.num_gpus is not None else (
-        SPLIT_STAGE_GPUS if num_gpus_in_cluster > 0 else 0.0)
+        SPLIT_STAGE_GPUS if num_gpus_in_cluster > 0 and not cpu_only else 0.0)
     deployment: dict[str, Any] = {
         "ray_actor_options": {"num_gpus": num_gpus, "num_cpus": options.num_cpus},
         "max_ongoing_requests": options.max_ongoing_requests,
@@ -125,10 +143,41 @@ def stage_deployment_options(options: StageOptions, num_gpus_in_cluster: float) 
     }
     if options.num_replicas is not None:
         deployment["num_replicas"] = options.num_replicas
-    else:  # one per device (beside each worker); 1 without GPUs
+    else:  # one per device (beside each worker), or as many as the devices hold of a multi-GPU stage; 1 without GPUs
         deployment["autoscaling_config"] = autoscaling_config(
-            options.autoscaling, int(num_gpus_in_cluster) if num_gpus > 0 else 1)
+            options.autoscaling, min(int(num_gpus_in_cluster), replicas_fit(num_gpus, num_gpus_in_cluster))
+            if num_gpus > 0 else 1)
     return deployment
+
+
+def check_split_fits(stage_options: dict[str, dict[str, Any]], num_gpus_in_cluster: float) -> None:
+    """Refuse split stages whose minimum replicas the cluster's devices cannot hold at build time (a replica no
+    device has room for stays pending, and `serve run` waits in DEPLOYING for good). `stage_options`: Serve options
+    by config section. First fit, largest share first; a share of 1 or more takes whole free devices. No GPUs at
+    build time: nothing to check (a cluster that adds GPU nodes on demand sets the shares explicitly)."""
+    if num_gpus_in_cluster <= 0:
+        return
+    used = [0.0] * int(num_gpus_in_cluster)  # GPU share taken on each device
+    asked, replicas = [], []
+    for section, options in stage_options.items():
+        share = options["ray_actor_options"]["num_gpus"]
+        count = options.get("num_replicas") or options["autoscaling_config"]["min_replicas"]
+        asked.append(f"{section} {count} x {share:g}")
+        replicas += [share] * count if share > 0 else []
+    for share in sorted(replicas, reverse=True):
+        if share >= 1:
+            free = [device for device, taken in enumerate(used) if taken == 0][:math.ceil(share - 1e-9)]
+            fits = len(free) == math.ceil(share - 1e-9)
+        else:
+            free = [device for device, taken in enumerate(used) if taken + share <= 1 + 1e-9][:1]
+            fits = bool(free)
+        if not fits:
+            raise ValueError(
+                f"stages: split: the minimum replicas ({', '.join(asked)} GPUs) do not fit the cluster's "
+                f"{num_gpus_in_cluster:g} GPUs; lower worker.num_gpus, text_encoder.num_gpus or decoder.num_gpus, "
+                "or their autoscaling.min_replicas / num_replicas")
+        for device in free:
+            used[device] += min(share, 1.0)
 
 
 def shutdown_options(graceful_shutdown_timeout_s: float) -> dict[str, float]:
@@ -151,7 +200,7 @@ def ingress_graceful_shutdown_s(config: AppConfig, split: bool) -> float:
 
 def resolve_engine_config(engine: EngineConfig) -> EngineConfig:
     """Pin relative paths to the builder's working directory, so every replica reads the same place."""
-    update = {"checkpoint_root": os.path.abspath(engine.checkpoint_root)}
+    update = {"checkpoint_root": os.path.abspath(os.path.expanduser(engine.checkpoint_root))}
     if engine.checkpoint:
         update["checkpoint"] = os.path.abspath(os.path.expanduser(engine.checkpoint))
     return engine.model_copy(update=update)
@@ -179,10 +228,13 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
                 engine.model_dump())
     text_encoder = decoder = None
     if split:
-        text_encoder = TextEncoder.options(**stage_deployment_options(config.text_encoder, num_gpus)).bind(
-            engine.model_dump())
-        decoder = Decoder.options(**stage_deployment_options(config.decoder, num_gpus)).bind(
-            engine.model_dump(), jobs.resolved_output_url)
+        text_encoder_options = stage_deployment_options(config.text_encoder, num_gpus,
+                                                        on_cpu(engine, engine.text_encoder.device))
+        decoder_options = stage_deployment_options(config.decoder, num_gpus, on_cpu(engine, engine.decode.device))
+        check_split_fits({"worker": options, "text_encoder": text_encoder_options, "decoder": decoder_options},
+                         num_gpus)
+        text_encoder = TextEncoder.options(**text_encoder_options).bind(engine.model_dump())
+        decoder = Decoder.options(**decoder_options).bind(engine.model_dump(), jobs.resolved_output_url)
         worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory,
                                                 text_encoder, decoder)
     else:

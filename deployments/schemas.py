@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -195,18 +195,25 @@ SPLIT_WORKER_GPUS = 0.6
 SPLIT_STAGE_GPUS = 0.2
 
 
+def one_share_or_whole_gpus(num_gpus: float | None) -> float | None:
+    """A replica's GPUs: a share of one device (< 1) or whole devices, never a fraction spanning two."""
+    if num_gpus is not None and num_gpus > 1 and num_gpus != int(num_gpus):
+        raise ValueError(f"num_gpus={num_gpus:g}: a replica takes a share of one GPU (< 1) or whole GPUs")
+    return num_gpus
+
+
 class AutoscalingOptions(BaseModel):
     """Worker autoscaling (Ray Serve `autoscaling_config`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     min_replicas: int | None = Field(
         None, ge=0, description="Fewest worker replicas. None: as many as the cluster's GPUs hold at build time "
         "(GPUs / GPUs per replica), so every GPU serves from the start; 1 without GPUs.",
     )
     max_replicas: int | None = Field(
-        None, ge=1, description="Most worker replicas. None: the number of GPUs in the cluster at build time "
-        "(one replica per GPU), or 1 without GPUs.",
+        None, ge=1, description="Most worker replicas. None: as many as the cluster's GPUs hold at build time "
+        "(GPUs / GPUs per replica) and at least min_replicas, or 1 without GPUs.",
     )
     target_ongoing_requests: float = Field(1.0, gt=0, description="Requests per replica the autoscaler aims for.")
 
@@ -220,15 +227,17 @@ class AutoscalingOptions(BaseModel):
 class WorkerOptions(BaseModel):
     """How the worker deployment is replicated and placed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
     autoscaling: AutoscalingOptions = Field(default_factory=AutoscalingOptions, description="Used when num_replicas is None.")
     num_gpus: float | None = Field(
         None, ge=0, description=f"GPUs per replica; None: 1 if the Ray cluster has GPUs at build time "
-        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device), else 0. With "
+        f"({SPLIT_WORKER_GPUS} with stages: split, the text encoder and decoder sharing the device) and its models "
+        "do not all run on the CPU (engine.device: cpu), else 0. With "
         "engine.parallel.sp > 1 a replica takes sp GPUs, one per rank actor (any other value is refused)."
     )
+    _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica.")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica (e.g. a node or accelerator tag), "
@@ -266,7 +275,7 @@ class WorkerOptions(BaseModel):
 class StageOptions(BaseModel):
     """How a stage deployment (TextEncoder, Decoder) of `stages: split` is replicated and placed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count; None: use `autoscaling`.")
     autoscaling: AutoscalingOptions = Field(
@@ -275,8 +284,9 @@ class StageOptions(BaseModel):
     )
     num_gpus: float | None = Field(
         None, ge=0, description=f"GPUs per replica; None: {SPLIT_STAGE_GPUS} of a device if the Ray cluster has GPUs "
-        "at build time (it shares the device with a worker), else 0.",
+        "at build time (it shares the device with a worker) and its device is not the CPU, else 0.",
     )
+    _num_gpus = field_validator("num_gpus")(one_share_or_whole_gpus)
     num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per replica.")
     max_ongoing_requests: int = Field(
         8, ge=1, description="Requests one replica holds (it runs one at a time on its device; the rest wait in order)."
@@ -289,7 +299,7 @@ class StageOptions(BaseModel):
 class HttpOptions(BaseModel):
     """Limits the ingress enforces before anything reaches a worker."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_body_bytes: int = Field(64 * 1024, ge=256, description="Request bodies above this get HTTP 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation may take before HTTP 504.")
@@ -319,7 +329,7 @@ class HttpOptions(BaseModel):
 class AdminOptions(BaseModel):
     """Admin routes (`/admin/*`): off unless a token is configured here or in $DITSERVE_ADMIN_TOKEN."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     token: str | None = Field(
         None, description="Bearer token of the admin routes; null: $DITSERVE_ADMIN_TOKEN of the ingress process, "
@@ -346,7 +356,7 @@ HIGH_QUALITY_CACHE_DIT = CacheDitOverrides(
 class VideoOptions(BaseModel):
     """How the ingress turns a video job into an engine request (`POST /v1/videos`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     high_quality: CacheDitOverrides = Field(
         HIGH_QUALITY_CACHE_DIT,
@@ -369,7 +379,7 @@ class VideoOptions(BaseModel):
 class AppConfig(BaseModel):
     """`args` of serve_config.yaml: validated once in `build_app`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The engine each worker replica runs.")
     stages: Literal["split", "fused"] = Field(
@@ -386,7 +396,7 @@ class AppConfig(BaseModel):
     http: HttpOptions = Field(default_factory=HttpOptions, description="Ingress request limits.")
     admin: AdminOptions = Field(default_factory=AdminOptions, description="Admin routes: fleet weight updates.")
     jobs: JobsConfig = Field(
-        default_factory=lambda: JobsConfig(state_dir="state"),
+        default_factory=JobsConfig,
         description="Video jobs (/v1/videos): job database, output store, queue bound, leases, retention. A "
         "relative state_dir lies next to engine.checkpoint_root (in the same parent directory).",
     )

@@ -24,7 +24,7 @@ class PoolConfig(BaseModel):
     """The node-shared host-cache pool (`actors.host_cache_pool`): a tier between a worker's own pinned
     host tier and the rebuild, shared by every GPU worker of a node through Ray's object store."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool | None = Field(
         None,
@@ -51,7 +51,7 @@ class PoolConfig(BaseModel):
 class TextEncoderConfig(BaseModel):
     """The Qwen3-VL prompt encoder (`model.text_encoder`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     device: DeviceName | Literal["engine"] = Field(
         "engine", description="engine: the engine's device; cpu keeps the ~51.5 GB encoder off a small GPU."
@@ -69,7 +69,7 @@ class TextEncoderConfig(BaseModel):
 class DecodeConfig(BaseModel):
     """Video + audio VAE decode and MP4 mux (`model.decode`, `model.mp4`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     device: DeviceName | Literal["engine"] = Field("engine", description="engine: the engine's device.")
 
@@ -77,7 +77,7 @@ class DecodeConfig(BaseModel):
 class GeometryConfig(BaseModel):
     """Request sizes the server accepts (`model.geometry.GeometryLimits`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     short_edge: int | None = Field(
         768, ge=32, description="Required short edge in pixels (MiniMax-H3 is trained at 768); null: any."
@@ -89,9 +89,15 @@ class GeometryConfig(BaseModel):
     @model_validator(mode="after")
     def _satisfiable(self) -> GeometryConfig:
         # Otherwise the server starts and refuses every request as the client's fault.
-        if self.short_edge is not None and self.short_edge % H3_LATENTS.pixel_multiple:
-            raise ValueError(f"short_edge={self.short_edge} is not a multiple of {H3_LATENTS.pixel_multiple} px: "
-                             "no request size could have it")
+        if self.min_seconds > self.max_seconds:
+            raise ValueError(f"min_seconds={self.min_seconds:g} exceeds max_seconds={self.max_seconds:g}")
+        if self.short_edge is not None:
+            multiple = H3_LATENTS.pixel_multiple
+            if self.short_edge % multiple:
+                raise ValueError(f"short_edge={self.short_edge} must be a multiple of {multiple} px (pixels per patch): "
+                                 "no request size could have it")
+            if self.short_edge**2 > self.max_pixels:
+                raise ValueError(f"short_edge={self.short_edge} needs max_pixels >= {self.short_edge**2}")
         fps = H3_LATENTS.fps
         shortest = snap_num_frames(max(1, math.ceil(self.min_seconds * fps))) / fps
         if shortest > self.max_seconds:
@@ -106,7 +112,7 @@ class ParallelConfig(BaseModel):
     torch.distributed group, denoising each request together with Ulysses sequence parallelism
     (`parallel.sequence`). GPUs per replica = `sp`; the replica's ranks share a node."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     sp: int = Field(
         1, ge=1,
@@ -156,7 +162,7 @@ class ParallelConfig(BaseModel):
 class EngineConfig(BaseModel):
     """One GPU worker's engine: which checkpoint, which device, which memory/caching features."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     checkpoint: str = Field(
         "",

@@ -12,15 +12,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = ["AuthConfig", "JobsConfig"]
 
+#: What `jobs.store.open_job_store` opens.
+DATABASE_SCHEMES = ("sqlite:///", "postgresql://", "postgres://")
+
 
 class JobsConfig(BaseModel):
     """`jobs` of the app config. The defaults serve one node: SQLite and MP4s under `state_dir`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     state_dir: str = Field(
-        "~/.local/state/ditserve", min_length=1,
-        description="Directory of the SQLite job database and (by default) the outputs; `~` is expanded.",
+        "state", min_length=1,
+        description="Directory of the SQLite job database and (by default) the outputs; `~` is expanded. The app "
+        "puts a relative one next to engine.checkpoint_root (`deployments.app.resolve_jobs_config`).",
     )
     database_url: str | None = Field(
         None, description="Job database: `sqlite:///ABS/PATH.db` or `postgresql://user@host:port/db` (shared "
@@ -81,6 +85,14 @@ class JobsConfig(BaseModel):
     max_body_bytes: int = Field(64 * 1024, ge=1024, description="POST bodies above this get 413.")
     max_list_limit: int = Field(100, ge=1, description="Largest `limit` GET /v1/videos accepts (more: 422).")
 
+    @field_validator("database_url")
+    @classmethod
+    def _supported_database(cls, url: str | None) -> str | None:
+        # The schemes jobs.store.open_job_store opens: refused here, not in every ingress replica's start.
+        if url is not None and not url.startswith(DATABASE_SCHEMES):
+            raise ValueError(f"database_url={url!r}: expected sqlite:///PATH or postgresql://...")
+        return url
+
     @model_validator(mode="after")
     def _heartbeat_within_lease(self) -> JobsConfig:
         if self.heartbeat_s is not None and self.heartbeat_s >= self.lease_s:
@@ -107,7 +119,7 @@ class JobsConfig(BaseModel):
 class AuthConfig(BaseModel):
     """`auth` of the app config: optional API keys for the video routes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     api_keys: list[str] = Field(
         default_factory=list, description="Accepted keys (`Authorization: Bearer <key>`). Empty: no auth, every "

@@ -59,7 +59,7 @@ HOOK_NAME = "ditserve_layerwise_offload"
 class OffloadConfig(BaseModel):
     """How blocks are streamed. Same names as `offload:` in serve_config.yaml."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     enabled: bool = Field(False, description="Stream block weights from host memory instead of keeping them on the GPU.")
     prefetch_depth: int = Field(

@@ -312,8 +312,8 @@ def test_the_longest_and_shortest_accepted_durations(engine):
 
 
 @pytest.mark.parametrize("geometry, message", [
-    ({"short_edge": 780}, "short_edge=780 is not a multiple of 32 px"),
-    ({"min_seconds": 10, "max_seconds": 5}, "no clip fits min_seconds=10 and max_seconds=5"),
+    ({"short_edge": 780}, "short_edge=780 must be a multiple of 32 px"),
+    ({"min_seconds": 10, "max_seconds": 5}, "min_seconds=10 exceeds max_seconds=5"),
     ({"min_seconds": 5.5, "max_seconds": 5.6}, r"shortest clip of at least min_seconds lasts 5.875 s"),  # 141 frames
 ])
 def test_geometry_limits_no_request_can_meet_are_refused_in_the_config(geometry, message):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
+import types
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +14,10 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import resolve_engine_config, worker_deployment_options
+from deployments.app import resolve_engine_config, resolve_jobs_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
 from engine.api import GenerationResult, GenerationStats, GenerationTimings
 from model.mp4 import thumbnail_png
@@ -40,6 +43,32 @@ def test_serve_config_is_a_valid_serve_deploy_config_and_app_config():
     assert args.engine.checkpoint_layout == "diffusers" and args.engine.adaln.mode == "online"
 
 
+#: Sections the shipped yaml spells out whole; the plan cache's reader tuning, `offload` and `cache_dit` are
+#: left to their model's field docs (README: "reader settings", "...").
+COMPLETE_SECTIONS = [(), ("engine",), ("engine", "text_encoder"), ("engine", "decode"), ("engine", "parallel"),
+                     ("engine", "pool"), ("worker",), ("worker", "autoscaling"), ("text_encoder",), ("decoder",),
+                     ("http",), ("admin",), ("jobs",), ("auth",), ("videos",)]
+#: Settings the shipped yaml sets to other than the code default, on purpose (each is commented there).
+SHIPPED_OVERRIDES = {("engine", "pool"): ("capacity_gb",)}
+
+
+@pytest.mark.parametrize("section", COMPLETE_SECTIONS, ids=lambda section: ".".join(section) or "args")
+def test_shipped_config_names_every_setting_of_its_sections(section):
+    """An operator finds every setting in serve_config.yaml (with its default): a code option missing from the
+    file (http.max_ongoing_requests, the stages' graceful_shutdown_timeout_s, ...) was a knob nobody saw."""
+    values = serve_config()["applications"][0]["args"]
+    model = AppConfig
+    for name in section:
+        values = values[name]
+        model = model.model_fields[name].annotation
+    assert set(values) == set(model.model_fields)
+    defaults = model()
+    for name, value in values.items():
+        default = getattr(defaults, name)
+        if not isinstance(default, BaseModel) and name not in SHIPPED_OVERRIDES.get(section, ()):
+            assert value == default, f"{'.'.join(section + (name,))}: yaml {value!r}, code default {default!r}"
+
+
 def test_app_config_rejects_unknown_names_with_the_field():
     with pytest.raises(ValidationError, match="engine.checkpoints"):
         AppConfig.model_validate({"engine": {"checkpoints": "x"}})
@@ -52,6 +81,53 @@ def test_app_config_rejects_unknown_names_with_the_field():
         AppConfig.model_validate({"engine": {"checkpoint_layout": "safetensors"}})
     with pytest.raises(ValidationError, match="min_replicas=3 exceeds max_replicas=2"):
         AppConfig.model_validate({"worker": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}})
+
+
+def test_a_jobs_section_without_state_dir_keeps_the_documented_default(tmp_path):
+    """README: `jobs.state_dir` defaults to `state`, next to engine.checkpoint_root, whether or not the yaml has a
+    `jobs:` section (one that set only `concurrency` put the job database under ~/.local/state/ditserve)."""
+    for args in ({}, {"jobs": {}}, {"jobs": {"concurrency": 2}}):
+        jobs = resolve_jobs_config(AppConfig.model_validate(args).jobs, str(tmp_path / "checkpoints"))
+        assert jobs.state_dir == str(tmp_path / "state"), args
+
+
+@pytest.mark.parametrize(("geometry", "message"), [
+    ({"min_seconds": 10, "max_seconds": 5}, "min_seconds=10 exceeds max_seconds=5"),
+    ({"short_edge": 100}, "short_edge=100 must be a multiple of 32 px"),
+    ({"short_edge": 768, "max_pixels": 512 * 512}, "short_edge=768 needs max_pixels >= 589824"),
+])
+def test_a_geometry_no_request_can_meet_is_refused(geometry, message):
+    """Each of these passed validation and then refused every request with a 422."""
+    with pytest.raises(ValidationError, match=rf"engine.geometry\n.*{message}"):
+        AppConfig.model_validate({"engine": {"geometry": geometry}})
+    # 5.875 s is one clip length (141 = 17 x 8 + 5 frames at 24 fps); 5 s snaps up to 124 frames (5.17 s)
+    AppConfig.model_validate({"engine": {"geometry": {"short_edge": 512, "max_pixels": 512 * 512,
+                                                      "min_seconds": 5.875, "max_seconds": 5.875}}})
+
+
+@pytest.mark.parametrize("section", ["worker", "text_encoder", "decoder"])
+@pytest.mark.parametrize(("num_gpus", "accepted"), [(0, True), (0.2, True), (1, True), (2, True), (1.5, False),
+                                                    (2.25, False)])
+def test_a_replica_takes_a_share_of_one_gpu_or_whole_gpus(section, num_gpus, accepted):
+    """1.5 GPUs (one device and half of another) is no placement a replica can use: refused, naming the key."""
+    args = {section: {"num_gpus": num_gpus}}
+    if accepted:
+        assert getattr(AppConfig.model_validate(args), section).num_gpus == num_gpus
+    else:
+        with pytest.raises(ValidationError, match=rf"{section}.num_gpus\n.*a share of one GPU \(< 1\) or whole GPUs"):
+            AppConfig.model_validate(args)
+
+
+@pytest.mark.parametrize(("url", "accepted"), [("sqlite:////srv/jobs.db", True), ("postgresql://u@h:5432/db", True),
+                                             ("postgres://u@h/db", True), ("mysql://u@h/db", False),
+                                             ("/srv/jobs.db", False), ("sqlite://jobs.db", False)])
+def test_the_job_database_url_is_checked_when_the_app_is_built(url, accepted):
+    """An unsupported database_url passed the build, then every ingress replica failed to start."""
+    if accepted:
+        assert AppConfig.model_validate({"jobs": {"database_url": url}}).jobs.database_url == url
+    else:
+        with pytest.raises(ValidationError, match=r"jobs.database_url\n.*expected sqlite:///PATH or postgresql://"):
+            AppConfig.model_validate({"jobs": {"database_url": url}})
 
 
 def test_worker_takes_one_gpu_per_replica_on_a_gpu_cluster_and_none_on_cpu():
@@ -85,6 +161,15 @@ def test_default_replicas_serve_every_gpu_from_the_start(gpus_in_cluster, worker
     options = worker_deployment_options(WorkerOptions.model_validate(worker), num_gpus_in_cluster=gpus_in_cluster)
     autoscaling = options["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (expect_min, expect_max)
+
+
+@pytest.mark.parametrize(("num_gpus", "gpus_in_cluster", "replicas"), [
+    (0.6, 2, 2), (0.5, 2, 4), (0.25, 1, 4), (0.2, 1, 5), (0.2, 3, 15), (0.1, 1, 10), (1 / 3, 1, 3), (0.3, 1, 3),
+])
+def test_fractional_replicas_fill_each_device(num_gpus, gpus_in_cluster, replicas):
+    """A replica of a device's fraction f: floor(1 / f) of them share each device (five of 0.2, as documented)."""
+    options = worker_deployment_options(WorkerOptions(num_gpus=num_gpus), num_gpus_in_cluster=gpus_in_cluster)
+    assert options["autoscaling_config"]["min_replicas"] == replicas == options["autoscaling_config"]["max_replicas"]
 
 
 def test_shipped_config_leaves_the_replica_count_to_the_gpu_count():
@@ -140,6 +225,63 @@ def test_parallel_bounds_must_be_positive_and_finite(field, value):
         AppConfig.model_validate(args)
 
 
+def float_settings(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The yaml path of every float setting under `model` (nested sections included, null-able ones too)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(field.annotation) if union else (field.annotation,)
+        sections = [kind for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        if sections:
+            paths += float_settings(sections[0], prefix + (name,))
+        elif float in kinds:
+            paths.append(prefix + (name,))
+    return paths
+
+
+@pytest.mark.parametrize("path", float_settings(AppConfig), ids=".".join)
+def test_every_float_setting_refuses_infinity(path):
+    """YAML's .inf passed every `ge=0` / `gt=0` bound: num_gpus .inf failed the build in Ray with an OverflowError
+    naming no setting, host_cache_gb .inf every replica's start, a timeout of .inf waited for good."""
+    args: dict = {}
+    section = args
+    for name in path[:-1]:
+        section = section.setdefault(name, {})
+    section[path[-1]] = float("inf")
+    with pytest.raises(ValidationError, match=rf"{re.escape('.'.join(path))}\n.*finite number"):
+        AppConfig.model_validate(args)
+
+
+def config_sections(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The yaml path of every section (nested model) of `model`, itself included."""
+    paths = [prefix]
+    for name, field in model.model_fields.items():
+        union = typing.get_origin(field.annotation) in (typing.Union, types.UnionType)
+        kinds = typing.get_args(field.annotation) if union else (field.annotation,)
+        paths += [path for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)
+                  for path in config_sections(kind, prefix + (name,))]
+    return paths
+
+
+@pytest.mark.parametrize("path", config_sections(AppConfig), ids=lambda path: ".".join(path) or "args")
+def test_a_misspelled_key_is_refused_in_every_section(path):
+    args: dict = {}
+    section = args
+    for name in path:
+        section = section.setdefault(name, {})
+    section["num_gpu"] = 1
+    with pytest.raises(ValidationError, match=rf"{re.escape('.'.join(path + ('num_gpu',)))}\n.*Extra inputs"):
+        AppConfig.model_validate(args)
+
+
+def test_float_settings_reach_every_section():
+    sections = {path[:-1] for path in float_settings(AppConfig)}
+    assert {("worker",), ("worker", "autoscaling"), ("text_encoder",), ("http",), ("admin",), ("jobs",), ("videos",),
+            ("videos", "high_quality"), ("engine", "adaln"), ("engine", "pool"), ("engine", "offload"),
+            ("engine", "text_encoder"), ("engine", "geometry"), ("engine", "parallel"),
+            ("engine", "cache_dit")} <= sections
+
+
 @pytest.mark.parametrize(("gpus", "num_gpus"), [(2, 1), (2, 0), (0, 2)])
 def test_sp_replica_refuses_a_gpu_count_other_than_one_per_rank(monkeypatch, gpus, num_gpus):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -148,6 +290,35 @@ def test_sp_replica_refuses_a_gpu_count_other_than_one_per_rank(monkeypatch, gpu
         worker_deployment_options(config.worker, gpus, config.engine)
     matching = sp_app_config(2, num_gpus=2 if gpus else 0)  # what the replica takes anyway is accepted
     assert worker_deployment_options(matching.worker, gpus, matching.engine)["ray_actor_options"]["num_gpus"] == 0
+
+
+@pytest.mark.parametrize(("gpus", "text_encoder_tp", "refused"), [(2, True, True), (2, False, False), (0, True, False)])
+def test_sp_replica_with_a_split_text_encoder_on_the_cpu_is_refused_at_build(monkeypatch, gpus, text_encoder_tp,
+                                                                              refused):
+    """text_encoder_tp runs the encoder's shards on the ranks' GPUs: text_encoder.device: cpu beside it passed the
+    build, then every rank refused to start and Serve restarted the replica over and over."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    config = sp_app_config(2)
+    engine = config.engine.model_copy(update={
+        "text_encoder": config.engine.text_encoder.model_copy(update={"device": "cpu"}),
+        "parallel": config.engine.parallel.model_copy(update={"text_encoder_tp": text_encoder_tp})})
+    if refused:
+        with pytest.raises(ValueError, match="text_encoder_tp splits the text encoder over the ranks' GPUs"):
+            worker_deployment_options(config.worker, gpus, engine)
+    else:
+        worker_deployment_options(config.worker, gpus, engine)
+
+
+def test_sp_replica_without_cpus_or_resources_is_refused_naming_the_setting(monkeypatch):
+    """The replica's bundle of its placement group holds what the replica asks; an empty one failed the build in
+    Ray ("Bundles cannot be an empty dictionary") naming no setting."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = sp_app_config(2, num_cpus=0)
+    with pytest.raises(ValueError, match="worker.num_cpus=0 with engine.parallel.sp=2"):
+        worker_deployment_options(config.worker, 2, config.engine)
+    tagged = sp_app_config(2, num_cpus=0, resources={"h200": 0.01})  # a node tag fills the bundle
+    assert worker_deployment_options(tagged.worker, 2, tagged.engine)["placement_group_bundles"][0] == {
+        "CPU": 0.0, "h200": 0.01}
 
 
 def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
@@ -174,6 +345,15 @@ def test_relative_checkpoint_paths_are_pinned_to_the_builder_cwd(tmp_path, monke
     engine = resolve_engine_config(AppConfig.model_validate({"engine": {"checkpoint": "ckpt/a"}}).engine)
     assert engine.checkpoint == str(tmp_path / "ckpt/a") and engine.checkpoint_root == str(tmp_path / "checkpoints")
     assert resolve_engine_config(AppConfig().engine).checkpoint == ""
+
+
+def test_a_home_relative_checkpoint_root_is_expanded_like_every_other_path(tmp_path, monkeypatch):
+    """`~` in checkpoint_root made a directory literally named `~` in the builder's cwd (checkpoint, weight_roots
+    and jobs.state_dir expand it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    engine = resolve_engine_config(AppConfig.model_validate({"engine": {"checkpoint_root": "~/ckpts"}}).engine)
+    assert engine.checkpoint_root == str(tmp_path / "home" / "ckpts")
 
 
 def test_response_latents_round_trip_through_safetensors_and_without_video_the_preview_is_latent():
@@ -236,6 +416,65 @@ def test_ingress_keeps_zero_cpus_beside_its_http_resources(stages, names):
     assert deployments["Ingress"].ray_actor_options["num_cpus"] == 0
     assert deployments["Ingress"].ray_actor_options["resources"] == {"head": 0.01}
     assert deployments["Worker"].ray_actor_options["num_cpus"] == 1.0
+
+
+@pytest.mark.parametrize(("engine", "stages", "expected"), [
+    ({}, "split", {"Worker": 0.6, "TextEncoder": 0.2, "Decoder": 0.2}),
+    ({"device": "cpu"}, "split", {"Worker": 0, "TextEncoder": 0, "Decoder": 0}),
+    ({"device": "cpu", "text_encoder": {"device": "cuda"}}, "split", {"Worker": 0, "TextEncoder": 0.2, "Decoder": 0}),
+    ({"text_encoder": {"device": "cpu"}, "decode": {"device": "cpu"}}, "split",
+     {"Worker": 0.6, "TextEncoder": 0, "Decoder": 0}),                   # the yaml's "keep the encoder off the GPU"
+    ({}, "fused", {"Worker": 1.0}),
+    ({"device": "cpu"}, "fused", {"Worker": 0}),
+    ({"device": "cpu", "decode": {"device": "auto"}}, "fused", {"Worker": 1.0}),  # its VAEs may use the GPU
+])
+def test_a_stage_pinned_to_the_cpu_takes_no_gpu_by_default(monkeypatch, engine, stages, expected):
+    """num_gpus null follows the stage's device, as the sequence-parallel ranks' GPUs do: engine.device: cpu on a
+    GPU node held a GPU per worker replica it never used (and capped the replicas at the GPU count)."""
+    from deployments import app
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.setattr(app, "cluster_num_gpus", lambda: 2.0)
+    deployments = bound_deployments(app.build_application(
+        AppConfig.model_validate({"engine": engine, "stages": stages}), FakeEngine))
+    assert {name: deployments[name].ray_actor_options["num_gpus"] for name in expected} == expected
+
+
+@pytest.mark.parametrize(("num_gpus", "gpus_in_cluster", "replicas"), [
+    (None, 8, 8), (0.5, 8, 8), (1, 8, 8), (2, 8, 4), (4, 8, 2), (2, 3, 1), (None, 0, 1),
+])
+def test_stage_replicas_default_to_one_per_gpu_or_as_many_as_the_gpus_hold(num_gpus, gpus_in_cluster, replicas):
+    """A stage of 2 GPUs per replica defaulted to one replica per GPU: 8 replicas wanting 16 of 8 GPUs."""
+    from deployments.app import stage_deployment_options
+    from deployments.schemas import StageOptions
+
+    options = stage_deployment_options(StageOptions(num_gpus=num_gpus), gpus_in_cluster)
+    assert options["autoscaling_config"]["max_replicas"] == replicas == options["autoscaling_config"]["min_replicas"]
+
+
+@pytest.mark.parametrize(("gpus", "args", "fits"), [
+    (0, {}, True), (1, {}, True), (2, {}, True), (8, {}, True),              # the shipped shares: 0.6 + 0.2 + 0.2
+    (1, {"worker": {"num_gpus": 1}}, False),                                  # a whole GPU per worker: no room
+    (2, {"worker": {"num_gpus": 1, "autoscaling": {"min_replicas": 1}}}, True),  # ... unless a device is left
+    (1, {"text_encoder": {"num_gpus": 0.5}}, False),                          # 0.6 + 0.5 > 1
+    (2, {"text_encoder": {"num_gpus": 0.5}}, False),                          # 0.4 left on each device
+    (1, {"worker": {"num_gpus": 0.4}, "text_encoder": {"num_gpus": 0.2}}, False),  # two workers fill it
+    (1, {"worker": {"num_gpus": 0.5, "num_replicas": 1}, "text_encoder": {"num_gpus": 0.3}}, True),
+    (1, {"stages": "fused", "worker": {"num_gpus": 1}}, True),                # no stage beside the worker
+    (0, {"worker": {"num_gpus": 1}, "text_encoder": {"num_gpus": 0.5}}, True),  # GPU nodes come later
+])
+def test_split_stages_whose_minimum_replicas_do_not_fit_the_gpus_are_refused(monkeypatch, gpus, args, fits):
+    """A TextEncoder or Decoder replica that no device has room for stayed pending: `serve run` hung in DEPLOYING."""
+    from deployments import app
+    from tests.fake_engine import FakeEngine
+
+    monkeypatch.setattr(app, "cluster_num_gpus", lambda: float(gpus))
+    config = AppConfig.model_validate(args)
+    if fits:
+        app.build_application(config, FakeEngine)
+    else:
+        with pytest.raises(ValueError, match=rf"do not fit the cluster's {gpus} GPUs.*worker.num_gpus"):
+            app.build_application(config, FakeEngine)
 
 
 @pytest.mark.parametrize("stages, http_s, worker_s, decoder_s, ingress_s", [
