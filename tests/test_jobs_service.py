@@ -58,8 +58,11 @@ def sqlite_url(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
 
 
-def make_service(database_url: str, tmp_path: Path, backend: FakeVideoBackend, clock=None, **config) -> JobService:
-    store = open_job_store(database_url, clock=clock) if clock else open_job_store(database_url)
+def make_service(database_url: str, tmp_path: Path, backend: FakeVideoBackend, clock=None, store=None,
+                 **config) -> JobService:
+    """`store`: one made by the test (e.g. a StalledHeartbeat); else the database's own, on `clock` if given."""
+    if store is None:
+        store = open_job_store(database_url, clock=clock) if clock else open_job_store(database_url)
     return JobService(
         store=store, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend, models=[TINY],
         config=fast_config(tmp_path, **config),
@@ -95,6 +98,16 @@ def output_files(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "outputs").iterdir())
 
 
+async def complete_jobs(service: JobService, count: int) -> list[JobRecord]:
+    """Submit `count` jobs (prompts p0, p1, ...), start `service`, wait for every one to finish, stop it."""
+    jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(count)]
+    await service.start()
+    try:
+        return [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
+    finally:
+        await service.stop()
+
+
 # --- Running jobs --------------------------------------------------------------------------------------
 
 
@@ -102,14 +115,9 @@ def test_jobs_start_in_creation_order_and_complete_with_their_outputs(sqlite_url
     async def scenario():
         backend = FakeVideoBackend()
         service = make_service(sqlite_url, tmp_path, backend)
-        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(4)]
-        await service.start()
-        try:
-            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
-        finally:
-            await service.stop()
-        assert backend.started == [j.id for j in jobs]
-        for job, record in zip(jobs, done):
+        done = await complete_jobs(service, 4)
+        assert backend.started == [record.id for record in done]
+        for record in done:  # in creation order
             assert (record.status, record.progress, record.attempts, record.error) == (
                 JobStatus.COMPLETED, 100, 1, None
             )
@@ -117,10 +125,10 @@ def test_jobs_start_in_creation_order_and_complete_with_their_outputs(sqlite_url
             # The fake's stages take no time; the service adds the queue wait and its own upload.
             assert record.timings.model_copy(update={"queued_s": 0.0, "upload_s": 0.0}) == VideoTimings()
             assert record.timings.queued_s > 0 and record.timings.upload_s > 0
-            blob = await service.open_output(job.id, None, VideoVariant.VIDEO)
-            assert blob.read(0, blob.size) == fake_mp4(job.spec)
-            thumb = await service.open_output(job.id, None, VideoVariant.THUMBNAIL)
-            assert thumb.read(0, thumb.size) == fake_png(job.spec)
+            blob = await service.open_output(record.id, None, VideoVariant.VIDEO)
+            assert blob.read(0, blob.size) == fake_mp4(record.spec)
+            thumb = await service.open_output(record.id, None, VideoVariant.THUMBNAIL)
+            assert thumb.read(0, thumb.size) == fake_png(record.spec)
 
     asyncio.run(scenario())
 
@@ -531,6 +539,17 @@ class StalledHeartbeat:
         self._resumed.set()
 
 
+async def run_then_lose_the_lease(service: JobService, store: StalledHeartbeat, backend: FakeVideoBackend,
+                                  clock: FakeClock) -> JobRecord:
+    """Submit a job to `service` and start it; once its first run began, stall the heartbeat past the lease."""
+    job = await service.submit(make_spec(), None)
+    await service.start()
+    await wait_until(lambda: backend.started == [job.id], "the first run")
+    store.stalled.set()
+    clock.advance(LEASE_S + 1)
+    return job
+
+
 def test_a_runner_that_lost_its_lease_cannot_overwrite_the_retry(database_url, tmp_path):
     """Replica A's heartbeat stalls before the job's first step; its lease expires, the job is retried and completed
     by replica B; then A's run finishes after all. A's late complete is refused and only its own files are removed:
@@ -539,15 +558,10 @@ def test_a_runner_that_lost_its_lease_cannot_overwrite_the_retry(database_url, t
         clock = FakeClock()
         store_a = StalledHeartbeat(open_job_store(database_url, clock=clock))
         backend_a, backend_b = FakeVideoBackend(hold_before_step=1), FakeVideoBackend()
-        a = JobService(store=store_a, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend_a,
-                       models=[TINY], config=fast_config(tmp_path))
+        a = make_service(database_url, tmp_path, backend_a, store=store_a)
         b = make_service(database_url, tmp_path, backend_b, clock=clock)
-        job = await a.submit(make_spec(), None)
-        await a.start()
         try:
-            await wait_until(lambda: backend_a.started == [job.id], "A to start the job")
-            store_a.stalled.set()
-            clock.advance(LEASE_S + 1)
+            job = await run_then_lose_the_lease(a, store_a, backend_a, clock)
             await b.start()
             done = await wait_for_job(b, job.id, finished, "B to complete the retry")
             backend_a.release()
@@ -575,14 +589,9 @@ def test_a_replica_that_runs_the_retry_of_its_own_lost_run_keeps_track_of_it(sql
         clock = FakeClock()
         store = StalledHeartbeat(open_job_store(sqlite_url, clock=clock))
         backend = FakeVideoBackend(hold_before_step=1)
-        service = JobService(store=store, outputs=OutputStore(str(tmp_path / "outputs")), backend=backend,
-                             models=[TINY], config=fast_config(tmp_path, concurrency=2))
-        job = await service.submit(make_spec(), None)
-        await service.start()
+        service = make_service(sqlite_url, tmp_path, backend, store=store, concurrency=2)
         try:
-            await wait_until(lambda: backend.started == [job.id], "the first run")
-            store.stalled.set()
-            clock.advance(LEASE_S + 1)
+            job = await run_then_lose_the_lease(service, store, backend, clock)
             await wait_until(lambda: backend.started == [job.id, job.id], "the retry on the second runner")
             store.resume()  # the first run learns it lost the job and stops
             await wait_until(lambda: len(service._runs) == 1, "the lost run to end")
@@ -666,12 +675,7 @@ def test_one_output_that_fails_to_delete_does_not_keep_the_others_past_retention
         outputs = OneFailedDelete(str(tmp_path / "outputs"))
         service = JobService(store=open_job_store(sqlite_url, clock=clock), outputs=outputs,
                              backend=FakeVideoBackend(), models=[TINY], config=fast_config(tmp_path, retention_s=3600))
-        jobs = [await service.submit(make_spec(prompt=f"p{i}"), None) for i in range(3)]
-        await service.start()
-        try:
-            done = [await wait_for_job(service, j.id, finished, "completion") for j in jobs]
-        finally:
-            await service.stop()
+        done = await complete_jobs(service, 3)
         clock.advance(3600)
         await service.reap_once()
         assert outputs.failed == [done[0].output_key]
