@@ -40,6 +40,7 @@ from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
+from deployments.router import moving_mean
 from deployments.schemas import (
     AdminOptions,
     ErrorResponse,
@@ -96,9 +97,6 @@ class PendingGenerations:
     outlast its timeout. Retry-After: the mean time of recent generations here (a slot frees about that often or
     sooner), at least 1 s. Touched only from the replica's event loop."""
 
-    #: Weight of the newest generation in the running mean.
-    SMOOTHING = 0.2
-
     def __init__(self, limit: int | None) -> None:
         self.limit, self.count = limit, 0
         self._mean_s: float | None = None
@@ -114,8 +112,7 @@ class PendingGenerations:
         try:
             yield
             seconds = time.perf_counter() - start  # completed ones only: a refusal says nothing of the pace
-            self._mean_s = seconds if self._mean_s is None else \
-                self._mean_s + self.SMOOTHING * (seconds - self._mean_s)
+            self._mean_s = moving_mean(self._mean_s, seconds)
         finally:
             self.count -= 1
 

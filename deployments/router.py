@@ -432,9 +432,9 @@ class ScheduleAffinityReporter:
         (:class:`ServiceCosts`) once both are known."""
         state = self._affinity_state()
         with state.lock:
-            state.generation_s = _moving_mean(state.generation_s, generation_s)
+            state.generation_s = moving_mean(state.generation_s, generation_s)
             if missed_slab:
-                state.miss_s = _moving_mean(state.miss_s, plans_s)
+                state.miss_s = moving_mean(state.miss_s, plans_s)
 
     def forget_schedules(self, keys: Optional[Iterable[str]] = None) -> None:
         """Drop keys (all when None) from the recently-served list, e.g. after a weight update."""
@@ -484,12 +484,14 @@ class _ReporterState:
     miss_s: Optional[float] = None
 
 
-#: Weight of the newest sample in the reported service costs (about the last ten generations count).
-SERVICE_COST_WEIGHT = 0.2
+#: Weight of the newest sample in a running mean of generation times (about the last ten count).
+MOVING_MEAN_WEIGHT = 0.2
 
 
-def _moving_mean(mean: Optional[float], sample: float) -> float:
-    return sample if mean is None else mean + SERVICE_COST_WEIGHT * (sample - mean)
+def moving_mean(mean: Optional[float], sample: float) -> float:
+    """The running mean after `sample` (the first sample starts it): service costs here, Retry-After in the
+    ingress."""
+    return sample if mean is None else mean + MOVING_MEAN_WEIGHT * (sample - mean)
 
 
 # ---------------------------------------------------------------------------------------------------------
