@@ -194,7 +194,7 @@ async def in_thread(fn, *args, **kwargs) -> Any:
 def first_choices(app_name: str, steps: int, shifts: List[float]) -> List[int]:
     """The replica (0..R-1, by id) each schedule's rendezvous hash ranks first: affinity keeps a schedule there
     unless it spills, so how the hot schedules split over replicas decides much of the affinity result."""
-    from deployments.router import first_choice
+    from deployments.routing.policy import first_choice
     from engine.api import GenerationRequest
 
     prefix = f"SERVE_REPLICA::{app_name}#Worker#"

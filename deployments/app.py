@@ -22,7 +22,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
-from deployments.router import ScheduleAffinityRouter
+from deployments.routing.router import ScheduleAffinityRouter
 from deployments.schemas import (
     SPLIT_STAGE_GPUS, SPLIT_WORKER_GPUS, AppConfig, AutoscalingOptions, StageOptions, WorkerOptions,
 )

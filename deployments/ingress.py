@@ -40,7 +40,7 @@ from deployments.admin import WeightAdmin
 from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
-from deployments.router import moving_mean
+from deployments.moving_mean import moving_mean
 from deployments.schemas import (
     AdminOptions,
     ErrorResponse,

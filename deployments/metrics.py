@@ -17,7 +17,7 @@ Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deploy
 | `ray_ditserve_weights_version` | gauge | | fleet weights version this replica serves (0: the configured checkpoint) |
 
 Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live), from
-`deployments.router.schedule_affinity_stats`, cumulative since the replica started:
+`deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica started:
 
 | `ray_ditserve_router_requests` | gauge | `route`: affinity_hit, spill, unkeyed | requests the router sent to the key's first choice, spilled, or routed without a key |
 
@@ -130,7 +130,7 @@ class RoutingMetrics:
 
     def update(self) -> None:
         try:
-            from deployments.router import schedule_affinity_stats
+            from deployments.routing.registry import schedule_affinity_stats
 
             stats = schedule_affinity_stats(self._deployment_name)
         except Exception:  # noqa: BLE001 - another router (or none): nothing to report

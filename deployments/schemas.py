@@ -249,7 +249,7 @@ class WorkerOptions(BaseModel):
     router: Literal["schedule_affinity", "default"] = Field(
         "schedule_affinity",
         description="schedule_affinity: requests with the same sampling schedule go to the same replica (warm AdaLN "
-        "plans), spilling over under load (deployments/router.py); default: Serve's power-of-two-choices router.",
+        "plans), spilling over under load (deployments/routing/); default: Serve's power-of-two-choices router.",
     )
     load_factor: float = Field(
         1.25, ge=1.0, description="schedule_affinity: a replica takes a key's request while its load stays under "

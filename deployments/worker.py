@@ -41,7 +41,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
-from deployments.router import ScheduleAffinityReporter
+from deployments.routing.reporter import ScheduleAffinityReporter
 from deployments.schemas import GenerationResponse, ProgressEvent, ServeTimings
 from deployments.weights import WeightFollower
 from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, SlabState

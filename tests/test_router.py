@@ -1,4 +1,4 @@
-"""ScheduleAffinityRouter: placement by reported GPU-slab contents (rendezvous hashing when replicas report no
+"""ScheduleAffinityRouter: ranking by reported GPU-slab contents (rendezvous hashing when replicas report no
 slab) with bounded load.
 
 Pure policy tests first (no Ray), then a small Serve app on a local cluster: a dummy worker whose
@@ -17,24 +17,20 @@ from ray import serve
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve.config import RequestRouterConfig
 
-from deployments.placement import Placement, plan_placement
-from deployments.router import (
-    DEFAULT_HOLD_FACTOR,
-    affinity_routers,
+from deployments.routing.policy import (
     KeyPopularity,
-    ScheduleAffinityReporter,
-    ScheduleAffinityRouter,
     ServiceCosts,
-    SlabReport,
     SlabView,
     bounded_load_limit,
     first_choice,
     rank_for_key,
-    rank_for_placed_key,
     rank_for_slab_key,
     rendezvous_order,
-    schedule_affinity_stats,
 )
+from deployments.routing.registry import affinity_routers, schedule_affinity_stats
+from deployments.routing.report import SlabReport
+from deployments.routing.reporter import ScheduleAffinityReporter
+from deployments.routing.router import ScheduleAffinityRouter
 from engine.api import SlabState
 
 KEYS = [f"steps=50/shift={s}" for s in range(200)]
@@ -124,7 +120,7 @@ def test_reporter_counts_ongoing_and_recent_keys():
 
 
 
-# -- slab-aware placement (pure) --------------------------------------------------------------------------
+# -- slab-aware ranking (pure) --------------------------------------------------------------------------
 
 
 def view(*keys: str, capacity: int = 32, plans: int = 8) -> SlabView:
@@ -296,7 +292,8 @@ def test_the_reporter_reports_moving_means_of_its_service_costs_once_it_has_both
 
 @pytest.mark.parametrize("generation_s, miss_s", [("x", 0.1), (float("nan"), 0.1), (1.0, float("inf")), (-1.0, 0.1)])
 def test_malformed_service_costs_are_ignored_and_the_slab_report_kept(generation_s, miss_s):
-    slab = {"keys": ["a"], "plans": [8], "capacity_plans": 8, "at": 0, "generation_s": generation_s, "miss_s": miss_s}
+    slab = {"keys": ["a"], "plans": [8], "ongoing": [], "capacity_plans": 8, "at": 0,
+            "generation_s": generation_s, "miss_s": miss_s}
     report = SlabReport.parse({"slab": slab})
     assert report is not None and report.keys == ("a",) and report.costs is None
 
@@ -517,114 +514,15 @@ def test_ingress_reports_affinity_stats(app):
     assert set(stats) == {"hits", "spills", "unkeyed"}
 
 
-
-def test_router_kwargs_are_validated():
+def test_router_kwargs_are_validated_naming_the_key():
     state = type("State", (), {})()
     with pytest.raises(ValueError, match="load_factor"):
         ScheduleAffinityRouter.initialize_state(state, load_factor=0.9)
-    with pytest.raises(ValueError, match="unknown request_router_kwargs"):
+    with pytest.raises(ValueError, match=r"load_fator\n  Extra inputs are not permitted"):
         ScheduleAffinityRouter.initialize_state(state, load_fator=1.5)
     with pytest.raises(ValueError, match="hold_factor"):
         ScheduleAffinityRouter.initialize_state(state, hold_factor=0.5)
-    with pytest.raises(ValueError, match="popularity_window"):
-        ScheduleAffinityRouter.initialize_state(state, popularity_window=0)
-    with pytest.raises(ValueError, match="miss_cost"):
-        ScheduleAffinityRouter.initialize_state(state, miss_cost=0.5)
+    with pytest.raises(ValueError, match="spill_confirm_s"):
+        ScheduleAffinityRouter.initialize_state(state, spill_confirm_s=float("nan"))
     ScheduleAffinityRouter.initialize_state(state, load_factor=2, spill_confirm_s=0.0)
-    assert (state.load_factor, state.spill_confirm_s, state.key_kwarg) == (2.0, 0.0, "schedule_key")
-
-
-# -- placement-driven ranking (pure) ------------------------------------------------------------------------
-
-
-def _random_case(seed: int):
-    import random as rnd
-
-    rng = rnd.Random(seed)
-    ids = [f"r{i}" for i in range(rng.randint(2, 6))]
-    keys = [f"k{i}" for i in range(24)]
-    views = {rid: view(*rng.sample(keys, rng.randint(0, 4))) for rid in ids}
-    loads = {rid: rng.randint(0, 6) for rid in ids}
-    rates = {k: rng.random() ** 3 * 100 for k in keys}
-    placement = plan_placement(rates, {rid: 32 for rid in ids}, lambda k: 8, {rid: set(v.keys) for rid, v in views.items()})
-    return ids, keys, views, loads, rates, placement
-
-
-@pytest.mark.parametrize("seed", range(40))
-@pytest.mark.parametrize("load_factor, hold_factor", [(1.0, 1.0), (1.25, 3.0), (2.0, 2.0)])
-def test_placed_rank_never_picks_a_replica_over_its_bound_unless_all_are(seed, load_factor, hold_factor):
-    ids, keys, views, loads, rates, placement = _random_case(seed)
-    total = sum(loads.values())
-    limit = bounded_load_limit(total, len(ids), load_factor)
-    hold_limit = bounded_load_limit(total, len(ids), max(load_factor, hold_factor))
-    for key in keys + ["unseen"]:
-        ranked = rank_for_placed_key(key, loads, views, placement, 8, rates.get, load_factor, hold_factor)
-        assert sorted(ranked) == sorted(ids)  # every candidate, once
-
-        def bound(rid):  # hold_factor's where the slab holds (or the placement puts) the key, else load_factor's
-            return hold_limit if views[rid].holds(key) or rid in placement.replicas_for(key) else limit
-
-        first = ranked[0]
-        if any(loads[rid] + 1 <= bound(rid) for rid in ids):
-            assert loads[first] + 1 <= bound(first), (key, loads, first)
-        else:
-            assert loads[first] == min(loads.values())  # all over: the least loaded
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_placed_rank_sends_a_key_to_its_least_loaded_target_while_within_the_hold_bound(seed):
-    ids, keys, views, loads, rates, placement = _random_case(seed)
-    hold_limit = bounded_load_limit(sum(loads.values()), len(ids), DEFAULT_HOLD_FACTOR)
-    for key in keys:
-        targets = [rid for rid in placement.replicas_for(key) if loads[rid] + 1 <= hold_limit]
-        ranked = rank_for_placed_key(key, loads, views, placement, 8, rates.get)
-        if targets:
-            assert ranked[0] in targets and loads[ranked[0]] == min(loads[rid] for rid in targets)
-
-
-def test_placed_rank_spreads_a_replicated_hot_key_over_its_copies():
-    ids = ["r0", "r1", "r2", "r3"]
-    placement = Placement(targets={"hot": ("r1", "r3")})
-    views = {rid: view("hot") if rid in ("r1", "r3") else view() for rid in ids}
-    loads = {"r0": 0, "r1": 1, "r2": 0, "r3": 0}
-    assert rank_for_placed_key("hot", loads, views, placement, 8, lambda k: 0)[:2] == ["r3", "r1"]
-    loads["r3"] = 2
-    assert rank_for_placed_key("hot", loads, views, placement, 8, lambda k: 0)[:2] == ["r1", "r3"]
-
-
-def test_placed_rank_uses_a_warm_replica_outside_the_placement_before_a_cold_one():
-    ids = ["r0", "r1", "r2"]
-    placement = Placement(targets={"k": ("r0",)})  # the placement moved k to r0; r2 still holds it
-    views = {"r0": view(), "r1": view(), "r2": view("k")}
-    loads = {"r0": 5, "r1": 0, "r2": 0}  # r0 over every bound
-    assert rank_for_placed_key("k", loads, views, placement, 8, lambda k: 0, hold_factor=1.0)[0] == "r2"
-
-
-def test_placed_rank_of_a_key_placed_nowhere_is_the_slab_rank():
-    ids = ["r0", "r1", "r2"]
-    views = {"r0": view("a", "b", "c", "d"), "r1": view("a"), "r2": view("e")}
-    loads = {rid: 0 for rid in ids}
-    assert (rank_for_placed_key("new", loads, views, Placement(), 8, lambda k: 1)
-            == rank_for_slab_key("new", loads, views, 8, lambda k: 1))
-
-
-def test_router_replans_every_replan_every_requests_and_when_the_replicas_change():
-    from deployments.router import REPLAN_EVERY
-
-    state = type("State", (), {})()
-    ScheduleAffinityRouter.initialize_state(state, placement=True)
-    state.popularity = KeyPopularity()
-    state._placement, state._placement_replicas, state._routed_since_placement = None, frozenset(), 0
-    state._plans_of = lambda k: 8
-    views = {"r0": view(), "r1": view()}
-    for _ in range(10):
-        state.popularity.record("a")
-    first = ScheduleAffinityRouter.placement(state, views)
-    assert set(first.targets["a"]) == {"r0", "r1"}  # all the requests: more than one replica may carry
-    state.popularity.record("b")  # a new key, but fewer than REPLAN_EVERY requests since: same placement
-    state._routed_since_placement = REPLAN_EVERY - 1
-    assert ScheduleAffinityRouter.placement(state, views) is first
-    state._routed_since_placement = REPLAN_EVERY
-    assert "b" in ScheduleAffinityRouter.placement(state, views).targets
-    again = ScheduleAffinityRouter.placement(state, views)
-    assert ScheduleAffinityRouter.placement(state, {**views, "r2": view()}) is not again  # replica set changed
+    assert (state.options.load_factor, state.options.hold_factor, state.options.spill_confirm_s) == (2.0, 3.0, 0.0)

@@ -59,7 +59,8 @@ def test_where_a_miss_costs_several_hits_the_costs_keep_schedules_on_their_holde
 
 def test_the_serve_benchs_fake_worker_reports_its_service_costs_as_the_worker_does():
     """bench.routing's replicas: without the costs its affinity router would run the policy before them."""
-    from deployments.router import ServiceCosts, SlabReport
+    from deployments.routing.policy import ServiceCosts
+    from deployments.routing.report import SlabReport
 
     worker = FakePlanWorker(slab_plans=16, plans_per_schedule=4, warm_s=0.002, rebuild_s_per_plan=0.001)
     for _ in range(2):  # a miss (4 plans built), then a hit

@@ -334,7 +334,7 @@ def test_replicas_drain_briefly_so_serve_run_stops_within_seconds():
 
 def test_worker_is_routed_by_schedule_affinity_unless_asked_otherwise():
     routed = worker_deployment_options(WorkerOptions(load_factor=1.5), num_gpus_in_cluster=0)
-    assert routed["request_router_config"].request_router_class == "deployments.router.ScheduleAffinityRouter"
+    assert routed["request_router_config"].request_router_class == "deployments.routing.router.ScheduleAffinityRouter"
     assert routed["request_router_config"].request_router_kwargs == {"load_factor": 1.5, "hold_factor": 3.0}
     assert routed["request_router_config"].request_routing_stats_period_s == 1.0
     assert "request_router_config" not in worker_deployment_options(WorkerOptions(router="default"), 0)
