@@ -1,8 +1,7 @@
 """Routing benchmark on CPU: schedule-affinity router vs Ray's default router vs an oracle.
 
 A fake worker models the GPU plan slab: each replica keeps ``--slab-plans`` plans under the engine's own
-eviction policy (`FakeSlab`: `cache.slab.SlotIndex`, segmented LRU with ``--protected-fraction`` of the slab
-for plans requested again) and reports it as the engine does (`engine.served`); it serves one request at a
+eviction policy (`FakeSlab`: `cache.slab.SlotIndex`, LRU) and reports it as the engine does (`engine.served`); it serves one request at a
 time (like one GPU). A request for schedule ``s`` needs plans ``(s, 0..P-1)``; every plan not
 in the slab costs ``--rebuild-ms-per-plan`` on top of ``--warm-ms``. Clients (closed loop, ``--clients``
 at a time) draw schedules from a Zipf or a uniform distribution. Reported per router and workload: plan
@@ -38,15 +37,11 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cache.config import AdalnConfig
 from cache.slab import SlotIndex
-from deployments.router import (
-    DEFAULT_HOLD_FACTOR,
-    DEFAULT_MISS_COST,
-    ScheduleAffinityReporter,
-    ScheduleAffinityRouter,
-    schedule_affinity_stats,
-)
+from deployments.routing.policy import DEFAULT_HOLD_FACTOR, DEFAULT_LOAD_FACTOR
+from deployments.routing.registry import schedule_affinity_stats
+from deployments.routing.reporter import ScheduleAffinityReporter
+from deployments.routing.router import ScheduleAffinityRouter
 from engine.api import SlabState
 from engine.served import ServedSchedules
 
@@ -61,18 +56,13 @@ def schedule_of(key: str) -> int:
     return int(key.split("-", 1)[1])
 
 
-def protected_plans(slab_plans: int, protected_fraction: float) -> int:
-    """The protected segment's size, as the engine computes it from its config."""
-    return AdalnConfig(gpu_plans=slab_plans, gpu_protected_fraction=protected_fraction).gpu_protected_plans
-
-
 class FakeSlab:
     """One replica's GPU plan slab, kept by the engine's own code: the bookkeeping and eviction policy
     (`cache.slab.SlotIndex`) over plan keys ``(schedule, i)``, and the report the router reads
     (`engine.served.ServedSchedules`). The fake worker, the oracle and `bench.routing_sim` all hold one."""
 
-    def __init__(self, slab_plans: int, protected_fraction: float):
-        self.index = SlotIndex(slab_plans, protected_slots=protected_plans(slab_plans, protected_fraction))
+    def __init__(self, slab_plans: int):
+        self.index = SlotIndex(slab_plans)
         self.served = ServedSchedules()
 
     def misses(self, schedule: int, plans_per_schedule: int) -> int:
@@ -108,12 +98,11 @@ class FakeSlab:
 class FakePlanWorker(ScheduleAffinityReporter):
     """One 'GPU': a plan slab (`FakeSlab`) and one request at a time."""
 
-    def __init__(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float,
-                 protected_fraction: float = AdalnConfig().gpu_protected_fraction):
+    def __init__(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float):
         self.plans_per_schedule = plans_per_schedule
         self.warm_s = warm_s
         self.rebuild_s_per_plan = rebuild_s_per_plan
-        self.slab = FakeSlab(slab_plans, protected_fraction)
+        self.slab = FakeSlab(slab_plans)
         self.lock = asyncio.Lock()
         self.replica = uuid.uuid4().hex[:8]
 
@@ -165,13 +154,11 @@ class OracleRouter(RequestRouter):
     """Knows every replica's slab and queue: simulates both at routing time (exact while this one handle is
     the only client) and picks the replica where the request would finish first."""
 
-    def initialize_state(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float,
-                         protected_fraction: float = AdalnConfig().gpu_protected_fraction):
+    def initialize_state(self, slab_plans: int, plans_per_schedule: int, warm_s: float, rebuild_s_per_plan: float):
         self.slab_plans = slab_plans
         self.plans_per_schedule = plans_per_schedule
         self.warm_s = warm_s
         self.rebuild_s_per_plan = rebuild_s_per_plan
-        self.protected_fraction = protected_fraction
         self.slabs: Dict[str, FakeSlab] = {}
         self.busy_until: Dict[str, float] = {}
 
@@ -186,7 +173,7 @@ class OracleRouter(RequestRouter):
         best, best_finish = None, math.inf
         for replica in candidate_replicas:
             rid = replica.replica_id.unique_id
-            slab = self.slabs.setdefault(rid, FakeSlab(self.slab_plans, self.protected_fraction))
+            slab = self.slabs.setdefault(rid, FakeSlab(self.slab_plans))
             misses = slab.misses(schedule, self.plans_per_schedule)
             finish = max(now, self.busy_until.get(rid, now)) + self.warm_s + misses * self.rebuild_s_per_plan
             if finish < best_finish:
@@ -246,11 +233,10 @@ async def run_load(handle, schedules: List[int], num_clients: int, warmup: int) 
 
 
 def parse_router(spec: str) -> tuple:
-    """`affinity`, `affinity:2.0` (another load_factor), `placed` (affinity with a rate-based placement, see
-    deployments/placement.py), `placed:2.0`, `default` or `oracle`."""
+    """`affinity`, `affinity:2.0` (another load_factor), `default` or `oracle`."""
     name, _, load_factor = spec.partition(":")
-    if name not in ("affinity", "placed", "default", "oracle") or (load_factor and name not in ("affinity", "placed")):
-        raise ValueError(f"router {spec!r}: use affinity[:<load_factor>], placed[:<load_factor>], default or oracle.")
+    if name not in ("affinity", "default", "oracle") or (load_factor and name != "affinity"):
+        raise ValueError(f"router {spec!r}: use affinity[:<load_factor>], default or oracle.")
     return name, float(load_factor) if load_factor else None
 
 
@@ -266,14 +252,12 @@ def worker_deployment(router: str, args, name: str, load_factor: Optional[float]
         plans_per_schedule=args.plans_per_schedule,
         warm_s=args.warm_ms / 1e3,
         rebuild_s_per_plan=args.rebuild_ms_per_plan / 1e3,
-        protected_fraction=args.protected_fraction,
     )
-    if router in ("affinity", "placed"):
+    if router == "affinity":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=ScheduleAffinityRouter,
             request_router_kwargs={"load_factor": load_factor or args.load_factor, "hold_factor": args.hold_factor,
-                                   "spill_confirm_s": args.spill_confirm_s, "miss_cost": args.miss_cost,
-                                   "placement": router == "placed"},
+                                   "spill_confirm_s": args.spill_confirm_s},
             request_routing_stats_period_s=args.stats_period_s,
         )
     elif router == "oracle":
@@ -343,7 +327,7 @@ async def run_all(args) -> Dict[str, Any]:
             after = schedule_affinity_stats(name)
             spilled = after["spills"] - before["spills"]
             routed = spilled + after["hits"] - before["hits"]
-            affinity = router in ("affinity", "placed")
+            affinity = router == "affinity"
             label = f"{router} (load_factor {load_factor or args.load_factor})" if affinity else router
             row = {"workload": workload, "router": label, **result}
             row["spill_rate"] = (spilled / routed) if affinity and routed else None
@@ -370,19 +354,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--slab-plans", type=int, default=32, help="plans one replica keeps (4 schedules)")
     parser.add_argument("--warm-ms", type=float, default=20.0, help="cost of a request with all plans warm")
     parser.add_argument("--rebuild-ms-per-plan", type=float, default=10.0, help="extra cost per missing plan")
-    parser.add_argument("--protected-fraction", type=float, default=AdalnConfig().gpu_protected_fraction,
-                        help="adaln.gpu_protected_fraction of the fake slabs (0: plain LRU)")
-    parser.add_argument("--load-factor", type=float, default=1.25)
+    parser.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR)
     parser.add_argument("--hold-factor", type=float, default=DEFAULT_HOLD_FACTOR)
-    parser.add_argument("--miss-cost", type=float, default=DEFAULT_MISS_COST,
-                        help="the router's miss_cost: a request that rebuilds its plans, in warm requests")
     parser.add_argument("--spill-confirm-s", type=float, default=0.01)
     parser.add_argument("--stats-period-s", type=float, default=1.0,
                         help="how often replicas report ongoing count and warm schedules to the routers")
     parser.add_argument("--overhead-calls", type=int, default=500)
     parser.add_argument("--routers", nargs="+", default=None,
-                        help="affinity[:load_factor] | placed[:load_factor] | default | oracle (default: affinity "
-                             "affinity:2.0 placed default oracle; --quick: affinity default oracle)")
+                        help="affinity[:load_factor] | default | oracle (default: affinity affinity:2.0 default "
+                             "oracle; --quick: affinity default oracle)")
     parser.add_argument("--workloads", nargs="+", default=["zipf", "uniform"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write bench/results")
@@ -391,7 +371,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.requests, args.warmup, args.overhead_calls = 240, 40, 150
     if args.routers is None:
         args.routers = (["affinity", "default", "oracle"] if args.quick
-                        else ["affinity", "affinity:2.0", "placed", "default", "oracle"])
+                        else ["affinity", "affinity:2.0", "default", "oracle"])
 
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")
@@ -415,15 +395,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         f"(zipf alpha {args.zipf_alpha} | uniform); warm request {args.warm_ms} ms, "
         f"+{args.rebuild_ms_per_plan} ms per missing plan; {args.clients} closed-loop clients, "
         f"{args.requests} requests per row, first {args.warmup} left out; load_factor {args.load_factor}, "
-        f"hold_factor {args.hold_factor}, miss_cost {args.miss_cost}, "
+        f"hold_factor {args.hold_factor}, "
         f"spill_confirm_s {args.spill_confirm_s}, routing stats every {args.stats_period_s} s.",
         "oracle: knows every slab and queue exactly, sends each request where it finishes first.",
         "belady bound: Belady's rule over the same request order with the 4 slabs pooled into one cache (an upper "
         "bound for any router: it needs no load balance and no split of schedules over replicas).",
         "affinity: the replicas report which schedules their slab holds (and its capacity); the router sends a "
-        "schedule to a holder within hold_factor x the mean load, else places it where eviction hurts least.",
-        "placed: the affinity router with placement on: stable schedules partitioned (replicated when hotter than "
-        "load_factor x a replica's share) from observed rates, the tail sent to scratch slots (deployments/placement.py).",
+        "schedule to a holder within hold_factor x the mean load, else places it where eviction hurts least; once "
+        "the replicas report their service costs, to the replica where the request starts first.",
         "spill_rate: share of keyed requests the affinity router sent to a replica not expected to hold their plans.",
         f"load average while running: {results['loadavg']} (other work on this machine inflates latencies).",
     ]

@@ -3,14 +3,14 @@
 Same model as `bench.routing`: replicas serving one request at a time (FIFO), each with a slab of plans kept by
 the engine's own eviction policy and report (`bench.routing.FakeSlab`: `cache.slab.SlotIndex`, `engine.served`);
 a request for schedule ``s`` needs plans ``(s, 0..P-1)`` and costs ``warm_ms`` plus ``rebuild_ms_per_plan`` per
-missing plan; closed-loop clients. The router is the real policy (`rank_for_slab_key`, or `plan_placement` +
-`rank_for_placed_key`) fed with exact loads and slab contents (the Serve bench sees reports up to a period
-old), so this isolates the policy from Serve's timing noise and the machine's load. Virtual time: the results
+missing plan; closed-loop clients. The router is the real policy (`rank_for_slab_key`) fed with exact loads and
+slab contents (the Serve bench sees reports up to a period old), so this isolates the policy from Serve's timing noise and the machine's load. Virtual time: the results
 are deterministic for a seed.
 
-    python -m bench.routing_sim                 # slab vs placed (and placed with the true rates) per workload
+    python -m bench.routing_sim                 # slab vs slab-hold vs Serve's default router per workload
     python -m bench.routing_sim --seeds 0 1 2   # several request draws
-    python -m bench.routing_sim --seeds 0 1 2 --requests 3000 --warmup 500 --write   # bench/results/routing-sim-cpu.md
+    python -m bench.routing_sim --seeds 0 1 2 --requests 3000 --warmup 500 --write-costs
+                                                # bench/results/routing-sim-costs-cpu.md
 """
 
 from __future__ import annotations
@@ -19,26 +19,21 @@ import argparse
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Mapping, Optional
+from typing import Deque, Dict, List, Optional
 
 import numpy as np
 
-from bench.routing import NUM_REPLICAS, FakeSlab, belady_row, draw_schedules, schedule_key, zipf_weights
-from cache.config import AdalnConfig
-from deployments.placement import Placement, plan_placement
-from deployments.router import (
+from bench.routing import NUM_REPLICAS, FakeSlab, belady_row, draw_schedules, schedule_key
+from deployments.routing.policy import (
     DEFAULT_HOLD_FACTOR,
     DEFAULT_LOAD_FACTOR,
-    DEFAULT_MISS_COST,
-    REPLAN_EVERY,
     KeyPopularity,
     ServiceCosts,
     SlabView,
-    rank_for_placed_key,
     rank_for_slab_key,
 )
 
-ROUTERS = ("slab", "slab-hold", "placed", "placed-true-rates", "default")
+ROUTERS = ("slab", "slab-hold", "default")
 #: Serve's default router, as modelled here: two replicas drawn at random, the one with the shorter queue.
 DEFAULT_ROUTER = "default"
 
@@ -56,16 +51,6 @@ class SimConfig:
     rebuild_ms_per_plan: float = 10.0
     load_factor: float = DEFAULT_LOAD_FACTOR
     hold_factor: float = DEFAULT_HOLD_FACTOR
-    miss_cost: float = DEFAULT_MISS_COST
-    protected_fraction: float = AdalnConfig().gpu_protected_fraction
-
-
-def true_rates(workload: str, cfg: SimConfig, seed: int) -> Dict[str, float]:
-    """The distribution `draw_schedules` samples from, by schedule key."""
-    n = cfg.num_schedules
-    p = zipf_weights(n, cfg.zipf_alpha) if workload == "zipf" else np.full(n, 1.0 / n)
-    perm = np.random.default_rng(seed + 1).permutation(n)  # as in draw_schedules
-    return {schedule_key(int(perm[r])): float(p[r]) for r in range(n)}
 
 
 def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int = 0) -> Dict[str, float]:
@@ -75,14 +60,11 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
     schedules = draw_schedules(workload, cfg.requests, cfg.num_schedules, cfg.zipf_alpha, seed)
     P = cfg.plans_per_schedule
     ids = [f"r{i}" for i in range(NUM_REPLICAS)]
-    slabs = {rid: FakeSlab(cfg.slab_plans, cfg.protected_fraction) for rid in ids}
+    slabs = {rid: FakeSlab(cfg.slab_plans) for rid in ids}
     held: Dict[str, List[int]] = {}  # slots the running request of each replica holds
     queues: Dict[str, Deque[int]] = {rid: deque() for rid in ids}
     popularity = KeyPopularity()
-    known: Optional[Mapping[str, float]] = true_rates(workload, cfg, seed) if router == "placed-true-rates" else None
-    placement: Optional[Placement] = None
     rng = np.random.default_rng(seed + 2)  # the default router's draws
-    since_placement = 0
     hits = [0] * cfg.requests
     started = [0.0] * cfg.requests
     latency = [0.0] * cfg.requests
@@ -96,35 +78,17 @@ def simulate(workload: str, router: str, cfg: SimConfig = SimConfig(), seed: int
         return v
 
     def route(i: int) -> str:
-        nonlocal placement, since_placement
         key = schedule_key(schedules[i])
         loads = {rid: len(queues[rid]) for rid in ids}
-        views = {rid: view(rid) for rid in ids}
-        if known is not None:
-            count = lambda k: known.get(k, 0.0)  # noqa: E731
-        else:
-            count = popularity.count
         if router == DEFAULT_ROUTER:
             a, b = (ids[j] for j in rng.choice(len(ids), size=2, replace=False))
-            popularity.record(key)
             return a if loads[a] <= loads[b] else b
-        if router in ("slab", "slab-hold"):
-            # slab: the replicas report their service costs (as the Serve worker does once it has served a hit and
-            # a miss); slab-hold: they do not, so holders always come first (the policy before the costs).
-            costs = ServiceCosts(cfg.warm_ms / 1e3, P * cfg.rebuild_ms_per_plan / 1e3) if router == "slab" else None
-            ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor,
-                                       costs)
-        else:
-            if placement is None or since_placement >= REPLAN_EVERY:
-                rates = dict(known) if known is not None else popularity.counts()
-                placement = plan_placement(rates, {rid: cfg.slab_plans for rid in ids}, lambda k: P,
-                                           {rid: set(v.keys) for rid, v in views.items()}, cfg.load_factor,
-                                           cfg.miss_cost)
-                since_placement = 0
-            ranked = rank_for_placed_key(key, loads, views, placement, P, count,
-                                         cfg.load_factor, cfg.hold_factor)
+        views = {rid: view(rid) for rid in ids}
+        # slab: the replicas report their service costs (as the Serve worker does once it has served a hit and
+        # a miss); slab-hold: they do not (yet), so holders always come first (the order before the costs).
+        costs = ServiceCosts(cfg.warm_ms / 1e3, P * cfg.rebuild_ms_per_plan / 1e3) if router == "slab" else None
+        ranked = rank_for_slab_key(key, loads, views, P, popularity.count, cfg.load_factor, cfg.hold_factor, costs)
         popularity.record(key)
-        since_placement += 1
         return ranked[0]
 
     def start(rid: str, now: float) -> None:
@@ -212,61 +176,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warmup", type=int, default=SimConfig.warmup)
     parser.add_argument("--load-factor", type=float, default=SimConfig.load_factor)
     parser.add_argument("--hold-factor", type=float, default=SimConfig.hold_factor)
-    parser.add_argument("--miss-cost", type=float, default=SimConfig.miss_cost)
     parser.add_argument("--warm-ms", type=float, default=SimConfig.warm_ms, help="a request whose plans are resident")
     parser.add_argument("--rebuild-ms-per-plan", type=float, default=SimConfig.rebuild_ms_per_plan)
     parser.add_argument("--write-costs", action="store_true",
                         help="write bench/results/routing-sim-costs-cpu.md/json: slab (replicas report service costs) "
                              "vs slab-hold (they do not) vs Serve's default, at COST_REGIMES' hit/miss times")
-    parser.add_argument("--write", action="store_true",
-                        help="write bench/results/routing-sim-cpu.md/json: the mean over --seeds per workload, "
-                             "router, protected fraction (0: LRU, and the default) and hold_factor (3 and the given)")
     parser.add_argument("--out", default=None, help="results folder of --write-costs (default bench/results)")
     args = parser.parse_args(argv)
-    from bench.common import command_line, markdown_table, write_results
+    from bench.common import markdown_table
 
-    columns = ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"]
     if args.write_costs:
         write_costs_table(args)
         return
-    if not args.write:
-        cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
-                        hold_factor=args.hold_factor, miss_cost=args.miss_cost, warm_ms=args.warm_ms,
-                        rebuild_ms_per_plan=args.rebuild_ms_per_plan)
-        rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
-        print(markdown_table(rows, columns))
-        return
-    rows = []
-    default = AdalnConfig().gpu_protected_fraction
-    for protected in dict.fromkeys([0.0, default]):
-        for hold_factor in dict.fromkeys([3.0, args.hold_factor]):
-            cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
-                            hold_factor=hold_factor, miss_cost=args.miss_cost, protected_fraction=protected)
-            for workload in args.workloads:
-                for router in args.routers:
-                    if router == DEFAULT_ROUTER and hold_factor != args.hold_factor:
-                        continue  # no hold_factor there
-                    runs = [simulate(workload, router, cfg, s) for s in args.seeds]
-                    row = {"workload": workload, "router": router, "protected_fraction": protected,
-                           "hold_factor": hold_factor}
-                    for k in ("plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"):
-                        row[k] = round(float(np.mean([r[k] for r in runs])), 4)
-                    rows.append(row)
-                    print(row, flush=True)
-    columns = ["workload", "router", "protected_fraction", "hold_factor", *columns[3:]]
-    notes = [
-        f"Discrete-event simulation of bench.routing (virtual time, exact loads and slab contents): "
-        f"{NUM_REPLICAS} replicas, slab 32 plans, 8 plans per schedule, 32 schedules, 6 closed-loop clients, "
-        f"{args.requests} requests per run, first {args.warmup} left out; mean over seeds {args.seeds}; "
-        f"load_factor {args.load_factor}, miss_cost {args.miss_cost}.",
-        "Each slab is the engine's own bookkeeping (cache.slab.SlotIndex via bench.routing.FakeSlab) and report "
-        "(engine.served): protected_fraction 0 is plain LRU, the default "
-        f"({default}) the segmented policy (one-off schedules on probation, evicted first).",
-        "slab: the default policy (rank_for_slab_key). placed: placement=True (deployments/placement.py) from "
-        "the observed counts; placed-true-rates: the same fed the sampled distribution (its ceiling). default: "
-        "Serve's default router modelled as power of two choices by queue length (the p99 reference).",
-    ]
-    write_results("routing-sim", rows, device="cpu", command=command_line(), columns=columns, notes=notes)
+    cfg = SimConfig(requests=args.requests, warmup=args.warmup, load_factor=args.load_factor,
+                    hold_factor=args.hold_factor, warm_ms=args.warm_ms, rebuild_ms_per_plan=args.rebuild_ms_per_plan)
+    rows = [simulate(w, r, cfg, s) for w in args.workloads for s in args.seeds for r in args.routers]
+    columns = ["workload", "router", "seed", "plan_hit_rate", "belady", "of_belady", "p50_ms", "p99_ms", "req_per_s"]
     print(markdown_table(rows, columns))
 
 

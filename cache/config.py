@@ -32,14 +32,6 @@ class AdalnConfig(BaseModel):
         description="Plans the GPU slab holds (online mode). A request needing more distinct plans (steps) is "
         "rejected; H3 at the default accepts up to 64 distinct plans (65 steps).",
     )
-    gpu_protected_fraction: float = Field(
-        0.0, ge=0, le=1,
-        description="Share of the GPU slab's plans kept for plans requested more than once (the protected "
-        "segment; cache.slab.SlotIndex). A plan enters on probation and is evicted first unless a later request "
-        "hits it (or it was evicted lately), so schedules requested once churn among themselves instead of "
-        "evicting the popular ones. 0 (default): plain LRU, which routed better in bench.routing (Zipf 0.898 vs "
-        "0.883 of Belady, uniform 0.64 vs 0.52: bench/results/routing-cpu.md).",
-    )
     plan_width: int = Field(
         4, ge=1,
         description="Max distinct timesteps per step (rows per plan): 2 for text->video+audio, 3 with a "
@@ -84,11 +76,6 @@ class AdalnConfig(BaseModel):
         "block's adaln_proj (weight + bias, 520 MB for H3): readers fill one while the previous is copied and "
         "projected. 3 shaved ~0.1 s off an H3 page-cache rebuild (0.85 -> 0.74 s with 32 MiB chunks).",
     )
-
-    @property
-    def gpu_protected_plans(self) -> int:
-        """The protected segment's size in plans."""
-        return int(self.gpu_protected_fraction * self.gpu_plans)
 
     @property
     def host_cache_bytes(self) -> int:

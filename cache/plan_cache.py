@@ -314,7 +314,7 @@ class PlanCache:
         self.slab = PlanSlab(
             num_plans=config.gpu_plans, plan_width=config.plan_width, num_blocks=dims.num_blocks,
             adaln_width=dims.adaln_width, final_width=dims.final_adaln_width, dtype=dims.torch_dtype,
-            device=self.device, protected_plans=config.gpu_protected_plans,
+            device=self.device,
         )
         self.host = HostTier(
             capacity_bytes=config.host_cache_bytes, num_blocks=dims.num_blocks, adaln_width=dims.adaln_width,

@@ -26,54 +26,35 @@ class SlotState(Enum):
 
 
 class SlotIndex:
-    """Which plan sits in which slot: ids, refcounts, the eviction order and the free list (no tensors).
+    """Which plan sits in which slot: ids, refcounts, the LRU list and the free list (no tensors).
 
-    Verbs (vLLM-like): `lookup(key)` (no side effects), `touch(slot)` (take a reference: a hit, which also
-    promotes the plan, see below), `allocate(key)` (a free slot, else the next victim's slot, in state BUILDING
-    with one reference), `commit(slot)` (BUILDING -> READY, now visible), `abort(slot)` (a failed build gives
-    its slot back, so a retry rebuilds), `free(slot)` (drop a reference; at zero a READY plan becomes evictable
-    at the most recently used end of its segment), `evict()`, `invalidate()`.
-
-    Eviction is scan-resistant (segmented LRU, like SLRU / 2Q): a plan not known to be popular is admitted into
-    the *probation* segment; a hit by a later request promotes it to the *protected* segment, which holds at
-    most `protected_slots` plans (its least recently used ones are demoted to probation's most recent end).
-    Victims come from probation first (least recently used first), protected only when probation has nothing
-    unreferenced. So a schedule requested once evicts other one-off plans, not the plans requested again. A
-    plan is known to be popular when it was evicted within the last `history` evictions (a ghost list of keys,
-    no data): it is admitted straight into protected, as if it had been hit in probation. `protected_slots=0`
-    is plain LRU. Every decision is a function of the calls' order only (no clock, no randomness), so the
-    ranks of a multi-device replica, which see the same requests in the same order, evict alike.
+    Verbs (vLLM-like): `lookup(key)` (no side effects), `touch(slot)` (take a reference: a hit), `allocate(key)`
+    (a free slot, else the least recently used unreferenced plan's slot, in state BUILDING with one reference),
+    `commit(slot)` (BUILDING -> READY, now visible), `abort(slot)` (a failed build gives its slot back, so a retry
+    rebuilds), `free(slot)` (drop a reference; at zero a READY plan becomes evictable as the most recently used),
+    `evict()`, `invalidate()`. Plain LRU: every decision is a function of the calls' order only (no clock, no
+    randomness), so the ranks of a multi-device replica, which see the same requests in the same order, evict
+    alike.
 
     Invariants (checked by `check()`, and on every state change that could break them):
     - free + used == capacity; a free slot has refcount 0 and no key;
-    - a slot with refcount > 0 is never evicted (only READY slots with refcount 0 are evictable, each in the
-      list of its segment);
+    - a slot with refcount > 0 is never evicted (only READY slots with refcount 0 are on the LRU list);
     - a BUILDING slot is never returned by `lookup`;
-    - every key maps to exactly one READY or BUILDING slot;
-    - protected plans exceed `protected_slots` only while the excess is referenced (demoted on its last free).
+    - every key maps to exactly one READY or BUILDING slot.
     """
 
-    def __init__(self, capacity: int, protected_slots: int = 0, history: int | None = None):
+    def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"slab capacity must be >= 1, got {capacity}")
-        if not 0 <= protected_slots <= capacity:
-            raise ValueError(f"protected_slots={protected_slots} must be within 0..{capacity}")
         self.capacity = capacity
-        self.protected_slots = protected_slots
-        # Evicted keys remembered (default: as many as the slab holds); none under plain LRU.
-        self.history = (capacity if history is None else history) if protected_slots else 0
         self._state = [SlotState.FREE] * capacity
         self._refcount = [0] * capacity
         self._key: list[Hashable | None] = [None] * capacity
-        self._protected = [False] * capacity  # segment of a READY/BUILDING/DETACHED slot
-        self._num_protected = 0  # READY or BUILDING slots in the protected segment, referenced or not
         self._slot_of: dict[Hashable, int] = {}
         # Free slots, lowest id first (deterministic slot ids: a fresh slab hands out 0, 1, 2, ...).
         self._free: list[int] = list(range(capacity - 1, -1, -1))
-        # READY slots with refcount 0 per segment, least recently used first.
-        self._probation: OrderedDict[int, None] = OrderedDict()
-        self._protected_lru: OrderedDict[int, None] = OrderedDict()
-        self._ghosts: OrderedDict[Hashable, None] = OrderedDict()  # evicted keys, oldest first
+        # READY slots with refcount 0, least recently used first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self.num_evicted = 0
 
     # -- queries
@@ -83,15 +64,11 @@ class SlotIndex:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._probation) + len(self._protected_lru)
+        return len(self._lru)
 
     @property
     def num_used(self) -> int:
         return self.capacity - len(self._free)
-
-    @property
-    def num_protected(self) -> int:
-        return self._num_protected
 
     def refcount(self, slot: int) -> int:
         return self._refcount[slot]
@@ -102,18 +79,15 @@ class SlotIndex:
     def key(self, slot: int) -> Hashable | None:
         return self._key[slot]
 
-    def is_protected(self, slot: int) -> bool:
-        return self._state[slot] is not SlotState.FREE and self._protected[slot]
-
     def lru_order(self) -> list[int]:
-        """Evictable slots, next victim first (probation, then protected)."""
-        return [*self._probation, *self._protected_lru]
+        """Evictable slots, next victim first."""
+        return list(self._lru)
 
     def eviction_order(self) -> list[Hashable]:
         """Keys of the evictable plans, next victim first (referenced and building plans are not evictable).
-        Read by the router's report from another thread: one pass over each list, no state change."""
+        Read by the router's report from another thread: one pass over the list, no state change."""
         keys = self._key
-        return [keys[s] for s in [*self._probation, *self._protected_lru]]
+        return [keys[s] for s in list(self._lru)]
 
     def lookup(self, key: Hashable) -> int | None:
         """The READY slot holding `key`, or None (BUILDING slots are invisible)."""
@@ -137,21 +111,14 @@ class SlotIndex:
 
     # -- state changes
     def touch(self, slot: int) -> None:
-        """Take a reference on a READY slot (a hit): it leaves the eviction lists until its last `free`, and a
-        probation plan is promoted (this is a later request for it)."""
+        """Take a reference on a READY slot (a hit): it leaves the LRU list until its last `free`."""
         if self._state[slot] is not SlotState.READY:
             raise RuntimeError(f"touch of slot {slot} in state {self._state[slot].value}")
         self._refcount[slot] += 1
-        self._probation.pop(slot, None)
-        self._protected_lru.pop(slot, None)
-        if not self._protected[slot]:
-            self._protected[slot] = True
-            self._num_protected += 1
-        self._demote_excess()
+        self._lru.pop(slot, None)
 
     def allocate(self, key: Hashable) -> int:
-        """A slot for `key` in state BUILDING with one reference (a free slot, else evict the next victim); in
-        probation unless `key` was evicted recently (then protected)."""
+        """A slot for `key` in state BUILDING with one reference (a free slot, else evict the next victim)."""
         if key in self._slot_of:
             raise RuntimeError(f"plan {key!r} already has slot {self._slot_of[key]}")
         if not self._free:
@@ -162,12 +129,6 @@ class SlotIndex:
         self._refcount[slot] = 1
         self._key[slot] = key
         self._slot_of[key] = slot
-        known = key in self._ghosts  # evicted lately and requested again: within the window
-        if known:
-            del self._ghosts[key]
-        self._protected[slot] = known
-        self._num_protected += known
-        self._demote_excess()
         return slot
 
     def commit(self, slot: int) -> None:
@@ -184,7 +145,7 @@ class SlotIndex:
         self._release_to_free(slot)
 
     def free(self, slot: int) -> None:
-        """Drop one reference. At zero a READY slot becomes evictable (most recently used of its segment)."""
+        """Drop one reference. At zero a READY slot becomes evictable (the most recently used)."""
         state = self._state[slot]
         if self._refcount[slot] <= 0 or state is SlotState.FREE:
             raise RuntimeError(f"free of slot {slot} with refcount {self._refcount[slot]} ({state.value})")
@@ -193,28 +154,20 @@ class SlotIndex:
         self._refcount[slot] -= 1
         if self._refcount[slot] == 0:
             if state is SlotState.READY:
-                (self._protected_lru if self._protected[slot] else self._probation)[slot] = None
-                self._demote_excess()
+                self._lru[slot] = None
             elif state is SlotState.DETACHED:
                 self._release_to_free(slot)
 
     def evict(self) -> int:
-        """Forget the next victim (probation's least recently used unreferenced plan, else protected's); its
-        slot goes to the free list (returned) and its key to the ghost list."""
-        segment = self._probation or self._protected_lru
-        if not segment:
+        """Forget the least recently used unreferenced plan; its slot goes to the free list (returned)."""
+        if not self._lru:
             raise SlabFullError(
                 f"all {self.capacity} slab slots are held by in-flight requests; retry when one finishes "
                 "or raise adaln.gpu_plans"
             )
-        slot, _ = segment.popitem(last=False)
+        slot, _ = self._lru.popitem(last=False)
         assert self._refcount[slot] == 0 and self._state[slot] is SlotState.READY, "evicting a referenced slot"
-        key = self._key[slot]
-        del self._slot_of[key]
-        if self.history:
-            self._ghosts[key] = None
-            while len(self._ghosts) > self.history:
-                self._ghosts.popitem(last=False)
+        del self._slot_of[self._key[slot]]
         self._release_to_free(slot)
         self.num_evicted += 1
         return slot
@@ -226,38 +179,21 @@ class SlotIndex:
             if state is SlotState.FREE or state is SlotState.DETACHED:
                 continue
             self._key[slot] = None
-            if self._protected[slot]:
-                self._protected[slot] = False
-                self._num_protected -= 1
             if self._refcount[slot] == 0:
                 self._state[slot] = SlotState.FREE
                 self._free.append(slot)
             else:
                 self._state[slot] = SlotState.DETACHED
         self._slot_of.clear()
-        self._probation.clear()
-        self._protected_lru.clear()
-        self._ghosts.clear()
+        self._lru.clear()
         self._free.sort(reverse=True)
         self.check()
 
-    def _demote_excess(self) -> None:
-        """Protected over its size: its least recently used unreferenced plans go to probation's recent end."""
-        while self._num_protected > self.protected_slots and self._protected_lru:
-            slot, _ = self._protected_lru.popitem(last=False)
-            self._protected[slot] = False
-            self._num_protected -= 1
-            self._probation[slot] = None
-
     def _release_to_free(self, slot: int) -> None:
-        if self._protected[slot]:  # never set on a DETACHED slot (invalidate clears it)
-            self._num_protected -= 1
-        self._protected[slot] = False
         self._key[slot] = None
         self._refcount[slot] = 0
         self._state[slot] = SlotState.FREE
-        self._probation.pop(slot, None)
-        self._protected_lru.pop(slot, None)
+        self._lru.pop(slot, None)
         self._free.append(slot)
 
     def check(self) -> None:
@@ -266,21 +202,14 @@ class SlotIndex:
         assert len(free) == len(self._free), "slot on the free list twice"
         used = [s for s in range(self.capacity) if self._state[s] is not SlotState.FREE]
         assert len(free) + len(used) == self.capacity, "free + used != capacity"
-        assert not set(self._probation) & set(self._protected_lru), "slot in both segments"
-        live = [s for s in range(self.capacity) if self._state[s] in (SlotState.READY, SlotState.BUILDING)]
-        assert self._num_protected == sum(self._protected[s] for s in live), "protected count drifted"
         for slot in range(self.capacity):
             state, ref = self._state[slot], self._refcount[slot]
             if state is SlotState.FREE:
                 assert slot in free and ref == 0 and self._key[slot] is None, f"bad free slot {slot}"
-                assert not self._protected[slot], f"free slot {slot} marked protected"
-            evictable = self._protected_lru if self._protected[slot] else self._probation
-            if slot in self._probation or slot in self._protected_lru:
+            if slot in self._lru:
                 assert state is SlotState.READY and ref == 0, f"evictable slot {slot} is {state.value}/ref {ref}"
             if state is SlotState.READY and ref == 0:
-                assert slot in evictable, f"unreferenced READY slot {slot} not evictable in its segment"
-        if self._protected_lru:
-            assert self._num_protected <= self.protected_slots, "unreferenced protected plans over the size"
+                assert slot in self._lru, f"unreferenced READY slot {slot} not evictable"
         for key, slot in self._slot_of.items():
             assert self._key[slot] == key and self._state[slot] in (SlotState.READY, SlotState.BUILDING)
 
@@ -303,9 +232,8 @@ class PlanSlab:
         final_width: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        protected_plans: int = 0,
     ):
-        self.index = SlotIndex(num_plans, protected_slots=protected_plans)
+        self.index = SlotIndex(num_plans)
         self.plan_width = plan_width
         self.device = torch.device(device)
         rows = num_plans * plan_width

@@ -111,11 +111,11 @@ def test_plan_slab_rows_and_buffers_allocated_once():
         slab.row_ids([(0, 5)])
 
 
-# -- the segmented policy (probation / protected)
+# -- the eviction order the router reads (engine.served)
 
 
 def served(index: SlotIndex, key: str) -> None:
-    """One request for `key` that finished: a hit (promotes) or a build, then its reference dropped."""
+    """One request for `key` that finished: a hit or a build, then its reference dropped."""
     slot = index.lookup(key)
     if slot is None:
         (slot,) = ready(index, key)
@@ -124,72 +124,14 @@ def served(index: SlotIndex, key: str) -> None:
     index.free(slot)
 
 
-@pytest.mark.parametrize("capacity, protected", [(4, 2), (6, 3), (8, 6), (5, 5)])
-def test_one_off_plans_never_evict_a_protected_plan_while_probation_has_room(capacity, protected):
-    index = SlotIndex(capacity, protected_slots=protected)
-    hot = [f"hot{i}" for i in range(protected)]
-    for key in hot:
-        served(index, key)
-        served(index, key)  # a second request: promoted
-    assert index.num_protected == protected
-    for i in range(3 * capacity):  # a scan of one-off plans
-        served(index, f"once{i}")
-        index.check()
-        if capacity > protected:  # probation had room: the scan churned there
-            assert all(index.lookup(key) is not None for key in hot)
-    if capacity == protected:  # no probation at all: a one-off must take a protected plan's slot
-        assert sum(index.lookup(key) is None for key in hot) >= 1
-
-
-@pytest.mark.parametrize("protected", [1, 2, 3])
-def test_a_second_request_promotes_and_the_protected_excess_is_demoted_to_probation(protected):
-    index = SlotIndex(4, protected_slots=protected)
-    for key in "abcd":
-        served(index, key)
-    assert index.num_protected == 0 and index.eviction_order() == list("abcd")  # all on probation
-    for key in "abcd":
-        served(index, key)  # promoted in turn; the least recently promoted overflow back to probation
-    assert index.num_protected == protected
-    assert index.eviction_order() == list("abcd")  # demoted ones first, then protected, each oldest first
-    assert [index.is_protected(index.lookup(k)) for k in "abcd"] == [False] * (4 - protected) + [True] * protected
-    served(index, "e")  # a one-off evicts the oldest probation plan
-    assert index.lookup("a") is None and all(index.lookup(k) is not None for k in "bcd")
-    index.check()
-
-
-def test_a_plan_evicted_lately_comes_back_protected():
-    index = SlotIndex(2, protected_slots=1, history=4)
-    served(index, "a")
-    served(index, "b")
-    served(index, "c")  # evicts "a" (probation, oldest): remembered
-    assert index.lookup("a") is None
-    served(index, "a")  # requested again within the window: straight into protected
-    assert index.is_protected(index.lookup("a"))
-    index.check()
-
-
-@pytest.mark.parametrize("protected", [0, 1, 2, 3])
-def test_pinned_plans_are_never_evicted_in_either_segment(protected):
-    index = SlotIndex(3, protected_slots=protected)
-    served(index, "a")
-    served(index, "a")                       # protected (if any protected room)
-    pinned = index.lookup("a")
-    index.touch(pinned)                      # an in-flight request holds it
-    (b,) = ready(index, "b")                 # probation, held by its builder
-    served(index, "c")
-    index.allocate("d")                      # evicts "c", the only unreferenced plan
-    assert index.lookup("a") == pinned and index.state(b) is SlotState.READY
-    with pytest.raises(SlabFullError):
-        index.allocate("e")
-    index.check()
-
-
-def test_protected_zero_is_plain_lru():
-    index = SlotIndex(3, protected_slots=0)
+def test_eviction_order_lists_the_keys_next_victim_first():
+    index = SlotIndex(3)
     for key in "abc":
         served(index, key)
-    served(index, "a")  # a hit refreshes recency; nothing is ever protected
-    assert index.num_protected == 0 and index.eviction_order() == list("bca")
+    served(index, "a")  # a hit refreshes recency
+    assert index.eviction_order() == list("bca")
+    index.touch(index.lookup("c"))  # in flight: not evictable, so not listed
+    assert index.eviction_order() == list("ba")
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -199,7 +141,7 @@ def test_replicas_fed_the_same_calls_decide_alike(seed):
     import random
 
     rng = random.Random(seed)
-    ranks = [SlotIndex(8, protected_slots=5) for _ in range(2)]
+    ranks = [SlotIndex(8) for _ in range(2)]
     in_flight: list[list[int]] = []
     for _ in range(400):
         if in_flight and (rng.random() < 0.5 or len(in_flight) > 2):
