@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
@@ -204,13 +204,3 @@ class EngineConfig(BaseModel):
         default_factory=ParallelConfig,
         description="Devices per replica (sequence parallel); sp: 1 is one device inside the Serve replica.",
     )
-
-    @field_validator("preset", mode="before")
-    @classmethod
-    def _known_preset(cls, value: object) -> object:
-        if value in ("small", "h3"):
-            raise ValueError(
-                f"preset {value!r} was the home-made look-alike, which is gone: ditserve serves the real MiniMax-H3. "
-                "Point `checkpoint` at a downloaded MiniMax-H3 checkpoint, or use preset: tiny for a random tiny one"
-            )
-        return value

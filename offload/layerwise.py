@@ -422,12 +422,6 @@ class LayerwiseOffloader:
         refuses `load_block_state_`)."""
         self._running = None
 
-    def release_streamed_(self) -> None:
-        """Drop every streamed block from the device (e.g. when the engine goes idle)."""
-        for i in self._streamed:
-            if i != self._running:
-                self._release(self._entries[i])
-
     def _gated(self, i: int) -> bool:
         return self._middle is not None and i in self._middle
 

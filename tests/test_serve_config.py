@@ -74,9 +74,6 @@ def test_app_config_rejects_unknown_names_with_the_field():
         AppConfig.model_validate({"engine": {"checkpoints": "x"}})
     with pytest.raises(ValidationError, match=r"engine.preset\n  Input should be 'tiny'"):
         AppConfig.model_validate({"engine": {"preset": "huge"}})
-    for gone in ("small", "h3"):  # the home-made look-alike's presets name the way forward
-        with pytest.raises(ValidationError, match=f"preset '{gone}' was the home-made look-alike, which is gone"):
-            AppConfig.model_validate({"engine": {"preset": gone}})
     with pytest.raises(ValidationError, match="engine.checkpoint_layout"):
         AppConfig.model_validate({"engine": {"checkpoint_layout": "safetensors"}})
     with pytest.raises(ValidationError, match="min_replicas=3 exceeds max_replicas=2"):
