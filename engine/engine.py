@@ -28,7 +28,7 @@ rank 0 holds the VAEs, decodes and muxes. What must not differ between ranks is 
 cancellation (rank 0's answer, before the loop and at every step boundary, there one boundary late:
 `parallel.late_flag`, so the host never waits for the GPU queue) and the AdaLN plan cache's admission and eviction (a
 deterministic function of the request sequence, so identical when every rank sees the same requests in the
-same order; checked per request by comparing a digest of the slab rows every rank prepared).
+same order; checked per request by comparing a digest of the slab rows every rank prepared): `parallel.agreement`.
 
 Errors: the public methods raise `engine.errors` types (the lower layers' errors are translated here, with
 their messages, chained as `__cause__`), so the Serve layer sorts them without importing `cache/` or

@@ -7,6 +7,7 @@ height is padded to even by repeating the last column / row (the stream is then 
 Audio: FFmpeg's native AAC encoder, stereo at the waveform's sample rate (32 kHz for MiniMax-H3); a mono
 waveform is duplicated onto both channels. Muxed with PyAV. A path destination gets `+faststart` (index first,
 for progressive playback); a binary stream cannot be rewritten in place, so it gets the index at the end.
+The same frames and waveform give the same bytes on every call (`VIDEO_OPTIONS` says what that took).
 """
 
 from __future__ import annotations
