@@ -52,9 +52,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.host_cache_pool import make_pool_client
 from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
 from engine.config import EngineConfig
-from engine.engine import Engine, check_parallel_config, resolve_device
+from engine.engine import Engine, resolve_device
 from engine.errors import RANK_FAILURE, EngineError, GenerationCancelled, ServerFault, WeightsRejected
 from engine.startup import EngineStartup
+from parallel.config_check import check_parallel_config
 from parallel.group import init_group
 
 logger = logging.getLogger(__name__)

@@ -452,12 +452,12 @@ def startup_rows(replicas: int, scaled: Dict[str, Any]) -> List[Dict[str, Any]]:
     if engine:
         gbps = engine["transformer_bytes"] / engine["transformer_s"] / 1e9 if engine["transformer_s"] else 0.0
         for key, detail in (
-                ("device_init_s", "CUDA context"), ("checkpoint_s", "layout, config, index, shard headers"),
+                ("device_init_s", "CUDA context"), ("checkpoint_s", "layout, config, index, shard headers, fingerprint"),
                 ("transformer_s", f"{engine['transformer_bytes'] / 1e9:.2f} GB at {gbps:.1f} GB/s, "
                                   f"{engine['num_readers']} readers"),
                 ("hooks_s", "ExternalModulation, offload, Cache-DiT"), ("plan_cache_s", "slab + host tier"),
                 ("warm_up_s", "plan cache warm-up"), ("text_encoder_s", "Qwen3-VL (fused engines)"),
-                ("vae_s", "VAEs (fused engines)"), ("fingerprint_s", "weights fingerprint"),
+                ("vae_s", "VAEs (fused engines)"),
                 ("total_s", "the Engine constructor")):
             rows.append({"metric": f"{prefix}: new replica: engine {key}", "app_s": engine[key], "detail": detail})
     return rows

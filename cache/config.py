@@ -47,7 +47,8 @@ class AdalnConfig(BaseModel):
         "match",
         description="match: F.linear in the model dtype, exactly like the model's resident path. "
         "fp32: project in fp32 and cast to the model dtype (more accurate, not equal to the model's own "
-        "bf16 path); resident mode then uses the same fp32 projection so resident == online still holds.",
+        "bf16 path); `cache.plan_cache.ResidentModulation` then uses the same fp32 projection so resident == "
+        "online still holds. The engine's adaln.mode: resident runs diffusers' own forward and refuses fp32.",
     )
     readers: int = Field(
         16, ge=1, le=256,

@@ -124,7 +124,7 @@ class RemoteTier(Protocol):
 
 
 class RebuildShards(Protocol):
-    """Splits rebuilds over the ranks of a multi-device replica (`engine.engine.RankShardedRebuild`, over
+    """Splits rebuilds over the ranks of a multi-device replica (`parallel.agreement.RankShardedRebuild`, over
     `parallel.adaln`). Its methods are collectives: every rank's cache calls them at the same points, which
     holds while every rank sees the same requests in the same order (the caches then decide alike)."""
 

@@ -71,7 +71,7 @@ def worker_deployment_options(options: WorkerOptions, num_gpus_in_cluster: float
         # The replica is a coordinator (CPU only) owning `sp` GPU worker actors, one per device, in its own
         # placement group (STRICT_PACK: one node); a bad degree or more GPUs than a node has fails the build.
         from actors.gpu_worker import largest_node_num_gpus, rank_num_gpus, replica_bundles
-        from engine.engine import check_parallel_config
+        from parallel.config_check import check_parallel_config
 
         gpus_per_rank = rank_num_gpus(engine, num_gpus_in_cluster)
         if options.num_gpus is not None and options.num_gpus != sp * gpus_per_rank:

@@ -204,3 +204,13 @@ class EngineConfig(BaseModel):
         default_factory=ParallelConfig,
         description="Devices per replica (sequence parallel); sp: 1 is one device inside the Serve replica.",
     )
+
+    @model_validator(mode="after")
+    def _resident_projects_as_diffusers(self) -> EngineConfig:
+        # The engine's resident mode is diffusers' forward as is (the reference every feature is compared to),
+        # whose AdaLN projection is the model dtype's nn.Linear; the fp32 projection is the plan cache's.
+        if self.adaln.mode == "resident" and self.adaln.projection == "fp32":
+            raise ValueError("adaln.projection: fp32 is served by the plan cache (adaln.mode: online); "
+                             "adaln.mode: resident runs diffusers' own forward, whose projection is the model "
+                             "dtype's (projection: match). Use mode: online for the fp32 projection")
+        return self

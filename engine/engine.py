@@ -28,7 +28,7 @@ rank 0 holds the VAEs, decodes and muxes. What must not differ between ranks is 
 cancellation (rank 0's answer, before the loop and at every step boundary, there one boundary late:
 `parallel.late_flag`, so the host never waits for the GPU queue) and the AdaLN plan cache's admission and eviction (a
 deterministic function of the request sequence, so identical when every rank sees the same requests in the
-same order; checked per request by comparing a digest of the slab rows every rank prepared).
+same order; checked per request by comparing a digest of the slab rows every rank prepared): `parallel.agreement`.
 
 Errors: the public methods raise `engine.errors` types (the lower layers' errors are translated here, with
 their messages, chained as `__cause__`), so the Serve layer sorts them without importing `cache/` or
@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import hashlib
 import logging
 import os
 import secrets
@@ -54,9 +53,8 @@ from typing import Any
 import torch
 
 from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
-from cache.plan_cache import AdmissionError, PlanCache, PreparedPlans, RemoteTier, make_adaln_provider
-from cache.plan_key import PlanKey
-from cache.rebuild import AdalnUnit, RebuildError
+from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
+from cache.rebuild import RebuildError
 from engine.api import (
     CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
     SlabState,
@@ -66,33 +64,29 @@ from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, S
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
-from model.adaln import ExternalModulation, Modulation
+from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
-from model.layout import CheckpointError, H3Checkpoint, Partition
+from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
+from model.provisioning import SERVED_PARTITION, ensure_checkpoint
 from model.schedule import H3Schedule, Task
-from model.text_encoder import PromptEncoder, language_model_config
+from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
-from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
-from model.tiny_components import TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
-from model.weights import CONFIG_FILE, H3TransformerConfig, TransformerWeights, is_adaln_param
+from model.weights import TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
-from parallel.adaln import AdalnShard, exchange_modulation_
+from parallel.agreement import RankAgreement, RankDivergence, RankFailure, RankShardedRebuild
 from parallel.cache_decision import install_rank_consistent_similarity
 from parallel.group import CollectiveError, SpGroup
 from parallel.late_flag import LateFlag
-from parallel.sequence import Exchange, SequenceParallel, check_degree
-from parallel.text_encoder import TextTensorParallel, check_text_degree
+from parallel.sequence import Exchange, SequenceParallel
+from parallel.text_encoder import TextTensorParallel
 
 logger = logging.getLogger(__name__)
 
 #: The published transformer width: a checkpoint of this width gets the model's own size rules by default.
 H3_HIDDEN_SIZE = 5376
-#: The partition whose transformer serves t2va, the one task the engine runs: a Ref2VA directory (its own
-#: transformer, trained for reference conditioning) has the same shapes and would otherwise load silently.
-SERVED_PARTITION = Partition.FL2VA
 
 
 def resolve_device(name: str, engine_device: torch.device | None = None) -> torch.device:
@@ -104,66 +98,6 @@ def resolve_device(name: str, engine_device: torch.device | None = None) -> torc
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device=cuda but this process sees no CUDA device; use device: auto or cpu")
     return torch.device(name)
-
-
-def auto_checkpoint_dir(config: EngineConfig) -> Path:
-    name = f"{config.preset}-{config.checkpoint_layout}"
-    if config.checkpoint_seed:
-        name += f"-seed{config.checkpoint_seed}"
-    return Path(config.checkpoint_root) / name
-
-
-def ensure_checkpoint(config: EngineConfig) -> Path:
-    """The checkpoint to load: `config.checkpoint`, or an auto-made seeded tiny checkpoint.
-
-    Auto-made ones are written to a temporary directory next to the target and renamed into place
-    (`model.tiny.make_tiny_checkpoint`), so a reader never sees a half-written checkpoint and two replicas
-    starting together both end up with the one that won the rename (same seed -> identical bytes anyway).
-    """
-    if config.checkpoint:
-        return Path(config.checkpoint)
-    target = auto_checkpoint_dir(config)
-    if (target / "model_index.json").exists() or (target / "FL2VA").is_dir():
-        return target
-    logger.info("making a tiny %s-layout MiniMax-H3 checkpoint (seed %d) at %s", config.checkpoint_layout,
-                config.checkpoint_seed, target)
-    try:
-        make_tiny_checkpoint(target, config.checkpoint_layout, seed=config.checkpoint_seed)
-    except (FileExistsError, OSError):
-        if not ((target / "model_index.json").exists() or (target / "FL2VA").is_dir()):
-            raise  # not a lost race: a real error
-        logger.info("another process made %s first; using it", target)
-    return target
-
-
-def checkpoint_num_heads(config: EngineConfig) -> int:
-    """Attention heads of the transformer `config` serves, from its config.json alone (no weights are read);
-    an auto-made checkpoint has its preset's."""
-    if not config.checkpoint:
-        return TINY_TRANSFORMER.num_attention_heads
-    checkpoint = H3Checkpoint.open(config.checkpoint, SERVED_PARTITION)
-    path = checkpoint.transformer_dir / CONFIG_FILE
-    return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
-
-
-def text_encoder_shape(config: EngineConfig) -> tuple[int, int, int]:
-    """(attention heads, kv heads, MLP width) of the text encoder `config` serves, from its config.json alone;
-    an auto-made checkpoint has the tiny components'."""
-    if not config.checkpoint:
-        return TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
-    text = language_model_config(H3Checkpoint.open(config.checkpoint, SERVED_PARTITION).text_encoder_dir)
-    return text.num_attention_heads, text.num_key_value_heads, text.intermediate_size
-
-
-def check_parallel_config(config: EngineConfig, num_gpus_on_node: int) -> None:
-    """Refuse a parallel config before anything starts (the app builder calls it): a degree that does not
-    divide the checkpoint's attention heads (`parallel.sequence.SequenceParallelError`, a ValueError naming the
-    valid degrees), more GPUs than one node has, or, with `text_encoder_tp`, a degree the text encoder cannot
-    be split by (`parallel.text_encoder.TextEncoderSplitError`). `num_gpus_on_node`: GPUs of the largest node;
-    0 when the ranks run on CPU (gloo), where any number of rank processes share the node's cores."""
-    check_degree(config.parallel.sp, checkpoint_num_heads(config), num_gpus_on_node or None)
-    if config.parallel.sp > 1 and config.parallel.text_encoder_tp:
-        check_text_degree(config.parallel.sp, *text_encoder_shape(config))
 
 
 def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | None:
@@ -256,6 +190,8 @@ class Engine:
         self.config = config
         self.group = _checked_group(config, group)
         self.rank = self.group.rank if self.group is not None else 0
+        #: What this rank agrees on with the others (None: one device).
+        self.agreement = RankAgreement(self.group) if self.group is not None else None
         self.device = self.group.device if self.group is not None else resolve_device(config.device)
         if parts is EngineParts.DENOISER and self.group is not None:
             raise ValueError("a sequence-parallel engine runs every stage (only rank 0 decodes): parts=FULL")
@@ -266,6 +202,7 @@ class Engine:
         self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
+        self.model_name = f"minimax-h3@{self.weights.fingerprint}"  # reads ~3 pages per tensor
         checkpoint_s = time.perf_counter() - t
         online = config.adaln.mode == "online"
         offload = config.offload.enabled
@@ -325,9 +262,6 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
-        t = time.perf_counter()
-        self.model_name = f"minimax-h3@{self.weights.fingerprint}"
-        fingerprint_s = time.perf_counter() - t
         self._lock = threading.Lock()
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
@@ -340,7 +274,7 @@ class Engine:
             device_init_s=device_init_s, checkpoint_s=checkpoint_s, transformer_s=transformer_s,
             transformer_bytes=sum(p.nbytes for p in self.transformer.parameters() if not p.is_meta),
             num_readers=DEFAULT_NUM_READERS, text_encoder_s=text_encoder_s, vae_s=vae_s,
-            hooks_s=hooks_s, plan_cache_s=plan_cache_s, warm_up_s=warm_up_s, fingerprint_s=fingerprint_s,
+            hooks_s=hooks_s, plan_cache_s=plan_cache_s, warm_up_s=warm_up_s,
             total_s=time.perf_counter() - begin)
         logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s); start-up: %s",
                     self.model_name, self.checkpoint.layout.value, self.device, config.adaln.mode, offload,
@@ -467,8 +401,8 @@ class Engine:
                              "noise); the coordinator (actors.gpu_worker.ParallelEngine) draws it")
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
-            if self._fault is not None:
-                raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
+            if (unusable := self._unusable_because()) is not None:
+                raise ServerFault(f"engine unusable: {unusable}", "EngineUnusable")
             self._busy = True
             try:
                 if embedding is None:  # fused: every stage here
@@ -587,8 +521,7 @@ class Engine:
         the other ranks'), or an engine a weight update failed in the middle of, raises ServerFault: it cannot
         serve again, its replica must be rebuilt."""
         if self.group is not None:
-            divergence = self.sharded_rebuild.divergence if self.sharded_rebuild is not None else None
-            failure = self.group.failure or self._fault or divergence
+            failure = self.group.failure or self._unusable_because()
             if failure is not None:
                 raise ServerFault(f"rank {self.rank} of {self.group.world_size} is unusable: {failure}",
                                   "RankFailure")
@@ -596,6 +529,13 @@ class Engine:
             raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
         return {"status": "ok", "device": str(self.device), "busy": self._busy,
                 "requests": self._num_requests, "failed": self._num_failed}
+
+    def _unusable_because(self) -> str | None:
+        """Why this engine must not serve again (None: it may): a weight update failed while writing, or this
+        rank's plan cache diverged from the other ranks' (`parallel.agreement`)."""
+        divergences = (self.agreement.divergence if self.agreement is not None else None,
+                       self.sharded_rebuild.divergence if self.sharded_rebuild is not None else None)
+        return self._fault or next((d for d in divergences if d is not None), None)
 
     def describe(self) -> dict[str, Any]:
         limits = self.limits
@@ -640,7 +580,7 @@ class Engine:
     def _check_cancelled(self, cancelled: CancelledFn | None, agreed: bool = True) -> None:
         stop = cancelled is not None and cancelled()
         if agreed and self.group is not None:
-            stop = self._rank_0_says(stop)  # every rank stops at the same step boundary
+            stop = self.agreement.rank_0_says(stop)  # every rank stops at the same step boundary
         if stop:
             raise GenerationCancelled("generation cancelled by the caller")
 
@@ -676,7 +616,7 @@ class Engine:
         if self.group is None:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
-            prepared = self._prepare_on_every_rank(schedule)
+            prepared = self.agreement.prepare(self.plan_cache, schedule.plans)
         if prepared is not None:
             self.served_schedules.served(request.schedule_key, prepared.keys)
         try:
@@ -749,101 +689,12 @@ class Engine:
         assert self.sequence_parallel is not None
         return self.sequence_parallel.num_local_real_rows
 
-    def _rank_0_says(self, local: bool) -> bool:
-        """Rank 0's `local` on every rank (a collective: every rank calls it at the same point). The host waits
-        for the queue: used outside the denoising loop only (the loop agrees one boundary late, `LateFlag`)."""
-        flag = torch.tensor([int(local)], dtype=torch.int32, device=self.device)
-        self.group.broadcast(flag, src=0, host_wait=True)
-        return bool(flag.item())
-
-    def _prepare_on_every_rank(self, schedule: H3Schedule) -> PreparedPlans | None:
-        """The request's plans, prepared on every rank, and the ranks' agreement that it worked and that they
-        admitted and evicted alike (a collective).
-
-        Admission and eviction are deterministic functions of the request sequence, which every rank sees
-        in the same order, so every rank's slab holds the request's plans in the same rows. One all-gather
-        of (prepared?, digest of the slab rows) checks it: a rank that could not prepare (an unreadable
-        shard) fails the request on every rank with the group intact; differing rows (a bug, or ranks fed
-        different requests) fail it loudly and leave this rank unhealthy."""
-        prepared, error = None, None
-        try:
-            prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
-        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
-            error = exc
-        digest = _digest(repr(prepared.row_index.tolist())) if prepared is not None else 0
-        world_size = self.group.world_size
-        local = torch.tensor([int(error is None), digest], dtype=torch.int64, device=self.device)
-        gathered = torch.empty(2 * world_size, dtype=torch.int64, device=self.device)
-        try:
-            self.group.all_gather(gathered, local, host_wait=True)
-        except BaseException:
-            if prepared is not None:
-                prepared.release()
-            raise
-        if error is not None:
-            raise error
-        ok, digests = (list(column) for column in zip(*gathered.view(world_size, 2).tolist()))
-        if all(ok) and len(set(digests)) == 1:
-            return prepared
-        if prepared is not None:
-            prepared.release()
-        if not all(ok):
-            failed = [rank for rank, flag in enumerate(ok) if not flag]
-            raise ServerFault(f"rank(s) {failed} of {world_size} could not prepare the request's AdaLN plans "
-                              "(see their log); no rank ran it", "RankFailure")
-        self._fault = f"the AdaLN plan caches of the ranks diverged: slab row digests {digests}"
-        raise ServerFault(f"rank {self.rank}: {self._fault}", "RankDivergence")
-
     def _sync_time(self) -> float:
         """Now, once the compute stream's queued work is done. Only that stream: the plan cache's side streams
         (host-tier stores, pool publishes) run on past a stage boundary and must not be counted in it."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
-
-
-class RankShardedRebuild:
-    """`cache.plan_cache.RebuildShards` over this replica's group: rank r streams and projects only its
-    `parallel.adaln.AdalnShard` of the AdaLN units (a contiguous run of blocks; the last rank also the final
-    layer), then `exchange_modulation_` gives every rank every row, bit-identical to one rank projecting all
-    of them. Before that, once per request, the ranks check that their plan caches missed the same plans
-    (a digest of the keys): caches that diverged fail the request on every rank (ServerFault) instead of
-    pairing mismatched collectives, and leave `divergence` set (the engine then reports unhealthy). A share that
-    failed on one rank (its shard unreadable) fails the rebuild on every rank before the exchange (`failed_ranks`),
-    the group intact."""
-
-    def __init__(self, group: SpGroup, num_blocks: int):
-        self.group = group
-        self.shard = AdalnShard.of(num_blocks, group.rank, group.world_size)
-        self.divergence: str | None = None
-
-    def agree(self, rest: list[PlanKey], missed: list[bool]) -> list[bool]:
-        world_size, device = self.group.world_size, self.group.device
-        local = torch.tensor([len(rest), _digest(repr(rest))], dtype=torch.int64, device=device)
-        gathered = torch.empty(2 * world_size, dtype=torch.int64, device=device)
-        self.group.all_gather(gathered, local, host_wait=True)
-        if len({tuple(row) for row in gathered.view(world_size, 2).tolist()}) > 1:
-            counts = gathered.view(world_size, 2)[:, 0].tolist()
-            self.divergence = f"the AdaLN plan caches of the ranks diverged: plans to rebuild per rank {counts}"
-            raise ServerFault(f"rank {self.group.rank}: {self.divergence}", "RankDivergence")
-        if not rest:
-            return []
-        flags = torch.tensor(missed, dtype=torch.int32, device=device)
-        every_ranks = torch.empty(world_size * len(rest), dtype=torch.int32, device=device)
-        self.group.all_gather(every_ranks, flags, host_wait=True)
-        return every_ranks.view(world_size, len(rest)).amax(dim=0).bool().tolist()
-
-    def select(self, units: list[AdalnUnit]) -> list[AdalnUnit]:
-        return self.shard.select(units)
-
-    def failed_ranks(self, failed: bool) -> list[int]:
-        flags = torch.empty(self.group.world_size, dtype=torch.int32, device=self.group.device)
-        local = torch.tensor([int(failed)], dtype=torch.int32, device=self.group.device)
-        self.group.all_gather(flags, local, host_wait=True)
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
-
-    def exchange_(self, blocks: torch.Tensor, final: torch.Tensor) -> None:
-        exchange_modulation_(Modulation(blocks=blocks, final=final), self.shard, self.group)
 
 
 def _translated(exc: BaseException) -> BaseException:
@@ -855,14 +706,11 @@ def _translated(exc: BaseException) -> BaseException:
         return AdmissionRejected(str(exc))
     if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
         return ServerFault(str(exc), type(exc).__name__)
+    if isinstance(exc, (RankFailure, RankDivergence)):  # the ranks could not agree on the request's plans
+        return ServerFault(str(exc), type(exc).__name__)
     if isinstance(exc, CollectiveError):  # a peer rank died or stopped answering: the replica is broken
         return ServerFault(str(exc), type(exc).__name__)
     return exc
-
-
-def _digest(text: str) -> int:
-    """A 63-bit digest of `text` (non-negative, so it fits an int64 tensor)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def prompt_stage(config: EngineConfig) -> PromptStage:

@@ -27,7 +27,7 @@ class EngineStartup:
     """The engine constructor's phases, in seconds (0 for a part this engine does not hold)."""
 
     device_init_s: float  # the device's context (CUDA: the first allocation); a CPU: ~0
-    checkpoint_s: float  # layout detection, transformer config, index and shard headers (no tensor data)
+    checkpoint_s: float  # layout detection, transformer config, index, shard headers, fingerprint (3 pages a tensor)
     transformer_s: float  # transformer tensors read and on the device
     transformer_bytes: int  # bytes read for it (online AdaLN: without the AdaLN projections)
     num_readers: int  # reader threads of the transformer load
@@ -36,7 +36,6 @@ class EngineStartup:
     hooks_s: float  # ExternalModulation, sequence parallel, offloader, Cache-DiT installed
     plan_cache_s: float  # the AdaLN plan cache built (slab, host tier), before its warm-up
     warm_up_s: float  # the plan cache's warm-up: units resolved, staging, threads, a scratch rebuild per width
-    fingerprint_s: float  # the weights' fingerprint (headers and 3 x 64-byte samples per tensor)
     total_s: float  # the whole constructor
 
     @property
@@ -44,11 +43,11 @@ class EngineStartup:
         return self.transformer_bytes / self.transformer_s / 1e9 if self.transformer_s > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"device init {self.device_init_s:.2f} s, checkpoint headers {self.checkpoint_s:.2f} s, "
+        return (f"device init {self.device_init_s:.2f} s, checkpoint headers + fingerprint {self.checkpoint_s:.2f} s, "
                 f"transformer {self.transformer_s:.2f} s ({self.transformer_bytes / 1e9:.3f} GB at "
                 f"{self.transformer_gbps:.2f} GB/s, {self.num_readers} readers), hooks {self.hooks_s:.2f} s, plan "
                 f"cache {self.plan_cache_s:.2f} s + warm-up {self.warm_up_s:.2f} s, text encoder "
-                f"{self.text_encoder_s:.2f} s, VAEs {self.vae_s:.2f} s, fingerprint {self.fingerprint_s:.2f} s; "
+                f"{self.text_encoder_s:.2f} s, VAEs {self.vae_s:.2f} s; "
                 f"engine {self.total_s:.2f} s")
 
 

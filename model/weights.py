@@ -34,6 +34,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from model.geometry import H3_LATENTS, LatentSpec
 from model.layout import CheckpointError, Layout
 
 CONFIG_FILE = "config.json"
@@ -159,7 +160,19 @@ class H3TransformerConfig(BaseModel):
                 if stored in data and data[stored] != derived:
                     raise CheckpointError(f"{source}: {stored} is {data[stored]}, but hidden_size "
                                           f"{config.hidden_size} implies {derived}")
+        config.check_latents(H3_LATENTS, source)
         return config
+
+    def check_latents(self, spec: LatentSpec, source: Path) -> None:
+        """CheckpointError naming `source` if the transformer's latent interface is not `spec`'s (the VAEs').
+        Checked where the transformer is opened, so a process that holds no VAE (a denoiser alone) refuses the
+        checkpoint at load instead of failing every request inside the patch embedding."""
+        for field, value, expected in (("in_channels", self.in_channels, spec.latent_channels),
+                                       ("audio_in_channels", self.audio_in_channels, spec.audio_latent_channels),
+                                       ("patch_size", self.patch_size, spec.patch_size)):
+            if value != expected:
+                raise CheckpointError(f"{source}: {field} is {value}, but the served VAEs' latent spec needs "
+                                      f"{expected} (model.geometry.H3_LATENTS)")
 
     def to_native_json(self) -> dict[str, object]:
         """The native config.json contents for this config."""

@@ -30,10 +30,11 @@ from safetensors.torch import load_file, save_file
 from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, auto_checkpoint_dir, decode_stage, ensure_checkpoint, prompt_stage
+from engine.engine import Engine, decode_stage, prompt_stage
 from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
 from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
+from model.provisioning import auto_checkpoint_dir, ensure_checkpoint
 from model.text_encoder import TextEncoderLoadError
 from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights

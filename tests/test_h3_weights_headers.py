@@ -111,3 +111,20 @@ def test_a_transformer_directory_without_an_index_is_refused(copy):
     with pytest.raises(CheckpointError, match=rf"{transformer_dir} has neither {INDEX_FILE[layout]} nor "
                                               rf"{SINGLE_FILE[layout]} \(not a {layout.value}-layout transformer\?\)"):
         TransformerWeights(transformer_dir, layout)
+
+
+@pytest.mark.parametrize("field,stored_native,value", [
+    ("in_channels", "latents_dim", 16), ("audio_in_channels", "audio_latents_dim", 8),
+    ("patch_size", "patch_size", [1, 4, 4]),
+])
+def test_a_transformer_whose_latent_widths_differ_from_the_vaes_is_refused_at_open(copy, field, stored_native, value):
+    # A denoiser-only process holds no VAE to disagree with: without this check it accepted the checkpoint and
+    # failed every request with "mat1 and mat2 shapes cannot be multiplied".
+    root, layout = copy
+    config = H3Checkpoint.open(root).transformer_dir / "config.json"
+    data = json.loads(config.read_text())
+    data[stored_native if layout is Layout.NATIVE else field] = value
+    config.write_text(json.dumps(data))
+    shown = re.escape(str(tuple(value) if isinstance(value, list) else value))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(config))}: {field} is {shown}.*latent"):
+        open_weights(root)

@@ -30,10 +30,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.gpu_worker import RANK_FAILURE, OwnPlacementGroup, ParallelEngine, ReplicaBundles, replica_bundles
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, check_parallel_config
+from engine.engine import Engine
 from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
 from model.layout import CheckpointError
 from model.tiny import make_tiny_checkpoint
+from parallel.config_check import check_parallel_config
 from parallel.sequence import SequenceParallelError
 
 pytestmark = pytest.mark.timeout(300)

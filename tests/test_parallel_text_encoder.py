@@ -188,7 +188,7 @@ def test_every_valid_degree_of_h3s_encoder_is_accepted(degree):
 def test_the_engine_refuses_sp_its_text_encoder_cannot_split_unless_tp_is_off(tmp_path):
     """Before any rank starts: sp=2 over a text encoder with one kv head."""
     from engine.config import EngineConfig
-    from engine.engine import check_parallel_config
+    from parallel.config_check import check_parallel_config
 
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
     tiny_text_encoder(tiny_tokenizer(), seed=0, num_heads=2, num_kv_heads=1).save_pretrained(

@@ -102,6 +102,15 @@ def test_a_geometry_no_request_can_meet_is_refused(geometry, message):
                                                       "min_seconds": 5.875, "max_seconds": 5.875}}})
 
 
+def test_resident_adaln_with_the_fp32_projection_is_refused_naming_both_fields():
+    """The engine's resident mode runs diffusers' own forward (the bf16 projection): an fp32 projection asked for
+    there was silently ignored."""
+    with pytest.raises(ValidationError, match=r"adaln.projection: fp32 .*adaln.mode: resident"):
+        AppConfig.model_validate({"engine": {"adaln": {"mode": "resident", "projection": "fp32"}}})
+    for mode, projection in (("online", "fp32"), ("resident", "match"), ("online", "match")):
+        AppConfig.model_validate({"engine": {"adaln": {"mode": mode, "projection": projection}}})
+
+
 @pytest.mark.parametrize("section", ["worker", "text_encoder", "decoder"])
 @pytest.mark.parametrize(("num_gpus", "accepted"), [(0, True), (0.2, True), (1, True), (2, True), (1.5, False),
                                                     (2.25, False)])

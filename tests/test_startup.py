@@ -96,7 +96,7 @@ def test_engine_startup_is_filled_and_described(engines, parts):
     engine = engines[parts]
     startup = engine.startup
     phases = (startup.device_init_s, startup.checkpoint_s, startup.transformer_s, startup.hooks_s,
-              startup.plan_cache_s, startup.warm_up_s, startup.text_encoder_s, startup.vae_s, startup.fingerprint_s)
+              startup.plan_cache_s, startup.warm_up_s, startup.text_encoder_s, startup.vae_s)
     assert all(phase >= 0 for phase in phases)
     assert startup.total_s >= sum(phases)  # disjoint parts of the constructor
     assert startup.transformer_s > 0 and startup.warm_up_s > 0  # online AdaLN: the plan cache warms up
@@ -116,7 +116,7 @@ def test_replica_startup_summary_names_every_phase(engines):
     line = replica.summary()
     for part in ("module imports 3.50 s", "0.25 s to the constructor", "model imports 0.25 s", "build 2.00 s",
                  "ready 2.50 s after the constructor", "6.25 s after our first import", "transformer", "warm-up",
-                 "text encoder", "VAEs", "fingerprint"):
+                 "text encoder", "VAEs"):
         assert part in line
     assert replica.as_dict()["engine"] == dataclasses.asdict(replica.engine)
     assert ReplicaStartup.from_dict(replica.as_dict()) == replica

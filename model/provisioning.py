@@ -1,0 +1,102 @@
+"""Which checkpoint a server loads, and what it can tell before loading it (plain Python over `model/`).
+
+`ensure_checkpoint(settings)` is the configured `checkpoint`, or a seeded tiny random MiniMax-H3 made on first
+start under `checkpoint_root` (`model.tiny.make_tiny_checkpoint`) and reused afterwards. `checkpoint_num_heads` and
+`text_encoder_shape` read the served transformer's and text encoder's sizes from their config.json alone (no
+weights), which the app builder needs to check a parallel degree before any process starts; an auto-made checkpoint
+answers with the tiny model's constants without being made.
+
+`settings` is anything with the checkpoint fields of `engine.config.EngineConfig` (`CheckpointSettings`): `model/`
+imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal, Protocol
+
+from model.layout import H3Checkpoint, Partition
+from model.text_encoder import language_model_config
+from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
+from model.tiny_components import TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
+from model.weights import CONFIG_FILE, H3TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+#: The partition whose transformer serves t2va, the one task the engine runs: a Ref2VA directory (its own
+#: transformer, trained for reference conditioning) has the same shapes and would otherwise load silently.
+SERVED_PARTITION = Partition.FL2VA
+
+
+class CheckpointSettings(Protocol):
+    """The checkpoint fields of `engine.config.EngineConfig` (see its field descriptions)."""
+
+    @property
+    def checkpoint(self) -> str: ...  # empty: auto-made
+
+    @property
+    def checkpoint_root(self) -> str: ...
+
+    @property
+    def preset(self) -> Literal["tiny"]: ...
+
+    @property
+    def checkpoint_layout(self) -> Literal["diffusers", "native"]: ...
+
+    @property
+    def checkpoint_seed(self) -> int: ...
+
+
+def auto_checkpoint_dir(settings: CheckpointSettings) -> Path:
+    """Where the auto-made checkpoint of `settings` lives: `{root}/{preset}-{layout}[-seed{n}]`."""
+    name = f"{settings.preset}-{settings.checkpoint_layout}"
+    if settings.checkpoint_seed:
+        name += f"-seed{settings.checkpoint_seed}"
+    return Path(settings.checkpoint_root) / name
+
+
+def _is_made(target: Path) -> bool:
+    return (target / "model_index.json").exists() or (target / "FL2VA").is_dir()
+
+
+def ensure_checkpoint(settings: CheckpointSettings) -> Path:
+    """The checkpoint to load: `settings.checkpoint`, or an auto-made seeded tiny checkpoint.
+
+    Auto-made ones are written to a temporary directory next to the target and renamed into place
+    (`model.tiny.make_tiny_checkpoint`), so a reader never sees a half-written checkpoint and two replicas
+    starting together both end up with the one that won the rename (same seed -> identical bytes anyway).
+    """
+    if settings.checkpoint:
+        return Path(settings.checkpoint)
+    target = auto_checkpoint_dir(settings)
+    if _is_made(target):
+        return target
+    logger.info("making a tiny %s-layout MiniMax-H3 checkpoint (seed %d) at %s", settings.checkpoint_layout,
+                settings.checkpoint_seed, target)
+    try:
+        make_tiny_checkpoint(target, settings.checkpoint_layout, seed=settings.checkpoint_seed)
+    except (FileExistsError, OSError):
+        if not _is_made(target):
+            raise  # not a lost race: a real error
+        logger.info("another process made %s first; using it", target)
+    return target
+
+
+def checkpoint_num_heads(settings: CheckpointSettings) -> int:
+    """Attention heads of the transformer `settings` serves, from its config.json alone (no weights are read);
+    an auto-made checkpoint has its preset's."""
+    if not settings.checkpoint:
+        return TINY_TRANSFORMER.num_attention_heads
+    checkpoint = H3Checkpoint.open(settings.checkpoint, SERVED_PARTITION)
+    path = checkpoint.transformer_dir / CONFIG_FILE
+    return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
+
+
+def text_encoder_shape(settings: CheckpointSettings) -> tuple[int, int, int]:
+    """(attention heads, kv heads, MLP width) of the text encoder `settings` serves, from its config.json alone;
+    an auto-made checkpoint has the tiny components'."""
+    if not settings.checkpoint:
+        return TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
+    text = language_model_config(H3Checkpoint.open(settings.checkpoint, SERVED_PARTITION).text_encoder_dir)
+    return text.num_attention_heads, text.num_key_value_heads, text.intermediate_size
