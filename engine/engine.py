@@ -62,17 +62,18 @@ from engine.api import (
     SlabState,
 )
 from engine.config import EngineConfig, GeometryConfig
-from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
+from engine.limits import ModelLimits, served_limits
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
-from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint, Partition
 from model.loading import DEFAULT_NUM_READERS, load_transformer
-from model.schedule import H3Schedule, Task
+from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
 from model.text_encoder import PromptEncoder, language_model_config
 from model.text_memo import RefinedTextMemo
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
@@ -181,11 +182,45 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
     return group if group.world_size > 1 else None
 
 
-def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> GeometryLimits:
-    if config is None:
-        config = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
-    return GeometryLimits(short_edge=config.short_edge, max_pixels=config.max_pixels,
-                          min_seconds=config.min_seconds, max_seconds=config.max_seconds)
+#: The model's name in `ModelLimits.name` (what video clients put in `model`); the served id adds the weights'
+#: fingerprint (`minimax-h3@<fingerprint>`).
+MODEL_NAME = "minimax-h3"
+
+
+def model_limits(config: EngineConfig, hidden_size: int) -> ModelLimits:
+    """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
+    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
+    geometry = config.geometry
+    if geometry is None:
+        geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
+    return served_limits(
+        MODEL_NAME, max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
+        size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
+        fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
+        max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
+        default_audio_flow_shift=AUDIO_SHIFT,
+    )
+
+
+def geometry_limits(limits: ModelLimits) -> GeometryLimits:
+    """The served limits as `model.geometry` checks a request's canvas and snapped duration."""
+    return GeometryLimits(short_edge=limits.short_edge, max_pixels=limits.max_pixels,
+                          min_seconds=limits.min_seconds, max_seconds=limits.max_seconds)
+
+
+#: The request field of a `model/` error's field (`GeometryError`, `ScheduleError`); the rest are the same name.
+_REQUEST_FIELDS = {"num_steps": "steps", "video_shift": "flow_shift", "audio_shift": "audio_flow_shift",
+                   "num_frames": "seconds"}
+
+
+def field_error(exc: GeometryError | ScheduleError, request: GenerationRequest) -> ClientError:
+    """A `model/` refusal (field, value, limit) as the engine's ClientError on the request's field."""
+    field = _REQUEST_FIELDS.get(exc.field, exc.field)
+    detail = f"{exc.value!r} is out of range: {exc.limit}"
+    if field == "width*height":  # the area: the long edge is the one to shrink (the short edge is fixed)
+        field = "width" if request.width >= request.height else "height"
+        detail = f"{request.width}x{request.height} = {exc.value} px is out of range: {exc.limit}"
+    return ClientError(field, detail, exc.limit)
 
 
 def _init_device(device: torch.device) -> None:
@@ -324,7 +359,9 @@ class Engine:
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
-        self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
+        #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
+        self.limits = model_limits(config, self.model_config.hidden_size)
+        self._geometry_limits = geometry_limits(self.limits)
         t = time.perf_counter()
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         fingerprint_s = time.perf_counter() - t
@@ -394,22 +431,22 @@ class Engine:
         (here when this engine holds it, else in the TextEncoder deployment, before encoding)."""
         if request.guidance_scale != 1.0:
             raise ClientError(
-                f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
-                "fixed at 1; leave guidance_scale out or send 1"
-            )
-        if request.steps > self.config.max_steps:
-            raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
+                "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
+                "fixed at 1; leave guidance_scale out or send 1", "guidance_scale=1")
+        if request.steps > self.limits.max_steps:
+            raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
+                              f"max_steps={self.limits.max_steps}")
         try:
-            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits,
-                                                  H3_LATENTS)
+            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
+                                                  self._geometry_limits, H3_LATENTS)
             schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
-        except ValueError as exc:
-            raise ClientError(str(exc)) from None
+        except (GeometryError, ScheduleError) as exc:
+            raise field_error(exc, request) from None
         if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
             try:
                 self.plan_cache.check_admission(schedule.plans)
             except AdmissionError as exc:
-                raise AdmissionRejected(str(exc)) from exc
+                raise AdmissionRejected(str(exc), f"adaln.gpu_plans={self.config.adaln.gpu_plans}") from exc
         if self.prompt_stage is not None:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
@@ -422,16 +459,17 @@ class Engine:
             try:
                 effective = self.config.cache_dit.merged(request.cache_dit)
             except ValueError as exc:
-                raise ClientError(f"cache_dit: {exc}") from None
+                raise ClientError("cache_dit", str(exc)) from None
         if not effective.enabled:
             return effective
         if self.cache_dit is None:
-            raise ClientError("cache_dit.enabled: Cache-DiT is off on this server (engine.cache_dit.enabled: false)")
+            raise ClientError("cache_dit", "Cache-DiT is off on this server (engine.cache_dit.enabled: false); leave "
+                              "cache_dit out", "engine.cache_dit.enabled=false")
         try:
             effective.check_num_blocks(self.model_config.num_blocks)
             effective.resolve_mask(num_forwards)
         except ValueError as exc:
-            raise ClientError(f"cache_dit: {exc}") from None
+            raise ClientError("cache_dit", str(exc)) from None
         return effective
 
     @torch.no_grad()
@@ -444,7 +482,7 @@ class Engine:
         (`cancelled()` turned true between two steps)."""
         if self.prompt_stage is None:
             raise ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
-                              "TextEncoder deployment and passed to denoise()", "StageMissing")
+                              "TextEncoder deployment and passed to denoise()", FaultCause.STAGE_MISSING)
         return self._run(request, None, progress, cancelled)
 
     @torch.no_grad()
@@ -456,7 +494,7 @@ class Engine:
         (`engine.stages.PromptStage.encode` of its prompt, from any process). Returns the latents (no MP4:
         `engine.stages.DecodeStage` decodes them); timings `plan_s`, `denoise_s`. Errors as `generate`."""
         if self.group is not None:
-            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", "StageMissing")
+            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", FaultCause.STAGE_MISSING)
         return self._run(request, embedding, progress, cancelled)
 
     def _run(self, request: GenerationRequest, embedding: PromptEmbedding | None, progress: ProgressFn | None,
@@ -468,7 +506,7 @@ class Engine:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
             if self._fault is not None:
-                raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
+                raise ServerFault(f"engine unusable: {self._fault}", FaultCause.ENGINE_UNUSABLE)
             self._busy = True
             try:
                 if embedding is None:  # fused: every stage here
@@ -512,7 +550,7 @@ class Engine:
                 # Some tensors may already be new: this engine must not serve again (health() tells Serve).
                 self._fault = (f"weight update from {path} failed while writing ({type(exc).__name__}: {exc}); "
                                "the transformer may hold a mix of old and new weights")
-                raise ServerFault(self._fault, type(exc).__name__) from exc
+                raise ServerFault(self._fault, FaultCause.WEIGHT_UPDATE_FAILED) from exc
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
 
@@ -591,14 +629,13 @@ class Engine:
             failure = self.group.failure or self._fault or divergence
             if failure is not None:
                 raise ServerFault(f"rank {self.rank} of {self.group.world_size} is unusable: {failure}",
-                                  "RankFailure")
+                                  FaultCause.RANK_FAILURE)
         elif self._fault is not None:
-            raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
+            raise ServerFault(f"engine unusable: {self._fault}", FaultCause.ENGINE_UNUSABLE)
         return {"status": "ok", "device": str(self.device), "busy": self._busy,
                 "requests": self._num_requests, "failed": self._num_failed}
 
     def describe(self) -> dict[str, Any]:
-        limits = self.limits
         return {
             "id": self.model_name,
             "object": "model",
@@ -606,12 +643,7 @@ class Engine:
             "checkpoint": str(self.checkpoint.root),
             "layout": self.checkpoint.layout.value,
             "fingerprint": self.weights.fingerprint,
-            "limits": {
-                "max_steps": self.config.max_steps, "short_edge": limits.short_edge,
-                "max_pixels": limits.max_pixels, "min_seconds": limits.min_seconds,
-                "max_seconds": limits.max_seconds, "pixel_multiple": H3_LATENTS.pixel_multiple,
-                "fps": H3_LATENTS.fps, "max_prompt_tokens": self.config.text_encoder.max_prompt_tokens,
-            },
+            "limits": self.limits.model_dump(mode="json"),
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),
@@ -705,7 +737,7 @@ class Engine:
             # NaN latents decode to black frames (uint8 of NaN) and make the AAC encoder fail with EINVAL.
             if not (torch.isfinite(video).all() and torch.isfinite(audio).all()):
                 raise ServerFault("the denoised latents hold NaN or inf: the transformer's weights or numerics are "
-                                  "broken, no video was made", "NonFiniteLatents")
+                                  "broken, no video was made", FaultCause.NON_FINITE_LATENTS)
             t2 = time.perf_counter()
             plan_stats = prepared.stats if prepared is not None else None
         finally:
@@ -790,9 +822,9 @@ class Engine:
         if not all(ok):
             failed = [rank for rank, flag in enumerate(ok) if not flag]
             raise ServerFault(f"rank(s) {failed} of {world_size} could not prepare the request's AdaLN plans "
-                              "(see their log); no rank ran it", "RankFailure")
+                              "(see their log); no rank ran it", FaultCause.RANK_FAILURE)
         self._fault = f"the AdaLN plan caches of the ranks diverged: slab row digests {digests}"
-        raise ServerFault(f"rank {self.rank}: {self._fault}", "RankDivergence")
+        raise ServerFault(f"rank {self.rank}: {self._fault}", FaultCause.RANK_DIVERGENCE)
 
     def _sync_time(self) -> float:
         """Now, once the compute stream's queued work is done. Only that stream: the plan cache's side streams
@@ -825,7 +857,7 @@ class RankShardedRebuild:
         if len({tuple(row) for row in gathered.view(world_size, 2).tolist()}) > 1:
             counts = gathered.view(world_size, 2)[:, 0].tolist()
             self.divergence = f"the AdaLN plan caches of the ranks diverged: plans to rebuild per rank {counts}"
-            raise ServerFault(f"rank {self.group.rank}: {self.divergence}", "RankDivergence")
+            raise ServerFault(f"rank {self.group.rank}: {self.divergence}", FaultCause.RANK_DIVERGENCE)
         if not rest:
             return []
         flags = torch.tensor(missed, dtype=torch.int32, device=device)
@@ -854,9 +886,9 @@ def _translated(exc: BaseException) -> BaseException:
     if isinstance(exc, AdmissionError):  # e.g. more plans than adaln.gpu_plans: the request's size, not a fault
         return AdmissionRejected(str(exc))
     if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
-        return ServerFault(str(exc), type(exc).__name__)
+        return ServerFault(str(exc), FaultCause.CHECKPOINT_UNREADABLE)
     if isinstance(exc, CollectiveError):  # a peer rank died or stopped answering: the replica is broken
-        return ServerFault(str(exc), type(exc).__name__)
+        return ServerFault(str(exc), FaultCause.RANK_FAILURE)
     return exc
 
 

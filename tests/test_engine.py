@@ -31,7 +31,7 @@ from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine, auto_checkpoint_dir, decode_stage, ensure_checkpoint, prompt_stage
-from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
 from model.text_encoder import TextEncoderLoadError
@@ -448,7 +448,7 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
     request = small_request(flow_shift=5.5)  # a schedule whose plans must be rebuilt from the checkpoint
     with pytest.raises(ServerFault, match=Path(shard).name) as info:
         engine.generate(request)
-    assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
+    assert info.value.cause is FaultCause.CHECKPOINT_UNREADABLE and isinstance(info.value.__cause__, RebuildError)
     stats = engine.debug_stats()
     assert stats["held_plan_refs"] == 0 and stats["resident_plans"] == 0  # no half-built plan was committed
     assert engine.health()["failed"] == 1
@@ -470,7 +470,7 @@ def test_a_transformer_that_outputs_nan_is_a_server_fault_not_a_black_video(tmp_
     engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"mode": "resident"})
     with pytest.raises(ServerFault, match="latents hold NaN or inf") as info:
         engine.generate(small_request(return_video=True))
-    assert info.value.kind == "NonFiniteLatents" and engine.health()["failed"] == 1
+    assert info.value.cause is FaultCause.NON_FINITE_LATENTS and engine.health()["failed"] == 1
 
 
 # --- the auto-made checkpoint --------------------------------------------------------------------------
