@@ -279,16 +279,16 @@ def test_offload_with_cache_dit_gives_the_bits_of_cache_dit_alone(checkpoint_roo
 @pytest.mark.parametrize("overrides, message", [
     ({"guidance_scale": 2.0}, "guidance_scale: 2.0 is not served: MiniMax-H3 is CFG-distilled, guidance is fixed at 1"),
     ({"guidance_scale": 0.5}, "guidance_scale: 0.5 is not served"),
-    ({"width": 65}, "width=65 is out of range: must be a multiple of 32 px"),
-    ({"height": 48}, "height=48 is out of range: must be a multiple of 32 px"),
-    ({"width": 4096, "height": 4096}, "width*height=16777216 is out of range: must be <= 1032192 px"),
+    ({"width": 65}, "width: 65 is out of range: must be a multiple of 32 px"),
+    ({"height": 48}, "height: 48 is out of range: must be a multiple of 32 px"),
+    ({"width": 4096, "height": 4096}, "width: 4096x4096 = 16777216 px is out of range: must be <= 1032192 px"),
     ({"seconds": 4.0}, "snaps to 107 frames = 4.45833 s at 24 fps; must be between 5 and 15 s"),
     ({"seconds": 16.0}, "snaps to 396 frames = 16.5 s at 24 fps; must be between 5 and 15 s"),
     # 15 s snaps up to 362 frames = 15.08 s: over the limit, as in the diffusers pipeline.
     ({"seconds": 15.0}, "snaps to 362 frames = 15.0833 s at 24 fps; must be between 5 and 15 s"),
     ({"steps": MAX_STEPS + 1}, f"steps: {MAX_STEPS + 1} exceeds this server's max_steps={MAX_STEPS}"),
     ({"prompt": "a red fox " * 4}, f"prompt: 21 tokens exceeds this server's max_prompt_tokens={MAX_PROMPT_TOKENS}"),
-    ({"cache_dit": {"enabled": True}}, "cache_dit.enabled: Cache-DiT is off on this server"),
+    ({"cache_dit": {"enabled": True}}, "cache_dit: Cache-DiT is off on this server"),
 ], ids=["guidance-2", "guidance-0.5", "width-65", "height-48", "too-many-pixels", "seconds-4", "seconds-16",
         "seconds-15", "steps-over-max", "prompt-over-max-tokens", "cache-dit-off-on-the-server"])
 def test_a_request_over_a_limit_is_a_client_error_naming_field_and_limit(engine, overrides, message):
@@ -296,6 +296,7 @@ def test_a_request_over_a_limit_is_a_client_error_naming_field_and_limit(engine,
         with pytest.raises(ClientError) as info:
             call(small_request(**overrides))
         assert message in str(info.value)
+        assert info.value.field == next(iter(overrides))  # typed: the request field at fault
     assert engine.health()["busy"] is False and engine.debug_stats()["held_plan_refs"] == 0
 
 

@@ -118,7 +118,7 @@ MORE_BAD_REQUESTS = [
     ("prompt-empty", {"json": {**NARROW, "prompt": ""}}, 422, "prompt: String should have at least 1 character"),
     ("multibyte-prompt-over-token-limit", {"json": {**NARROW, "prompt": "é" * 70}}, 422,
      f"prompt: 140 tokens exceeds this server's max_prompt_tokens={MAX_PROMPT_TOKENS}"),
-    ("width-33", {"json": {**NARROW, "width": 33}}, 422, "width=33 is out of range: must be a multiple of 32 px"),
+    ("width-33", {"json": {**NARROW, "width": 33}}, 422, "width: 33 is out of range: must be a multiple of 32 px"),
     ("width-over-schema", {"json": {**NARROW, "width": 8193}}, 422, "width: Input should be less than or equal to 8192"),
     ("height-as-float", {"json": {**NARROW, "height": 64.5}}, 422, "height: Input should be a valid integer"),
     ("seconds-negative", {"json": {**NARROW, "seconds": -5.0}}, 422, "seconds: Input should be greater than 0"),
