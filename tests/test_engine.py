@@ -225,9 +225,12 @@ def test_health_and_describe(engine, checkpoint_root):
     assert card["id"] == engine.model_name and card["device"] == "cpu" and card["layout"] == "diffusers"
     assert card["checkpoint"] == str(checkpoint_root / "tiny-diffusers")
     assert card["fingerprint"] == engine.model_name.removeprefix("minimax-h3@")
-    assert card["limits"] == {"max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344,
-                              "min_seconds": 5.0, "max_seconds": 15.0, "pixel_multiple": 32, "fps": FPS,
-                              "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    limits = card["limits"]  # engine.limits.ModelLimits, as served by GET /v1/models
+    assert {k: limits[k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",
+                                   "size_multiple", "fps", "max_prompt_tokens")} == {
+        "max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0,
+        "max_seconds": 15.0, "size_multiple": 32, "fps": FPS, "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    assert (limits["default_size"], limits["default_seconds"], limits["default_steps"]) == ("1344x768", 5.0, min(50, MAX_STEPS))
     assert card["model_config"]["num_layers"] == 4 and card["engine_config"]["adaln"]["mode"] == "online"
 
 
