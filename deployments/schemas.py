@@ -376,9 +376,10 @@ class VideoOptions(BaseModel):
         "engine.cache_dit.enabled: true; without it `quality: high` is refused with a 422.",
     )
     validate_timeout_s: float = Field(
-        5.0, gt=0, description="How long POST /v1/videos waits for a worker to check the request against the "
-        "loaded model (prompt tokens, snapped duration). A worker that does not answer in time does not block "
-        "creation: the job is queued and checked again when it runs.",
+        5.0, gt=0, description="How long POST /v1/videos waits for what holds the tokenizer (the Worker, or the "
+        "TextEncoder with stages: split) to count the prompt's tokens; every other bound is checked against the "
+        "served ModelLimits without a call. One that does not answer in time does not block creation: the job is "
+        "queued and checked again when it runs.",
     )
 
     @model_validator(mode="after")

@@ -16,7 +16,9 @@ Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or u
 state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
 range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
 database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is
-`{"error": {"type", "message", ...}}`.
+`{"error": {"type", "message", "errors"}}` (`deployments.schemas.ErrorResponse`): the routes raise, and the app's
+handlers (`deployments.errors.install_error_handlers`, also FastAPI's own check of the declared query
+parameters) answer.
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
