@@ -164,6 +164,56 @@ def test_engine_refusals_name_the_video_api_field(error, field, message):
     assert isinstance(refused, InvalidVideoRequest) and refused.field == field and str(refused) == message
 
 
+class CheckCall:
+    """A handle method's `.remote(...)` that records the call and answers (or raises) like the replica."""
+
+    def __init__(self, calls: list, name: str, error: Exception | None) -> None:
+        self.calls, self.name, self.error = calls, name, error
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+
+        async def answer():
+            if self.error is not None:
+                raise self.error
+            return 8
+
+        return answer()
+
+
+class CheckingHandle:
+    def __init__(self, calls: list, name: str, error: Exception | None = None) -> None:
+        self.validate = CheckCall(calls, f"{name}.validate", error)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_job_is_checked_at_creation_by_one_call_to_what_holds_the_tokenizer(split):
+    """Sizes, duration and steps were checked against the served limits already: the backend asks one replica,
+    the fused Worker or (split) the TextEncoder, never both."""
+    import asyncio
+
+    from deployments.video_backend import StagedVideoBackend, WorkerVideoBackend
+    from deployments.worker import StageHandles
+
+    calls: list = []
+    refusal = ClientError("prompt", "3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt")
+    for error in (None, refusal):
+        calls.clear()
+        worker = CheckingHandle(calls, "worker", None if split else error)
+        text_encoder = CheckingHandle(calls, "text_encoder", error if split else None)
+        the_card = card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0)
+        backend = (StagedVideoBackend(worker, StageHandles(text_encoder, CheckingHandle(calls, "decoder")), the_card,
+                                      LOSSLESS_CACHE_DIT, 5.0) if split
+                   else WorkerVideoBackend(worker, the_card, LOSSLESS_CACHE_DIT, 5.0))
+        if error is None:
+            asyncio.run(backend.validate(spec()))
+        else:
+            with pytest.raises(InvalidVideoRequest) as refused:
+                asyncio.run(backend.validate(spec()))
+            assert (refused.value.field, str(refused.value)) == ("prompt", str(refusal))
+        assert [name for name, _ in calls] == ["text_encoder.validate" if split else "worker.validate"]
+
+
 def test_a_video_output_reads_the_engines_typed_timings_and_stats():
     frames = np.zeros((24, 32, 32, 3), dtype=np.uint8)
     mp4 = io.BytesIO()
