@@ -53,7 +53,7 @@ from actors.host_cache_pool import make_pool_client
 from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
 from engine.config import EngineConfig
 from engine.engine import Engine, resolve_device
-from engine.errors import RANK_FAILURE, EngineError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import EngineError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from engine.startup import EngineStartup
 from parallel.config_check import check_parallel_config
 from parallel.group import init_group
@@ -416,13 +416,13 @@ class ParallelEngine:
             if any(outcome.error is not None or outcome.lost is not None for outcome in outcomes):
                 cause = self._cause(outcomes)
                 self._fail(f"weight update from {path} failed on a rank after every rank accepted it: {cause}")
-                raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE)
+                raise ServerFault(f"parallel replica unusable: {self._failure}", FaultCause.RANK_FAILURE)
             # Each rank re-read the directory: one that changed after the validation leaves ranks on other bytes.
             fingerprints = [outcome.value["fingerprint"] for outcome in outcomes]
             if len(set(fingerprints)) != 1:
                 self._fail(f"weight update from {path} left the ranks on different weights: fingerprints "
                            f"{fingerprints}")
-                raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE)
+                raise ServerFault(f"parallel replica unusable: {self._failure}", FaultCause.RANK_FAILURE)
             self._description = self._described(outcomes[0].value)
         return self.describe()
 
@@ -565,7 +565,7 @@ class ParallelEngine:
                  for outcome in errors):
             self._confirm_healthy(what)  # a fault may have broken the group; a client error or cancel cannot
         if self._failure is not None:
-            raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE) from (
+            raise ServerFault(f"parallel replica unusable: {self._failure}", FaultCause.RANK_FAILURE) from (
                 errors[0].error if errors else None)
         raise errors[0].error
 
@@ -596,7 +596,7 @@ class ParallelEngine:
 
     def _check_usable(self) -> None:
         if self._failure is not None:
-            raise ServerFault(f"parallel replica unusable: {self._failure}", RANK_FAILURE)
+            raise ServerFault(f"parallel replica unusable: {self._failure}", FaultCause.RANK_FAILURE)
 
     def _described(self, description: dict[str, Any]) -> dict[str, Any]:
         return {**description, "parallel": {"sp": self.sp}}

@@ -34,10 +34,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 
 from deployments.admin import WeightAdmin
-from deployments.errors import RequestError, install_client_error_log_filter, validation_error, worker_error
+from deployments.errors import (RequestError, install_client_error_log_filter, install_error_handlers,
+                               validation_error, worker_error)
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
 from deployments.moving_mean import moving_mean
@@ -50,7 +50,7 @@ from deployments.schemas import (
     VideoOptions,
 )
 from deployments.video_jobs import VideoJobs
-from deployments.videos import VideoApiSlot, routing_error_response, videos_router
+from deployments.videos import VideoApiSlot, videos_router
 from deployments.worker import StageHandles
 from engine.api import GenerationRequest
 from jobs.config import AuthConfig, JobsConfig
@@ -66,7 +66,7 @@ api = FastAPI(
 #: This replica's video API: routes are declared with the app, the job service exists once the replica started.
 VIDEO_API = VideoApiSlot()
 api.include_router(videos_router(VIDEO_API.get))
-api.add_exception_handler(HTTPException, routing_error_response)  # 404 / 405 in the error shape, not {"detail"}
+install_error_handlers(api)  # every route's errors (and 404 / 405) in the one error shape, not {"detail"}
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},

@@ -27,6 +27,7 @@ __all__ = [
     "CacheDitOverrides",
     "ErrorBody",
     "ErrorResponse",
+    "FieldError",
     "GenerationRequest",
     "GenerationResponse",
     "HttpOptions",
@@ -169,15 +170,26 @@ class WeightUpdateRequest(BaseModel):
     path: str = Field(..., description="Checkpoint directory under one of admin.weight_roots (relative: to the first).")
 
 
+class FieldError(BaseModel):
+    """One bad field of a refused request."""
+
+    loc: list[str | int] = Field(..., description="Where: the field name (and index) in the body or query.")
+    msg: str = Field(..., description="What is wrong with it.")
+    type: str = Field(..., description="Validation error kind (pydantic's, or value_error for a model limit).")
+
+
 class ErrorBody(BaseModel):
-    type: str = Field(..., description="invalid_json | invalid_request | not_found | method_not_allowed | "
-                      "payload_too_large | overloaded | server_error | unavailable | timeout.")
+    type: str = Field(
+        ..., description="invalid_request | invalid_json | invalid_id | unauthorized | not_found | conflict | "
+        "expired | method_not_allowed | payload_too_large | unsupported_media_type | range_not_satisfiable | "
+        "queue_full | overloaded | unavailable | timeout | server_error | cancelled.",
+    )
     message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
-    errors: list[dict[str, Any]] | None = Field(None, description="Per-field validation errors (loc, msg).")
+    errors: list[FieldError] | None = Field(None, description="Per-field errors (the field, what is wrong).")
 
 
 class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body."""
+    """Every 4xx/5xx body of every route (`/v1/generations`, `/v1/videos`, admin, routing refusals)."""
 
     error: ErrorBody
 
@@ -364,9 +376,10 @@ class VideoOptions(BaseModel):
         "engine.cache_dit.enabled: true; without it `quality: high` is refused with a 422.",
     )
     validate_timeout_s: float = Field(
-        5.0, gt=0, description="How long POST /v1/videos waits for a worker to check the request against the "
-        "loaded model (prompt tokens, snapped duration). A worker that does not answer in time does not block "
-        "creation: the job is queued and checked again when it runs.",
+        5.0, gt=0, description="How long POST /v1/videos waits for what holds the tokenizer (the Worker, or the "
+        "TextEncoder with stages: split) to count the prompt's tokens; every other bound is checked against the "
+        "served ModelLimits without a call. One that does not answer in time does not block creation: the job is "
+        "queued and checked again when it runs.",
     )
 
     @model_validator(mode="after")

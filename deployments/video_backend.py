@@ -8,7 +8,8 @@
   the request's steps once accepted, then forwards done out of `steps - 1`).
 - Cancellation: `cancelled()` is polled every `CANCEL_POLL_S`; when it turns true the stream is cancelled,
   which stops the engine at its next step and releases its plan references.
-- Errors: the engine's `ClientError` -> `VideoRequestError`, a cancel the job did not ask for (the worker
+- Errors: the engine's `ClientError` -> `VideoRequestError` under the video API's name of its `field`
+  (`VIDEO_FIELDS`), a cancel the job did not ask for (the worker
   replica stopping) or any other failure -> `VideoServerError` with a message fit for the job record (no
   server paths).
 - Stages (`StagedVideoBackend`, `stages: split`): the job drives TextEncoder.encode -> Worker.denoise_stream
@@ -18,8 +19,8 @@
   queue, transfers).
 - A worker replica that died mid-run (`RayActorError`) is `VideoWorkerLost`: the service retries the job when
   no denoising step had run.
-- Limits: `video_model_limits(card)` turns the worker's `describe()` into the job layer's
-  `VideoModelLimits`, so a tiny CPU model accepts the small sizes it is configured for.
+- Limits: the worker's `describe()["limits"]` is the engine's `ModelLimits` (`ModelCard`), what the job layer
+  resolves and checks a job against, so a tiny CPU model accepts the small sizes it is configured for.
 """
 
 from __future__ import annotations
@@ -27,24 +28,21 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import re
 import time
-from fractions import Fraction
 from typing import Any
 
-import annotated_types
 import av
 from pydantic import BaseModel, ConfigDict, Field
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.errors import fault_cause, unwrap
+from deployments.errors import engine_error, fault_summary, unwrap
 from deployments.schemas import ProgressEvent
 from deployments.stages import StoredVideo
 from deployments.worker import StageHandles
 from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult, GenerationStats
-from engine.errors import RANK_FAILURE, ClientError, GenerationCancelled, ServerFault
+from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
+from engine.limits import ModelLimits
 from engine.stages import PromptEmbedding
 from jobs.backend import (
     VideoCancelled,
@@ -58,17 +56,16 @@ from jobs.backend import (
     VideoWorkerLost,
 )
 from jobs.errors import InvalidVideoRequest
-from jobs.limits import VideoModelLimits
 
 __all__ = [
     "CANCEL_POLL_S",
     "LOSSLESS_CACHE_DIT",
     "ModelCard",
-    "ServedModelLimits",
+    "VIDEO_FIELDS",
     "StagedVideoBackend",
     "WorkerVideoBackend",
     "generation_request",
-    "video_model_limits",
+    "invalid_request",
     "video_output",
 ]
 
@@ -78,11 +75,6 @@ logger = logging.getLogger("ray.serve")
 CANCEL_POLL_S = 0.1
 #: `quality: lossless`: exact sampling, whatever the server's own Cache-DiT default is.
 LOSSLESS_CACHE_DIT = CacheDitOverrides(enabled=False)
-#: Clips the API offers by default, when the model allows them.
-DEFAULT_SECONDS = 5.0
-DEFAULT_STEPS = 50
-DEFAULT_SHORT_EDGE = 768
-DEFAULT_ASPECT = Fraction(16, 9)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,28 +82,14 @@ DEFAULT_ASPECT = Fraction(16, 9)
 # --------------------------------------------------------------------------------------------------
 
 
-class ServedModelLimits(BaseModel):
-    """`describe()["limits"]` of the engine: what the loaded model and server accept."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    max_steps: int = Field(..., ge=2, description="Most sampling grid points.")
-    short_edge: int | None = Field(..., description="Required short edge in pixels; None: any.")
-    max_pixels: int = Field(..., ge=1, description="Largest width x height.")
-    min_seconds: float = Field(..., gt=0, description="Shortest clip (of the snapped frame count).")
-    max_seconds: float = Field(..., gt=0, description="Longest clip (of the snapped frame count).")
-    pixel_multiple: int = Field(..., ge=1, description="Both pixel axes are multiples of this.")
-    fps: int = Field(..., ge=1, description="Frames per second of the MP4.")
-    max_prompt_tokens: int = Field(..., ge=1, description="Longest prompt in tokens.")
-
-
 class ModelCard(BaseModel):
-    """The parts of the worker's `describe()` the video API needs."""
+    """The parts of the worker's `describe()` the video API needs: the engine's own `ModelLimits`."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     id: str = Field(..., min_length=1, description="`minimax-h3@<fingerprint>`: name and weights.")
-    limits: ServedModelLimits
+    limits: ModelLimits = Field(..., description="What the loaded model accepts; `limits.name` is what clients "
+                                "put in `model` (no fingerprint: stable across weight updates).")
     cache_dit_enabled: bool = Field(..., description="engine.cache_dit.enabled: per-request Cache-DiT is possible.")
 
     @classmethod
@@ -122,67 +100,6 @@ class ModelCard(BaseModel):
         return cls.model_validate(
             {"id": card.get("id"), "limits": card.get("limits"), "cache_dit_enabled": cache_dit.get("enabled")}
         )
-
-    @property
-    def name(self) -> str:
-        """What clients put in `model`: the id without the weights fingerprint (stable across weight updates)."""
-        return self.id.partition("@")[0]
-
-
-def video_model_limits(card: ModelCard) -> VideoModelLimits:
-    """The job layer's limits of the served model. Durations are the engine's bounds on the *snapped* clip;
-    a request between them whose snapped clip is not (15 s snaps to 15.08 s) is refused by the worker's
-    check at creation."""
-    limits = card.limits
-    multiple = limits.pixel_multiple
-    if limits.short_edge is not None:
-        short_edge = limits.short_edge
-        min_edge = short_edge
-        max_edge = limits.max_pixels // short_edge // multiple * multiple
-    else:
-        short_edge = _default_short_edge(limits.max_pixels, multiple)
-        min_edge = multiple
-        max_edge = min(8192, limits.max_pixels // multiple // multiple * multiple)
-    long_edge = _long_edge(short_edge, multiple, limits.max_pixels)
-    return VideoModelLimits(
-        name=card.name,
-        min_seconds=limits.min_seconds,
-        max_seconds=limits.max_seconds,
-        default_seconds=min(max(DEFAULT_SECONDS, limits.min_seconds), limits.max_seconds),
-        fps=limits.fps,
-        size_multiple=multiple,
-        short_edge=limits.short_edge,
-        min_edge=min_edge,
-        max_edge=max(max_edge, min_edge),
-        max_pixels=limits.max_pixels,
-        default_size=f"{long_edge}x{short_edge}",
-        default_short_edge=short_edge,
-        min_steps=2,
-        max_steps=limits.max_steps,
-        default_steps=min(DEFAULT_STEPS, limits.max_steps),
-        default_flow_shift=GenerationRequest.model_fields["flow_shift"].default,
-        default_audio_flow_shift=GenerationRequest.model_fields["audio_flow_shift"].default,
-        max_prompt_chars=_max_length(GenerationRequest.model_fields["prompt"].metadata),
-    )
-
-
-def _max_length(metadata: list[Any]) -> int:
-    """The schema's max_length of a string field (the engine request's own bound on prompts)."""
-    return next(m.max_length for m in metadata if isinstance(m, annotated_types.MaxLen))
-
-
-def _long_edge(short_edge: int, multiple: int, max_pixels: int) -> int:
-    """The 16:9 long edge for `short_edge`, in multiples, within max_pixels (768 -> 1344)."""
-    long_edge = int(short_edge * DEFAULT_ASPECT) // multiple * multiple
-    return max(short_edge, min(long_edge, max_pixels // short_edge // multiple * multiple))
-
-
-def _default_short_edge(max_pixels: int, multiple: int) -> int:
-    """The largest short edge <= 768 whose 16:9 frame fits max_pixels (a small model gets a small default)."""
-    short_edge = DEFAULT_SHORT_EDGE // multiple * multiple
-    while short_edge > multiple and short_edge * (int(short_edge * DEFAULT_ASPECT) // multiple * multiple) > max_pixels:
-        short_edge -= multiple
-    return max(short_edge, multiple)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,47 +161,42 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
 # Errors
 # --------------------------------------------------------------------------------------------------
 
-#: The engine names the field of a request it refuses (`steps: ...`, `width=...`, `num_frames=...`); the video
-#: API's name for it.
-_ENGINE_FIELDS = {
-    "steps": "num_inference_steps", "width": "size", "height": "size", "width*height": "size",
-    "num_frames": "seconds", "seconds": "seconds", "prompt": "prompt", "cache_dit": "quality",
-    "cache_dit.enabled": "quality", "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift",
+#: The video API's name of each engine request field (`ClientError.field`) a job's request can be refused on:
+#: a job's VideoSpec becomes the engine request's fields by `generation_request` above.
+VIDEO_FIELDS = {
+    "prompt": "prompt", "steps": "num_inference_steps", "seconds": "seconds", "width": "size", "height": "size",
+    "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality",
 }
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_.*]+)\s*([:=])\s*")
 
 
-def invalid_request(message: str) -> InvalidVideoRequest:
-    """An engine refusal as the video API's 422, under the video API's field name."""
-    match = _FIELD_PREFIX.match(message)
-    if match is None:
-        return InvalidVideoRequest("request", message)
-    field = _ENGINE_FIELDS.get(match.group(1), "request")
-    # "prompt: 3000 tokens ..." -> "prompt: 3000 tokens ..." (not "prompt: prompt: ..."); "width=64 ..." keeps its name.
-    return InvalidVideoRequest(field, message[match.end():] if match.group(2) == ":" else message)
+def invalid_request(error: ClientError) -> InvalidVideoRequest:
+    """An engine refusal as the video API's 422, under the video API's name of its field."""
+    return InvalidVideoRequest(VIDEO_FIELDS.get(error.field, "request"), error.detail)
 
 
 def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
     """A failed worker call as the job layer's error type (messages fit for the job record)."""
-    cause = unwrap(exc)
-    if isinstance(cause, ClientError):
-        return VideoRequestError(str(cause))
-    if isinstance(cause, (GenerationCancelled, RequestCancelledError, asyncio.CancelledError)):
+    if isinstance(unwrap(exc), (RequestCancelledError, asyncio.CancelledError)):
+        error: EngineError | None = GenerationCancelled("the call was cancelled")
+    else:
+        error = engine_error(exc)
+    if error is None:
+        logger.error("video generation failed", exc_info=exc)
+        return VideoServerError(f"generation failed: {type(unwrap(exc)).__name__}")
+    if isinstance(error, ClientError):
+        return VideoRequestError(str(invalid_request(error)))
+    if isinstance(error, GenerationCancelled):
         if cancel_asked:
             return VideoCancelled("cancelled")
         return VideoServerError("the worker replica stopped the generation (it was shutting down)")
-    if isinstance(cause, ServerFault) and cause.kind == RANK_FAILURE:  # like a replica that died: retried
-        return VideoWorkerLost(f"a rank of the multi-GPU replica running it failed ({cause})")
-    if isinstance(cause, ServerFault):
-        what = fault_cause(cause)
-        logger.error("video generation failed: %s", what, exc_info=exc)
-        return VideoServerError(f"generation failed: {cause.kind} ({what})")
-    if isinstance(exc, RayActorError) or isinstance(cause, RayActorError):
-        return VideoWorkerLost(f"the replica running it died ({type(cause).__name__})")
-    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
-        return VideoServerError(f"no worker could run the job: {type(exc).__name__}")
-    logger.error("video generation failed", exc_info=exc)
-    return VideoServerError(f"generation failed: {type(cause).__name__}")
+    if isinstance(error, ServerFault) and error.cause.replica_lost:  # like a replica that died: retried
+        return VideoWorkerLost(f"a rank of the multi-GPU replica running it failed ({error})")
+    if isinstance(error, ServerFault):
+        logger.error("video generation failed: %s", error.cause.description, exc_info=exc)
+        return VideoServerError(f"generation failed: {fault_summary(error)}")
+    if isinstance(error, Unavailable) and error.replica_lost:
+        return VideoWorkerLost(f"the replica running it died ({error})")
+    return VideoServerError(f"the job could not run: {error}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,16 +224,21 @@ class WorkerVideoBackend:
         return generation_request(spec, self._high_quality)
 
     async def validate(self, spec: VideoSpec) -> None:
-        """The worker's check of the request (prompt tokens, snapped duration, sizes). A worker that does not
-        answer within validate_timeout_s does not refuse the job: the run checks again."""
+        """The prompt's token count, by what holds the tokenizer (one call; sizes, duration and steps were
+        checked against the served ModelLimits already). One that does not answer within validate_timeout_s
+        does not refuse the job: the run checks again."""
         request = self.request(spec)
         try:
-            await asyncio.wait_for(self._worker.validate.remote(request), timeout=self._validate_timeout_s)
+            await asyncio.wait_for(self._prompt_check(request), timeout=self._validate_timeout_s)
         except Exception as exc:  # noqa: BLE001 - sorted below
             cause = unwrap(exc)
             if isinstance(cause, ClientError):
-                raise invalid_request(str(cause)) from None
+                raise invalid_request(cause) from None
             logger.warning("video request check skipped (the worker did not answer): %s", type(exc).__name__)
+
+    def _prompt_check(self, request: GenerationRequest) -> Any:
+        """The call that checks the prompt: the fused worker holds the tokenizer (its check is the engine's)."""
+        return self._worker.validate.remote(request)
 
     async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
         try:
@@ -373,6 +290,9 @@ class StagedVideoBackend(WorkerVideoBackend):
                  high_quality: CacheDitOverrides, validate_timeout_s: float) -> None:
         super().__init__(worker, card, high_quality, validate_timeout_s)
         self._stages = stages
+
+    def _prompt_check(self, request: GenerationRequest) -> Any:
+        return self._stages.text_encoder.validate.remote(request.prompt)  # the TextEncoder holds the tokenizer
 
     async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
         start = time.perf_counter()

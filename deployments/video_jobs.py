@@ -2,7 +2,7 @@
 
 `VideoJobs.start()` (called from the ingress's async constructor) returns at once and brings the service
 up in the background: ask the Worker deployment to describe the served model (waiting while no worker
-replica is up yet, e.g. a large checkpoint still loading), derive the video API's limits from it, open the
+replica is up yet, e.g. a large checkpoint still loading), take the served `ModelLimits` from it, open the
 job database and the output store, start a `JobService` (runners, lease keeper, reaper) on this replica's
 event loop, and hand it to the `/v1/videos` routes through their `VideoApiSlot`. Until then the routes
 answer 503 with the reason. A database that cannot be opened yet (PostgreSQL still starting) is retried; a
@@ -22,7 +22,7 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments.schemas import VideoOptions
-from deployments.video_backend import ModelCard, StagedVideoBackend, WorkerVideoBackend, video_model_limits
+from deployments.video_backend import ModelCard, StagedVideoBackend, WorkerVideoBackend
 from deployments.worker import StageHandles
 from deployments.videos import VideoApi, VideoApiSlot
 from jobs.config import AuthConfig, JobsConfig
@@ -74,11 +74,7 @@ class VideoJobs:
         card = await self._describe()
         if card is None:
             return
-        try:
-            limits = video_model_limits(card)
-        except ValueError as exc:
-            self._give_up(f"the served model's limits do not make video limits: {exc}")
-            return
+        limits = card.limits  # the engine's own: what the video API resolves and checks jobs against
         backend: WorkerVideoBackend = WorkerVideoBackend(
             self._worker, card, self._videos.high_quality, self._videos.validate_timeout_s)
         if self._stages is not None:  # stages: split

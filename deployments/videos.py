@@ -16,7 +16,9 @@ Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or u
 state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
 range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
 database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is
-`{"error": {"type", "message", ...}}`.
+`{"error": {"type", "message", "errors"}}` (`deployments.schemas.ErrorResponse`): the routes raise, and the app's
+handlers (`deployments.errors.install_error_handlers`, also FastAPI's own check of the declared query
+parameters) answer.
 
 The router gets its `VideoApi` through a provider called per request, so a Serve ingress can build the router
 at import time and the service in its constructor.
@@ -27,28 +29,30 @@ would take `request` for a query parameter.
 """
 
 import asyncio
-import functools
+import enum
 import hashlib
 import hmac
 import json
 import logging
 import re
 from urllib.parse import parse_qsl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
 from starlette.datastructures import Headers, UploadFile
-from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 
+from deployments.errors import RequestError, install_error_handlers, invalid_field, job_error, validation_error
 from deployments.json_body import JsonBodyError, loads_body, read_body
+from deployments.schemas import ErrorResponse
 from jobs.config import AuthConfig, JobsConfig
-from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
+from jobs.errors import JobConflict, JobNotFound
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
 from jobs.records import JobRecord, JobStatus
 from jobs.schemas import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
@@ -57,11 +61,10 @@ from jobs.service import JobService
 __all__ = [
     "VideoApi",
     "VideoApiSlot",
-    "VideoErrorResponse",
+    "ListOrder",
     "build_videos_app",
     "owner_for_key",
     "parse_range",
-    "routing_error_response",
     "videos_router",
 ]
 
@@ -74,115 +77,12 @@ FORM_MAX_FIELDS = 32
 
 
 # --------------------------------------------------------------------------------------------------
-# Errors
+# Errors: raised by the routes, answered by deployments/errors.py's handlers (`install_error_handlers`)
 # --------------------------------------------------------------------------------------------------
 
 
-class FieldError(BaseModel):
-    loc: list[str | int] = Field(..., description="Where: the field name (and index) in the body.")
-    msg: str = Field(..., description="What is wrong with it.")
-    type: str = Field(..., description="Validation error kind.")
-
-
-class VideoErrorBody(BaseModel):
-    type: str = Field(
-        ..., description="invalid_request | invalid_json | invalid_id | unauthorized | not_found | conflict | "
-        "expired | method_not_allowed | payload_too_large | unsupported_media_type | range_not_satisfiable | "
-        "queue_full | unavailable | timeout | server_error | cancelled.",
-    )
-    message: str = Field(..., description="What was wrong and, where possible, how to fix it.")
-    errors: list[FieldError] | None = Field(None, description="Per-field validation errors.")
-
-
-class VideoErrorResponse(BaseModel):
-    """Every 4xx/5xx body of the video routes (the same shape as the rest of the app)."""
-
-    error: VideoErrorBody
-
-
-class ApiError(Exception):
-    """A refusal: HTTP status, error type, message, optional per-field errors and headers."""
-
-    def __init__(
-        self, status: int, kind: str, message: str, *, errors: list[FieldError] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.message, self.errors, self.headers = status, kind, message, errors, headers
-
-    def response(self) -> JSONResponse:
-        body = VideoErrorResponse(error=VideoErrorBody(type=self.kind, message=self.message, errors=self.errors))
-        return JSONResponse(status_code=self.status, content=body.model_dump(mode="json"), headers=self.headers)
-
-
-def _api_error(exc: Exception) -> ApiError:
-    """A job-layer error as the HTTP refusal the client sees."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidVideoRequest):
-        field_error = FieldError(loc=[exc.field], msg=str(exc), type="value_error")
-        return ApiError(422, "invalid_request", str(exc), errors=[field_error])
-    if isinstance(exc, JobNotFound):
-        return ApiError(404, "not_found", str(exc))
-    if isinstance(exc, JobConflict):
-        return ApiError(409, "conflict", str(exc))
-    if isinstance(exc, OutputExpired):
-        return ApiError(410, "expired", str(exc))
-    if isinstance(exc, QueueFull):
-        retry_after = str(exc.retry_after_s or 1)
-        return ApiError(429, "queue_full", str(exc), headers={"retry-after": retry_after})
-    if isinstance(exc, StoreUnavailable):
-        logger.error("video job store unavailable: %s", exc)
-        return ApiError(
-            503, "unavailable", "the job database is unavailable; retry later", headers={"retry-after": "5"}
-        )
-    raise exc
-
-
-def _validation_error(exc: ValidationError) -> ApiError:
-    errors = [
-        FieldError(loc=[str(p) if not isinstance(p, int) else p for p in err["loc"]], msg=err["msg"], type=err["type"])
-        for err in exc.errors(include_url=False)
-    ]
-    summary = "; ".join(f"{'.'.join(map(str, e.loc)) or 'body'}: {e.msg}" for e in errors)
-    return ApiError(422, "invalid_request", summary, errors=errors)
-
-
-#: Error types of Starlette's own refusals (a path no route has, a method the route does not take).
-_ROUTING_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed"}
-
-
-async def routing_error_response(request: Request, exc: Exception) -> Response:
-    """Starlette's own HTTPException (FastAPI: `{"detail": ...}`) in the app's error shape; its headers (405:
-    `Allow`) kept. Registered on every app that serves these routes: `app.add_exception_handler(
-    starlette.exceptions.HTTPException, routing_error_response)`."""
-    assert isinstance(exc, HTTPException)
-    kind = _ROUTING_ERROR_KINDS.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "server_error")
-    path = request.url.path if len(request.url.path) <= 128 else request.url.path[:128] + "..."
-    return ApiError(exc.status_code, kind, f"{request.method} {path}: {exc.detail}", headers=exc.headers).response()
-
-
-_REFUSALS = (ApiError, InvalidVideoRequest, JobNotFound, JobConflict, OutputExpired, QueueFull, StoreUnavailable)
-
-
-def _guarded(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-    """Turn the job layer's typed errors into their HTTP responses."""
-
-    @functools.wraps(handler)
-    async def guarded(*args: Any, **kwargs: Any) -> Response:
-        try:
-            return await handler(*args, **kwargs)
-        except _REFUSALS as exc:
-            error = _api_error(exc)
-            if error.status >= 500:
-                logger.warning("video request failed (%d): %s", error.status, error.message)
-            return error.response()
-
-    return guarded
-
-
 def _error_doc(description: str) -> dict[str, Any]:
-    return {"model": VideoErrorResponse, "description": description}
+    return {"model": ErrorResponse, "description": description}
 
 
 _COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -210,18 +110,19 @@ class VideoApi:
     service: JobService
     auth: AuthConfig
 
-    def owner(self, request: Request) -> str | None:
-        """The caller's owner hash; None when auth is off (every job visible). 401 without a listed key."""
+    def owner(self, credentials: HTTPAuthorizationCredentials | None) -> str | None:
+        """The caller's owner hash from its bearer credentials; None when auth is off (every job visible). 401
+        without a listed key."""
         if not self.auth.api_keys:
             return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        presented = owner_for_key(given.strip()) if scheme.lower() == "bearer" and given.strip() else ""
+        given = credentials.credentials.strip() if credentials is not None else ""
+        presented = owner_for_key(given) if given else ""
         # Compare every configured key (no early exit): timing says nothing about which prefix matched.
         matched = False
         for key in self.auth.api_keys:
             matched |= hmac.compare_digest(presented.encode(), owner_for_key(key).encode())
         if not matched:
-            raise ApiError(
+            raise RequestError(
                 401, "unauthorized", "video routes need 'Authorization: Bearer <api key>' with a configured key",
                 headers={"www-authenticate": "Bearer"},
             )
@@ -245,14 +146,14 @@ class VideoApiSlot:
 
     def get(self) -> VideoApi:
         if self._api is None:
-            raise ApiError(503, "unavailable", self._reason, headers={"retry-after": "5"})
+            raise RequestError(503, "unavailable", self._reason, retry_after_s=5)
         return self._api
 
 
 def _checked_id(video_id: str) -> str:
     if not VIDEO_ID.fullmatch(video_id):
         shown = video_id if len(video_id) <= 64 else video_id[:64] + "..."
-        raise ApiError(400, "invalid_id", f"{shown!r} is not a video id (video_ + 22 URL-safe characters)")
+        raise RequestError(400, "invalid_id", f"{shown!r} is not a video id (video_ + 22 URL-safe characters)")
     return video_id
 
 
@@ -261,16 +162,16 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
     try:
         body = await read_body(request, max_body_bytes, "jobs.max_body_bytes")
     except JsonBodyError as exc:
-        raise ApiError(exc.status, exc.kind, exc.message) from None
+        raise RequestError(exc.status, exc.kind, exc.message) from None
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
         fields = await _form_fields(request.headers, body, content_type)
         try:
             return VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
     if content_type != "application/json":
-        raise ApiError(
+        raise RequestError(
             415, "unsupported_media_type",
             f"content-type {content_type!r}: send application/json, multipart/form-data or "
             "application/x-www-form-urlencoded",
@@ -278,13 +179,13 @@ async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateR
     try:
         payload = loads_body(body)
     except JsonBodyError as exc:
-        raise ApiError(exc.status, exc.kind, exc.message) from None
+        raise RequestError(exc.status, exc.kind, exc.message) from None
     if not isinstance(payload, dict):
-        raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
+        raise RequestError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
     try:
         return VideoCreateRequest.model_validate(payload, strict=True)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
 async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict[str, str]:
@@ -295,15 +196,15 @@ async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict
             # The body already read (within jobs.max_body_bytes): what `Request.form()` would parse.
             form = await MultiPartParser(headers, _once(body), max_files=1, max_fields=FORM_MAX_FIELDS).parse()
         except MultiPartException as exc:
-            raise ApiError(422, "invalid_request", f"form body: {exc.message}") from None
+            raise RequestError(422, "invalid_request", f"form body: {exc.message}") from None
         items = form.multi_items()
         await form.close()  # an upload's spooled file (uploads are refused below)
     fields: dict[str, str] = {}
     for name, value in items:
         if isinstance(value, UploadFile):
-            raise ApiError(422, "invalid_request", f"{name}: file uploads are not supported yet (input_reference)")
+            raise invalid_field(name, f"{name}: file uploads are not supported yet (input_reference)")
         if name in fields:
-            raise ApiError(422, "invalid_request", f"{name}: given more than once")
+            raise invalid_field(name, f"{name}: given more than once")
         fields[name] = value
     return fields
 
@@ -319,9 +220,9 @@ def _urlencoded_fields(body: bytes) -> list[tuple[str, str]]:
         return parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict",
                          max_num_fields=FORM_MAX_FIELDS)
     except UnicodeDecodeError:
-        raise ApiError(422, "invalid_request", "form body: not valid UTF-8 (raw or percent-encoded)") from None
+        raise RequestError(422, "invalid_request", "form body: not valid UTF-8 (raw or percent-encoded)") from None
     except ValueError:  # parse_qsl past max_num_fields
-        raise ApiError(422, "invalid_request", f"form body: too many fields (at most {FORM_MAX_FIELDS})") from None
+        raise RequestError(422, "invalid_request", f"form body: too many fields (at most {FORM_MAX_FIELDS})") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,7 +304,7 @@ def _content_response(
     try:
         byte_range = parse_range(range_header, blob.size)
     except RangeNotSatisfiable:
-        return ApiError(
+        return RequestError(
             416, "range_not_satisfiable",
             f"range {range_header!r} starts past the end of {blob.size} bytes",
             headers={**headers, "content-range": f"bytes */{blob.size}"},
@@ -469,10 +370,6 @@ _CREATE_BODY = {
 }
 
 
-def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
-
-
 _CONTENT_SUMMARY = "Download a completed job's MP4 (or its thumbnail PNG)."
 _CONTENT_DESCRIPTION = (
     "Supports single-range `Range: bytes=...` requests (206 + Content-Range) so players can seek; HEAD answers the "
@@ -488,13 +385,22 @@ _CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
     422: _error_doc("Unknown variant."),
 }
 _CONTENT_PARAMETERS = {"parameters": [
-    _query("variant", {"type": "string", "enum": [v.value for v in VideoVariant], "default": "video"},
-           "video: the MP4; thumbnail: a PNG of one frame."),
     {"name": "Range", "in": "header", "required": False, "schema": {"type": "string"},
      "description": "`bytes=first-last`, `bytes=first-` or `bytes=-suffix_length`."},
 ]}
 
 VideoIdPath = Path(..., description="Job id: `video_` + 22 URL-safe characters.")
+
+
+class ListOrder(enum.StrEnum):
+    """`GET /v1/videos?order=`: newest first, the only order served (an OpenAI client's `asc` must not get
+    newest-first pages it takes for oldest-first)."""
+
+    DESC = "desc"
+
+
+#: Jobs per page when the request gives no `limit` (at most jobs.max_list_limit).
+DEFAULT_LIST_LIMIT = 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -503,8 +409,17 @@ VideoIdPath = Path(..., description="Job id: `video_` + 22 URL-safe characters."
 
 
 def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
-    """The `/v1/videos` routes; `get_api()` is called on each request."""
+    """The `/v1/videos` routes; `get_api()` is called on each request. Their errors are raised and answered by
+    the app's handlers (`deployments.errors.install_error_handlers`, registered by whoever builds the app)."""
     router = APIRouter(tags=["videos"])
+    bearer = HTTPBearer(auto_error=False, description="One of auth.api_keys (when set).")
+
+    def current_api() -> VideoApi:
+        return get_api()  # 503 while the service is starting or stopping
+
+    def caller(api: VideoApi = Depends(current_api),
+               credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
+        return api.owner(credentials)  # the caller's owner hash; 401 without a listed key
 
     @router.post(
         "/v1/videos",
@@ -524,10 +439,8 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         },
         openapi_extra=_CREATE_BODY,
     )
-    @_guarded
-    async def create_video(request: Request) -> Response:
-        api = get_api()
-        owner = api.owner(request)
+    async def create_video(request: Request, api: VideoApi = Depends(current_api),
+                           owner: str | None = Depends(caller)) -> Response:
         body = await _create_request(request, api.service.config.max_body_bytes)
         record = await api.service.submit(api.service.resolve(body), owner)
         return JSONResponse(content=_job_json(record))
@@ -549,10 +462,8 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         },
         openapi_extra=_CREATE_BODY,
     )
-    @_guarded
-    async def create_video_sync(request: Request) -> Response:
-        api = get_api()
-        owner = api.owner(request)
+    async def create_video_sync(request: Request, api: VideoApi = Depends(current_api),
+                                owner: str | None = Depends(caller)) -> Response:
         body = await _create_request(request, api.service.config.max_body_bytes)
         record = await api.service.submit(api.service.resolve(body), owner)
         final = await _wait_or_cancel(api.service, record.id, owner, request)
@@ -561,12 +472,12 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
             return _content_response(request, blob, VideoVariant.VIDEO, final.id, {"x-video-id": final.id})
         headers = {"x-video-id": final.id}
         if final.status is JobStatus.CANCELLED:
-            raise ApiError(409, "cancelled", f"video job {final.id} was cancelled", headers=headers)
+            raise RequestError(409, "cancelled", f"video job {final.id} was cancelled", headers=headers)
         assert final.error is not None  # failed
         if final.error.code == "invalid_request":
-            raise ApiError(422, "invalid_request", final.error.message, headers=headers)
-        raise ApiError(500, "server_error", f"video job {final.id} failed ({final.error.code}): {final.error.message}",
-                       headers=headers)
+            raise RequestError(422, "invalid_request", final.error.message, headers=headers)
+        raise RequestError(500, "server_error",
+                           f"video job {final.id} failed ({final.error.code}): {final.error.message}", headers=headers)
 
     @router.get(
         "/v1/videos",
@@ -576,31 +487,25 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         responses={
             **_COMMON_ERRORS, 422: _error_doc("limit out of range, `after` not a known video id, or order=asc."),
         },
-        openapi_extra={"parameters": [
-            _query("limit", {"type": "integer", "minimum": 1, "default": 20},
-                   "Jobs per page, at most jobs.max_list_limit."),
-            _query("after", {"type": "string"},
-                   "Return jobs older than this job id (the last_id of the previous page)."),
-            _query("order", {"type": "string", "enum": ["desc"], "default": "desc"},
-                   "Newest first, the only order served (asc is a 422)."),
-        ]},
     )
-    @_guarded
-    async def list_videos(request: Request) -> Response:
-        api = get_api()
-        owner = api.owner(request)
-        limit = _limit(request.query_params.get("limit"), api.service.config.max_list_limit)
-        order = request.query_params.get("order", "desc")
-        if order != "desc":  # an OpenAI client's order=asc must not get newest-first pages it takes for oldest-first
-            raise ApiError(422, "invalid_request", f"order: {order[:32]!r} is not served; jobs list newest first "
-                           "(order=desc)")
-        after = request.query_params.get("after")
-        if after is not None and not VIDEO_ID.fullmatch(after):
-            raise ApiError(422, "invalid_request", f"after: {after[:64]!r} is not a video id")
+    async def list_videos(
+        api: VideoApi = Depends(current_api),
+        owner: str | None = Depends(caller),
+        limit: int | None = Query(None, ge=1, description=f"Jobs per page (default {DEFAULT_LIST_LIMIT}), at most "
+                                  "jobs.max_list_limit."),
+        after: str | None = Query(None, pattern=VIDEO_ID.pattern, description="Return jobs older than this job id "
+                                  "(the last_id of the previous page)."),
+        order: ListOrder = Query(ListOrder.DESC, description="Newest first, the only order served (asc is a 422)."),
+    ) -> Response:
+        max_limit = api.service.config.max_list_limit
+        if limit is None:
+            limit = min(DEFAULT_LIST_LIMIT, max_limit)
+        elif limit > max_limit:  # the bound is the replica's config, not the route's declaration
+            raise invalid_field("limit", f"limit: {limit} exceeds jobs.max_list_limit={max_limit}")
         try:
             page = await api.service.list_jobs(owner, limit, after)
         except JobNotFound:
-            raise ApiError(422, "invalid_request", f"after: no video job with id {after!r}") from None
+            raise invalid_field("after", f"after: no video job with id {after!r}") from None
         data = [VideoJob.from_record(r) for r in page.jobs]
         body = VideoList(
             data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
@@ -614,10 +519,9 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         summary="A video job: status, progress, queue position, error, timings.",
         responses=_COMMON_ERRORS,
     )
-    @_guarded
-    async def get_video(request: Request, video_id: str = VideoIdPath) -> Response:
-        api = get_api()
-        record = await api.service.get(_checked_id(video_id), api.owner(request))
+    async def get_video(video_id: str = VideoIdPath, api: VideoApi = Depends(current_api),
+                        owner: str | None = Depends(caller)) -> Response:
+        record = await api.service.get(_checked_id(video_id), owner)
         return JSONResponse(content=_job_json(record))
 
     @router.get(
@@ -630,19 +534,15 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         summary=_CONTENT_SUMMARY, description=_CONTENT_DESCRIPTION, responses=_CONTENT_RESPONSES,
         openapi_extra=_CONTENT_PARAMETERS,
     )
-    @_guarded
-    async def get_video_content(request: Request, video_id: str = VideoIdPath) -> Response:
-        api = get_api()
-        owner = api.owner(request)
+    async def get_video_content(
+        request: Request,
+        video_id: str = VideoIdPath,
+        variant: VideoVariant = Query(VideoVariant.VIDEO, description="video: the MP4; thumbnail: a PNG of one "
+                                      "frame."),
+        api: VideoApi = Depends(current_api),
+        owner: str | None = Depends(caller),
+    ) -> Response:
         video_id = _checked_id(video_id)
-        variant_text = request.query_params.get("variant", VideoVariant.VIDEO.value)
-        try:
-            variant = VideoVariant(variant_text)
-        except ValueError:
-            raise ApiError(
-                422, "invalid_request",
-                f"variant: {variant_text[:64]!r} is not one of {[v.value for v in VideoVariant]}",
-            ) from None
         blob = await api.service.open_output(video_id, owner, variant)
         return _content_response(request, blob, variant, video_id)
 
@@ -655,10 +555,8 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         "`error` (an error body) if the job is deleted meanwhile.",
         responses={200: {"content": {"text/event-stream": {}}, "description": "Server-sent events."}, **_COMMON_ERRORS},
     )
-    @_guarded
-    async def video_events(request: Request, video_id: str = VideoIdPath) -> Response:
-        api = get_api()
-        owner = api.owner(request)
+    async def video_events(video_id: str = VideoIdPath, api: VideoApi = Depends(current_api),
+                           owner: str | None = Depends(caller)) -> Response:
         video_id = _checked_id(video_id)
         await api.service.get(video_id, owner)  # 404 as a plain response, before the stream starts
 
@@ -671,9 +569,7 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
                     name = record.status.value if record.status.is_finished else "progress"
                     yield _sse(name, record)
             except JobNotFound as exc:
-                error = _api_error(exc)
-                body = VideoErrorResponse(error=VideoErrorBody(type=error.kind, message=error.message))
-                yield f"event: error\ndata: {body.model_dump_json()}\n\n"
+                yield f"event: error\ndata: {job_error(exc).body().model_dump_json()}\n\n"
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -685,10 +581,9 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         summary="Cancel a job: a queued one at once, a running one at its next step.",
         responses={**_COMMON_ERRORS, 409: _error_doc("The job already completed, failed or was cancelled.")},
     )
-    @_guarded
-    async def cancel_video(request: Request, video_id: str = VideoIdPath) -> Response:
-        api = get_api()
-        record = await api.service.cancel(_checked_id(video_id), api.owner(request))
+    async def cancel_video(video_id: str = VideoIdPath, api: VideoApi = Depends(current_api),
+                           owner: str | None = Depends(caller)) -> Response:
+        record = await api.service.cancel(_checked_id(video_id), owner)
         return JSONResponse(content=_job_json(record))
 
     @router.delete(
@@ -697,43 +592,29 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
         summary="Delete a job: cancel it if active, remove its record and its MP4.",
         responses=_COMMON_ERRORS,
     )
-    @_guarded
-    async def delete_video(request: Request, video_id: str = VideoIdPath) -> Response:
-        api = get_api()
-        record = await api.service.delete(_checked_id(video_id), api.owner(request))
+    async def delete_video(video_id: str = VideoIdPath, api: VideoApi = Depends(current_api),
+                           owner: str | None = Depends(caller)) -> Response:
+        record = await api.service.delete(_checked_id(video_id), owner)
         return JSONResponse(content=VideoDeleted(id=record.id).model_dump(mode="json"))
 
     @router.api_route(
         "/v1/videos/{rest:path}", methods=["GET", "HEAD", "POST", "DELETE"], include_in_schema=False,
     )
-    @_guarded
     async def unknown_video_route(request: Request, rest: str) -> Response:
         # Ids with a slash (`../x`, `a%2Fb`) land here rather than on a route: a malformed id is a 400.
         video_id, _, action = rest.partition("/")
         _checked_id(video_id)
         allowed = _JOB_ROUTE_METHODS.get(action)
         if allowed is not None:  # a job's route, another method (HEAD or POST on the job, DELETE on its content)
-            raise ApiError(405, "method_not_allowed", f"{request.method} {request.url.path}: Method Not Allowed",
-                           headers={"allow": allowed})
-        raise ApiError(404, "not_found", f"no route {request.method} {request.url.path}")
+            raise RequestError(405, "method_not_allowed", f"{request.method} {request.url.path}: Method Not Allowed",
+                               headers={"allow": allowed})
+        raise RequestError(404, "not_found", f"no route {request.method} {request.url.path}")
 
     return router
 
 
 #: The methods of each route under /v1/videos/{id} (by what follows the id): the catch-all's 405 `Allow`.
 _JOB_ROUTE_METHODS = {"": "GET, DELETE", "content": "GET, HEAD", "events": "GET", "cancel": "POST"}
-
-
-def _limit(text: str | None, max_limit: int) -> int:
-    if text is None:
-        return min(20, max_limit)
-    if not _is_decimal(text):
-        raise ApiError(422, "invalid_request", f"limit: {text[:32]!r} is not a positive integer")
-    limit = _byte_position(text)  # bounded: a 5000-digit limit is out of range, not a ValueError
-    if not 1 <= limit <= max_limit:
-        shown = text.lstrip("0")[:32] or "0"
-        raise ApiError(422, "invalid_request", f"limit: {shown} is outside 1..{max_limit} (jobs.max_list_limit)")
-    return limit
 
 
 async def _wait_or_cancel(service: JobService, job_id: str, owner: str | None, request: Request) -> JobRecord:
@@ -748,10 +629,10 @@ async def _wait_or_cancel(service: JobService, job_id: str, owner: str | None, r
                 return waiter.result()
             if await request.is_disconnected():
                 await _cancel_quietly(service, job_id, owner)
-                raise ApiError(499, "cancelled", "the client disconnected; the job was cancelled")
+                raise RequestError(499, "cancelled", "the client disconnected; the job was cancelled")
             if loop.time() >= deadline:
                 await _cancel_quietly(service, job_id, owner)
-                raise ApiError(
+                raise RequestError(
                     504, "timeout", f"not done within jobs.sync_timeout_s={service.config.sync_timeout_s:g}; the job "
                     "was cancelled", headers={"x-video-id": job_id},
                 )
@@ -779,6 +660,6 @@ def build_videos_app(api: VideoApi, *, title: str = "ditserve videos") -> FastAP
             await api.service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)
-    app.add_exception_handler(HTTPException, routing_error_response)
+    install_error_handlers(app)
     app.include_router(videos_router(lambda: api))
     return app

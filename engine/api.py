@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
+from engine.limits import MAX_PROMPT_CHARS
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
@@ -49,7 +50,7 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    prompt: str = Field(..., min_length=1, max_length=20000,
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS,
                         description="Text prompt, tokenized verbatim (no chat template); the server limits its tokens.")
     steps: int = Field(50, ge=2, le=MAX_STEPS,
                        description="Sampling grid points including the final 0: `steps - 1` transformer forwards.")

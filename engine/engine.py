@@ -60,18 +60,19 @@ from engine.api import (
     SlabState,
 )
 from engine.config import EngineConfig, GeometryConfig
-from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
+from engine.limits import ModelLimits, served_limits
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
-from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import SERVED_PARTITION, ensure_checkpoint
-from model.schedule import H3Schedule, Task
+from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
 from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
 from model.weights import TransformerWeights, is_adaln_param
@@ -115,11 +116,45 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
     return group if group.world_size > 1 else None
 
 
-def geometry_limits(config: GeometryConfig | None, hidden_size: int) -> GeometryLimits:
-    if config is None:
-        config = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
-    return GeometryLimits(short_edge=config.short_edge, max_pixels=config.max_pixels,
-                          min_seconds=config.min_seconds, max_seconds=config.max_seconds)
+#: The model's name in `ModelLimits.name` (what video clients put in `model`); the served id adds the weights'
+#: fingerprint (`minimax-h3@<fingerprint>`).
+MODEL_NAME = "minimax-h3"
+
+
+def model_limits(config: EngineConfig, hidden_size: int) -> ModelLimits:
+    """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
+    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
+    geometry = config.geometry
+    if geometry is None:
+        geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
+    return served_limits(
+        MODEL_NAME, max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
+        size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
+        fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
+        max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
+        default_audio_flow_shift=AUDIO_SHIFT,
+    )
+
+
+def geometry_limits(limits: ModelLimits) -> GeometryLimits:
+    """The served limits as `model.geometry` checks a request's canvas and snapped duration."""
+    return GeometryLimits(short_edge=limits.short_edge, max_pixels=limits.max_pixels,
+                          min_seconds=limits.min_seconds, max_seconds=limits.max_seconds)
+
+
+#: The request field of a `model/` error's field (`GeometryError`, `ScheduleError`); the rest are the same name.
+_REQUEST_FIELDS = {"num_steps": "steps", "video_shift": "flow_shift", "audio_shift": "audio_flow_shift",
+                   "num_frames": "seconds"}
+
+
+def field_error(exc: GeometryError | ScheduleError, request: GenerationRequest) -> ClientError:
+    """A `model/` refusal (field, value, limit) as the engine's ClientError on the request's field."""
+    field = _REQUEST_FIELDS.get(exc.field, exc.field)
+    detail = f"{exc.value!r} is out of range: {exc.limit}"
+    if field == "width*height":  # the area: the long edge is the one to shrink (the short edge is fixed)
+        field = "width" if request.width >= request.height else "height"
+        detail = f"{request.width}x{request.height} = {exc.value} px is out of range: {exc.limit}"
+    return ClientError(field, detail, exc.limit)
 
 
 def _init_device(device: torch.device) -> None:
@@ -261,7 +296,9 @@ class Engine:
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
-        self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
+        #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
+        self.limits = model_limits(config, self.model_config.hidden_size)
+        self._geometry_limits = geometry_limits(self.limits)
         self._lock = threading.Lock()
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
@@ -328,22 +365,22 @@ class Engine:
         (here when this engine holds it, else in the TextEncoder deployment, before encoding)."""
         if request.guidance_scale != 1.0:
             raise ClientError(
-                f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
-                "fixed at 1; leave guidance_scale out or send 1"
-            )
-        if request.steps > self.config.max_steps:
-            raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
+                "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
+                "fixed at 1; leave guidance_scale out or send 1", "guidance_scale=1")
+        if request.steps > self.limits.max_steps:
+            raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
+                              f"max_steps={self.limits.max_steps}")
         try:
-            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits,
-                                                  H3_LATENTS)
+            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
+                                                  self._geometry_limits, H3_LATENTS)
             schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
-        except ValueError as exc:
-            raise ClientError(str(exc)) from None
+        except (GeometryError, ScheduleError) as exc:
+            raise field_error(exc, request) from None
         if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
             try:
                 self.plan_cache.check_admission(schedule.plans)
             except AdmissionError as exc:
-                raise AdmissionRejected(str(exc)) from exc
+                raise AdmissionRejected(str(exc), f"adaln.gpu_plans={self.config.adaln.gpu_plans}") from exc
         if self.prompt_stage is not None:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
@@ -356,16 +393,17 @@ class Engine:
             try:
                 effective = self.config.cache_dit.merged(request.cache_dit)
             except ValueError as exc:
-                raise ClientError(f"cache_dit: {exc}") from None
+                raise ClientError("cache_dit", str(exc)) from None
         if not effective.enabled:
             return effective
         if self.cache_dit is None:
-            raise ClientError("cache_dit.enabled: Cache-DiT is off on this server (engine.cache_dit.enabled: false)")
+            raise ClientError("cache_dit", "Cache-DiT is off on this server (engine.cache_dit.enabled: false); leave "
+                              "cache_dit out", "engine.cache_dit.enabled=false")
         try:
             effective.check_num_blocks(self.model_config.num_blocks)
             effective.resolve_mask(num_forwards)
         except ValueError as exc:
-            raise ClientError(f"cache_dit: {exc}") from None
+            raise ClientError("cache_dit", str(exc)) from None
         return effective
 
     @torch.no_grad()
@@ -378,7 +416,7 @@ class Engine:
         (`cancelled()` turned true between two steps)."""
         if self.prompt_stage is None:
             raise ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
-                              "TextEncoder deployment and passed to denoise()", "StageMissing")
+                              "TextEncoder deployment and passed to denoise()", FaultCause.STAGE_MISSING)
         return self._run(request, None, progress, cancelled)
 
     @torch.no_grad()
@@ -390,7 +428,7 @@ class Engine:
         (`engine.stages.PromptStage.encode` of its prompt, from any process). Returns the latents (no MP4:
         `engine.stages.DecodeStage` decodes them); timings `plan_s`, `denoise_s`. Errors as `generate`."""
         if self.group is not None:
-            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", "StageMissing")
+            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", FaultCause.STAGE_MISSING)
         return self._run(request, embedding, progress, cancelled)
 
     def _run(self, request: GenerationRequest, embedding: PromptEmbedding | None, progress: ProgressFn | None,
@@ -402,7 +440,7 @@ class Engine:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         with self._lock:
             if (unusable := self._unusable_because()) is not None:
-                raise ServerFault(f"engine unusable: {unusable}", "EngineUnusable")
+                raise ServerFault(f"engine unusable: {unusable}", FaultCause.ENGINE_UNUSABLE)
             self._busy = True
             try:
                 if embedding is None:  # fused: every stage here
@@ -446,7 +484,7 @@ class Engine:
                 # Some tensors may already be new: this engine must not serve again (health() tells Serve).
                 self._fault = (f"weight update from {path} failed while writing ({type(exc).__name__}: {exc}); "
                                "the transformer may hold a mix of old and new weights")
-                raise ServerFault(self._fault, type(exc).__name__) from exc
+                raise ServerFault(self._fault, FaultCause.WEIGHT_UPDATE_FAILED) from exc
             logger.info("weights updated from %s: now %s", path, self.model_name)
         return self.describe()
 
@@ -524,9 +562,9 @@ class Engine:
             failure = self.group.failure or self._unusable_because()
             if failure is not None:
                 raise ServerFault(f"rank {self.rank} of {self.group.world_size} is unusable: {failure}",
-                                  "RankFailure")
+                                  FaultCause.RANK_FAILURE)
         elif self._fault is not None:
-            raise ServerFault(f"engine unusable: {self._fault}", "EngineUnusable")
+            raise ServerFault(f"engine unusable: {self._fault}", FaultCause.ENGINE_UNUSABLE)
         return {"status": "ok", "device": str(self.device), "busy": self._busy,
                 "requests": self._num_requests, "failed": self._num_failed}
 
@@ -538,7 +576,6 @@ class Engine:
         return self._fault or next((d for d in divergences if d is not None), None)
 
     def describe(self) -> dict[str, Any]:
-        limits = self.limits
         return {
             "id": self.model_name,
             "object": "model",
@@ -546,12 +583,7 @@ class Engine:
             "checkpoint": str(self.checkpoint.root),
             "layout": self.checkpoint.layout.value,
             "fingerprint": self.weights.fingerprint,
-            "limits": {
-                "max_steps": self.config.max_steps, "short_edge": limits.short_edge,
-                "max_pixels": limits.max_pixels, "min_seconds": limits.min_seconds,
-                "max_seconds": limits.max_seconds, "pixel_multiple": H3_LATENTS.pixel_multiple,
-                "fps": H3_LATENTS.fps, "max_prompt_tokens": self.config.text_encoder.max_prompt_tokens,
-            },
+            "limits": self.limits.model_dump(mode="json"),
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),
@@ -645,7 +677,7 @@ class Engine:
             # NaN latents decode to black frames (uint8 of NaN) and make the AAC encoder fail with EINVAL.
             if not (torch.isfinite(video).all() and torch.isfinite(audio).all()):
                 raise ServerFault("the denoised latents hold NaN or inf: the transformer's weights or numerics are "
-                                  "broken, no video was made", "NonFiniteLatents")
+                                  "broken, no video was made", FaultCause.NON_FINITE_LATENTS)
             t2 = time.perf_counter()
             plan_stats = prepared.stats if prepared is not None else None
         finally:
@@ -705,11 +737,13 @@ def _translated(exc: BaseException) -> BaseException:
     if isinstance(exc, AdmissionError):  # e.g. more plans than adaln.gpu_plans: the request's size, not a fault
         return AdmissionRejected(str(exc))
     if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
-        return ServerFault(str(exc), type(exc).__name__)
-    if isinstance(exc, (RankFailure, RankDivergence)):  # the ranks could not agree on the request's plans
-        return ServerFault(str(exc), type(exc).__name__)
+        return ServerFault(str(exc), FaultCause.CHECKPOINT_UNREADABLE)
+    if isinstance(exc, RankFailure):  # a rank could not do its part of the request's plans
+        return ServerFault(str(exc), FaultCause.RANK_FAILURE)
+    if isinstance(exc, RankDivergence):  # the ranks' plan caches differ: the replica is unhealthy
+        return ServerFault(str(exc), FaultCause.RANK_DIVERGENCE)
     if isinstance(exc, CollectiveError):  # a peer rank died or stopped answering: the replica is broken
-        return ServerFault(str(exc), type(exc).__name__)
+        return ServerFault(str(exc), FaultCause.RANK_FAILURE)
     return exc
 
 

@@ -72,15 +72,16 @@ class PromptStage:
         return self.encoder.device
 
     def check(self, prompt: str) -> int:
-        """The prompt's token count; ClientError (a ValueError, message starting `prompt:`) when it has none or
-        more than `max_prompt_tokens`."""
+        """The prompt's token count; ClientError on field `prompt` when it has none or more than
+        `max_prompt_tokens`."""
         try:
             tokens = self.encoder.count_tokens(prompt)
         except ValueError as exc:
-            raise ClientError(f"prompt: {exc}") from None
-        if tokens > self.config.max_prompt_tokens:
-            raise ClientError(f"prompt: {tokens} tokens exceeds this server's max_prompt_tokens="
-                              f"{self.config.max_prompt_tokens}; shorten the prompt")
+            raise ClientError("prompt", str(exc)) from None
+        limit = self.config.max_prompt_tokens
+        if tokens > limit:
+            raise ClientError("prompt", f"{tokens} tokens exceeds this server's max_prompt_tokens={limit}; shorten "
+                              "the prompt", f"max_prompt_tokens={limit}")
         return tokens
 
     @torch.no_grad()

@@ -4,7 +4,7 @@ Plain Python (no Ray, no torch). The generation side plugs in through `jobs.back
 deployments/videos.py puts the HTTP API on top.
 
 - `backend.py`  the seam: VideoSpec in, VideoOutput (MP4 + thumbnail, timings, stats) out, typed errors
-- `limits.py`   what a model accepts; request -> VideoSpec
+- `limits.py`   request -> VideoSpec against the served `engine.limits.ModelLimits`
 - `schemas.py`  API bodies (request, job object, list)
 - `records.py`  job records and the states they move through
 - `store.py`    the JobStore protocol and its SQL; `sqlite_store.py`, `postgres_store.py`

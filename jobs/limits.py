@@ -1,61 +1,20 @@
-"""What one served model accepts, and the resolution of an API request into a `VideoSpec` against it.
+"""The resolution of an API request into a `VideoSpec` against the served model's `engine.limits.ModelLimits`.
 
-The defaults are MiniMax-H3's (shared/h3.md sections 4 and 6): 4-15 s at 24 fps, short edge 768, at most
-1344x768 pixels, 32-px multiples, 50 steps, flow shift 12 (video) and 3 (audio). A tiny test model passes
-its own limits.
+Everything but the prompt's token count is checked here, at creation, from the limits the engine serves
+(sizes, the snapped duration, steps, shifts, prompt characters): the job is refused before it is queued, with
+the engine's own bounds, and no worker is asked. The token count needs the tokenizer (`VideoBackend.validate`).
 """
 
 from __future__ import annotations
 
 import secrets
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from engine.limits import ModelLimits
 from jobs.backend import VideoSpec
 from jobs.errors import InvalidVideoRequest
 from jobs.schemas import MAX_SEED, VideoCreateRequest
 
-__all__ = ["H3_LIMITS", "VideoModelLimits", "parse_size", "resolve_spec"]
-
-
-class VideoModelLimits(BaseModel):
-    """Bounds and defaults of one served video model."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(..., min_length=1, description="Model name clients put in `model`.")
-    min_seconds: float = Field(4.0, gt=0, description="Shortest clip.")
-    max_seconds: float = Field(15.0, gt=0, description="Longest clip.")
-    default_seconds: float = Field(5.0, gt=0, description="Duration when the request gives none.")
-    fps: int = Field(24, ge=1, description="Frames per second of the MP4 (informational).")
-    size_multiple: int = Field(32, ge=1, description="Width and height must be multiples of this.")
-    short_edge: int | None = Field(
-        None, ge=1, description="The short edge every size must have (H3's engine serves 768 only); None: any."
-    )
-    min_edge: int = Field(256, ge=1, description="Smallest width or height.")
-    max_edge: int = Field(1344, ge=1, description="Largest width or height.")
-    max_pixels: int = Field(1344 * 768, ge=1, description="Largest width x height.")
-    default_size: str = Field("1344x768", description="Size when the request gives neither size nor aspect_ratio.")
-    default_short_edge: int = Field(768, ge=1, description="Short edge with aspect_ratio when short_edge is absent.")
-    min_steps: int = Field(2, ge=1, description="Fewest sampling grid points (2: one model pass).")
-    max_steps: int = Field(100, ge=1, description="Most sampling grid points.")
-    default_steps: int = Field(50, ge=1, description="Grid points when the request gives none.")
-    default_flow_shift: float = Field(12.0, gt=0, description="Video timestep shift when the request gives none.")
-    default_audio_flow_shift: float = Field(3.0, gt=0, description="Audio timestep shift when the request gives none.")
-    max_flow_shift: float = Field(100.0, gt=0, description="Largest video or audio shift.")
-    max_prompt_chars: int = Field(8192, ge=1, description="Longest prompt in characters.")
-
-    @model_validator(mode="after")
-    def _defaults_within_bounds(self) -> VideoModelLimits:
-        if not self.min_seconds <= self.default_seconds <= self.max_seconds:
-            raise ValueError(
-                f"default_seconds={self.default_seconds} is outside {self.min_seconds}..{self.max_seconds}"
-            )
-        if not self.min_steps <= self.default_steps <= self.max_steps:
-            raise ValueError(f"default_steps={self.default_steps} is outside {self.min_steps}..{self.max_steps}")
-        width, height = parse_size(self.default_size, "default_size")
-        check_size(self, width, height, "default_size")
-        return self
+__all__ = ["parse_size", "resolve_spec"]
 
 
 def parse_size(size: str, field: str = "size") -> tuple[int, int]:
@@ -66,28 +25,13 @@ def parse_size(size: str, field: str = "size") -> tuple[int, int]:
     return int(width), int(height)
 
 
-def check_size(limits: VideoModelLimits, width: int, height: int, field: str) -> None:
-    size = f"{width}x{height}"
-    for edge in (width, height):
-        if edge % limits.size_multiple:
-            raise InvalidVideoRequest(
-                field, f"{size}: {edge} is not a multiple of the model's size_multiple={limits.size_multiple}"
-            )
-        if edge < limits.min_edge:
-            raise InvalidVideoRequest(field, f"{size}: {edge} is below the model's min_edge={limits.min_edge}")
-        if edge > limits.max_edge:
-            raise InvalidVideoRequest(field, f"{size}: {edge} exceeds the model's max_edge={limits.max_edge}")
-    if limits.short_edge is not None and min(width, height) != limits.short_edge:
-        raise InvalidVideoRequest(
-            field, f"{size}: the short edge {min(width, height)} is not the model's short_edge={limits.short_edge}"
-        )
-    if width * height > limits.max_pixels:
-        raise InvalidVideoRequest(
-            field, f"{width}x{height}: {width * height} pixels exceed the model's max_pixels={limits.max_pixels}"
-        )
+def check_size(limits: ModelLimits, width: int, height: int, field: str) -> None:
+    problem = limits.size_problem(width, height)
+    if problem is not None:
+        raise InvalidVideoRequest(field, problem)
 
 
-def size_from_aspect(limits: VideoModelLimits, aspect_ratio: str, short_edge: int) -> tuple[int, int]:
+def size_from_aspect(limits: ModelLimits, aspect_ratio: str, short_edge: int) -> tuple[int, int]:
     """(width, height) with the short edge `short_edge` and the long edge the largest multiple of
     size_multiple within the ratio: 16:9 at 768 -> 1344x768, 9:16 -> 768x1344, 1:1 -> 768x768."""
     a, _, b = aspect_ratio.partition(":")
@@ -103,10 +47,7 @@ def size_from_aspect(limits: VideoModelLimits, aspect_ratio: str, short_edge: in
     return (long_edge, short_edge) if ratio_w >= ratio_h else (short_edge, long_edge)
 
 
-H3_LIMITS = VideoModelLimits(name="MiniMax-H3")
-
-
-def resolve_spec(request: VideoCreateRequest, limits: VideoModelLimits, seed: int | None = None) -> VideoSpec:
+def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | None = None) -> VideoSpec:
     """The request with every default filled in, checked against the model. InvalidVideoRequest names the
     field, the value and the limit. `seed`: used when the request has none (None: drawn at random)."""
     prompt = request.prompt
@@ -118,10 +59,13 @@ def resolve_spec(request: VideoCreateRequest, limits: VideoModelLimits, seed: in
         )
 
     seconds = limits.default_seconds if request.seconds is None else request.seconds
-    if seconds < limits.min_seconds:
-        raise InvalidVideoRequest("seconds", f"{seconds:g} is below the model's min_seconds={limits.min_seconds:g}")
-    if seconds > limits.max_seconds:
-        raise InvalidVideoRequest("seconds", f"{seconds:g} exceeds the model's max_seconds={limits.max_seconds:g}")
+    # The bounds hold for the clip the model makes: frames snapped up to 17n+5 (15 s -> 362 frames = 15.08 s).
+    snapped = limits.snapped_seconds(seconds)
+    if not limits.min_seconds <= snapped <= limits.max_seconds:
+        raise InvalidVideoRequest(
+            "seconds", f"{seconds:g} snaps to {limits.snapped_frames(seconds)} frames = {snapped:g} s at "
+            f"{limits.fps} fps; the model's clips last min_seconds={limits.min_seconds:g} to "
+            f"max_seconds={limits.max_seconds:g}")
 
     if request.size is not None:
         width, height = parse_size(request.size)

@@ -46,10 +46,11 @@ from jobs.backend import (
     VideoSpec,
     VideoWorkerLost,
 )
+from engine.limits import ModelLimits
 from jobs.config import JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.events import ChangeFeed
-from jobs.limits import VideoModelLimits, resolve_spec
+from jobs.limits import resolve_spec
 from jobs.outputs import OutputBlob, OutputMissing, OutputStore, VideoVariant
 from jobs.records import JobError, JobPage, JobRecord, JobStatus, LeaseStatus, QueueStats, ReapReport
 from jobs.schemas import VideoCreateRequest
@@ -119,7 +120,7 @@ class JobService:
         store: JobStore,
         outputs: OutputStore,
         backend: VideoBackend,
-        models: Sequence[VideoModelLimits],
+        models: Sequence[ModelLimits],
         config: JobsConfig,
         replica_id: str | None = None,
     ) -> None:
@@ -142,7 +143,7 @@ class JobService:
         return self._config
 
     @property
-    def models(self) -> list[VideoModelLimits]:
+    def models(self) -> list[ModelLimits]:
         return list(self._models.values())
 
     @property
@@ -501,7 +502,7 @@ class JobService:
 
 
 def open_job_service(
-    config: JobsConfig, backend: VideoBackend, models: Sequence[VideoModelLimits], replica_id: str | None = None
+    config: JobsConfig, backend: VideoBackend, models: Sequence[ModelLimits], replica_id: str | None = None
 ) -> JobService:
     """A service on the configured database and output store (created if missing; SQLite and the outputs under
     `state_dir` unless URLs are given). Not started: `await service.start()` inside the serving event loop."""

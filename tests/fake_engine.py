@@ -21,9 +21,11 @@ import torch
 
 from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
 from engine.config import EngineConfig
+from engine.engine import field_error, geometry_limits, model_limits
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from engine.startup import EngineStartup
-from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
+from model.geometry import H3_LATENTS, GeometryError, VideoGeometry
+from model.tiny import TINY_TRANSFORMER
 from model.mp4 import thumbnail_png
 
 FAKE_MP4 = b"fake-mp4:"
@@ -37,7 +39,7 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.limits = GeometryLimits(short_edge=None)
+        self.limits = model_limits(config, TINY_TRANSFORMER.hidden_size)  # any 32-px multiple, 5-15 s
         self.num_requests = 0
         self.num_cancelled = 0
         self._slab: OrderedDict[str, int] = OrderedDict()  # schedule key -> plans, least recently used first
@@ -45,13 +47,14 @@ class FakeEngine:
 
     def validate(self, request: GenerationRequest) -> VideoGeometry:
         if request.guidance_scale != 1.0:
-            raise ClientError(f"guidance_scale: {request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled")
-        if request.steps > self.config.max_steps:
-            raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
+            raise ClientError("guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled")
+        if request.steps > self.limits.max_steps:
+            raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}")
         try:
-            return VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits, H3_LATENTS)
-        except ValueError as exc:
-            raise ClientError(str(exc)) from None
+            return VideoGeometry.from_seconds(request.width, request.height, request.seconds,
+                                              geometry_limits(self.limits), H3_LATENTS)
+        except GeometryError as exc:
+            raise field_error(exc, request) from None
 
     def generate(self, request: GenerationRequest, progress=None, cancelled=None) -> GenerationResult:
         geometry = self.validate(request)
@@ -121,4 +124,5 @@ class FakeEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"id": FAKE_MODEL, "object": "model", "device": "cpu",
-                "limits": {"max_steps": self.config.max_steps, "short_edge": None}}
+                "limits": self.limits.model_copy(update={"name": FAKE_MODEL}).model_dump(mode="json"),
+                "engine_config": self.config.model_dump(mode="json")}

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from engine.api import GenerationRequest, GenerationResult
-from engine.errors import ClientError, GenerationCancelled, ServerFault
+from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault
 from tests.fake_engine import FakeEngine
 
 #: After this many forwards a "fault" / "boom" / "refuse" prompt raises.
@@ -22,11 +22,11 @@ FAIL_AFTER_FORWARDS = 2
 
 def mid_run_failure(prompt: str) -> Exception | None:
     if prompt.startswith("fault"):
-        return ServerFault("shard /secret/path/model-00002.safetensors is truncated", "RebuildError")
+        return ServerFault("shard /secret/path/model-00002.safetensors is truncated", FaultCause.CHECKPOINT_UNREADABLE)
     if prompt.startswith("boom"):
         return RuntimeError("an unexpected bug at /secret/path/engine.py")
     if prompt.startswith("refuse"):
-        return ClientError("refuse: this request cannot be served past its second forward")
+        return ClientError("prompt", "refuse: this request cannot be served past its second forward")
     return None
 
 

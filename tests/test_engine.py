@@ -31,7 +31,7 @@ from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine, decode_stage, prompt_stage
-from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
 from model.provisioning import auto_checkpoint_dir, ensure_checkpoint
@@ -226,9 +226,12 @@ def test_health_and_describe(engine, checkpoint_root):
     assert card["id"] == engine.model_name and card["device"] == "cpu" and card["layout"] == "diffusers"
     assert card["checkpoint"] == str(checkpoint_root / "tiny-diffusers")
     assert card["fingerprint"] == engine.model_name.removeprefix("minimax-h3@")
-    assert card["limits"] == {"max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344,
-                              "min_seconds": 5.0, "max_seconds": 15.0, "pixel_multiple": 32, "fps": FPS,
-                              "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    limits = card["limits"]  # engine.limits.ModelLimits, as served by GET /v1/models
+    assert {k: limits[k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",
+                                   "size_multiple", "fps", "max_prompt_tokens")} == {
+        "max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0,
+        "max_seconds": 15.0, "size_multiple": 32, "fps": FPS, "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    assert (limits["default_size"], limits["default_seconds"], limits["default_steps"]) == ("1344x768", 5.0, min(50, MAX_STEPS))
     assert card["model_config"]["num_layers"] == 4 and card["engine_config"]["adaln"]["mode"] == "online"
 
 
@@ -280,16 +283,16 @@ def test_offload_with_cache_dit_gives_the_bits_of_cache_dit_alone(checkpoint_roo
 @pytest.mark.parametrize("overrides, message", [
     ({"guidance_scale": 2.0}, "guidance_scale: 2.0 is not served: MiniMax-H3 is CFG-distilled, guidance is fixed at 1"),
     ({"guidance_scale": 0.5}, "guidance_scale: 0.5 is not served"),
-    ({"width": 65}, "width=65 is out of range: must be a multiple of 32 px"),
-    ({"height": 48}, "height=48 is out of range: must be a multiple of 32 px"),
-    ({"width": 4096, "height": 4096}, "width*height=16777216 is out of range: must be <= 1032192 px"),
+    ({"width": 65}, "width: 65 is out of range: must be a multiple of 32 px"),
+    ({"height": 48}, "height: 48 is out of range: must be a multiple of 32 px"),
+    ({"width": 4096, "height": 4096}, "width: 4096x4096 = 16777216 px is out of range: must be <= 1032192 px"),
     ({"seconds": 4.0}, "snaps to 107 frames = 4.45833 s at 24 fps; must be between 5 and 15 s"),
     ({"seconds": 16.0}, "snaps to 396 frames = 16.5 s at 24 fps; must be between 5 and 15 s"),
     # 15 s snaps up to 362 frames = 15.08 s: over the limit, as in the diffusers pipeline.
     ({"seconds": 15.0}, "snaps to 362 frames = 15.0833 s at 24 fps; must be between 5 and 15 s"),
     ({"steps": MAX_STEPS + 1}, f"steps: {MAX_STEPS + 1} exceeds this server's max_steps={MAX_STEPS}"),
     ({"prompt": "a red fox " * 4}, f"prompt: 21 tokens exceeds this server's max_prompt_tokens={MAX_PROMPT_TOKENS}"),
-    ({"cache_dit": {"enabled": True}}, "cache_dit.enabled: Cache-DiT is off on this server"),
+    ({"cache_dit": {"enabled": True}}, "cache_dit: Cache-DiT is off on this server"),
 ], ids=["guidance-2", "guidance-0.5", "width-65", "height-48", "too-many-pixels", "seconds-4", "seconds-16",
         "seconds-15", "steps-over-max", "prompt-over-max-tokens", "cache-dit-off-on-the-server"])
 def test_a_request_over_a_limit_is_a_client_error_naming_field_and_limit(engine, overrides, message):
@@ -297,6 +300,7 @@ def test_a_request_over_a_limit_is_a_client_error_naming_field_and_limit(engine,
         with pytest.raises(ClientError) as info:
             call(small_request(**overrides))
         assert message in str(info.value)
+        assert info.value.field == next(iter(overrides))  # typed: the request field at fault
     assert engine.health()["busy"] is False and engine.debug_stats()["held_plan_refs"] == 0
 
 
@@ -449,7 +453,7 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
     request = small_request(flow_shift=5.5)  # a schedule whose plans must be rebuilt from the checkpoint
     with pytest.raises(ServerFault, match=Path(shard).name) as info:
         engine.generate(request)
-    assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
+    assert info.value.cause is FaultCause.CHECKPOINT_UNREADABLE and isinstance(info.value.__cause__, RebuildError)
     stats = engine.debug_stats()
     assert stats["held_plan_refs"] == 0 and stats["resident_plans"] == 0  # no half-built plan was committed
     assert engine.health()["failed"] == 1
@@ -471,7 +475,7 @@ def test_a_transformer_that_outputs_nan_is_a_server_fault_not_a_black_video(tmp_
     engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"mode": "resident"})
     with pytest.raises(ServerFault, match="latents hold NaN or inf") as info:
         engine.generate(small_request(return_video=True))
-    assert info.value.kind == "NonFiniteLatents" and engine.health()["failed"] == 1
+    assert info.value.cause is FaultCause.NON_FINITE_LATENTS and engine.health()["failed"] == 1
 
 
 # --- the auto-made checkpoint --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 from ray.exceptions import RayActorError, RayTaskError
 
 from cache.plan_cache import AdmissionError
-from deployments.errors import ClientErrorLogFilter, RequestError, worker_error
+from deployments.errors import ClientErrorLogFilter, RequestError, engine_error, http_error, worker_error
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -20,8 +20,11 @@ from engine.errors import (
     AdmissionRejected,
     ClientError,
     EngineError,
+    ErrorKind,
+    FaultCause,
     GenerationCancelled,
     ServerFault,
+    Unavailable,
     WeightsRejected,
 )
 from model.layout import CheckpointError
@@ -43,16 +46,37 @@ def from_replica(exc: BaseException) -> BaseException:
 
 
 def test_client_errors_are_value_errors_and_server_faults_are_not():
-    for client in (ClientError("x"), AdmissionRejected("x"), WeightsRejected("x")):
+    for client in (ClientError("steps", "x"), AdmissionRejected("x"), WeightsRejected("x")):
         assert isinstance(client, (ValueError, EngineError))
-    fault = ServerFault("shard diffusion_pytorch_model-00003-of-00005.safetensors is truncated", kind="RebuildError")
+    fault = ServerFault("shard diffusion_pytorch_model-00003-of-00005.safetensors is truncated",
+                        FaultCause.CHECKPOINT_UNREADABLE)
     assert isinstance(fault, EngineError) and not isinstance(fault, ValueError)
     assert isinstance(GenerationCancelled("x"), EngineError) and not isinstance(GenerationCancelled("x"), ValueError)
 
 
-def test_a_server_fault_survives_pickling_with_its_kind():  # Ray pickles it from the replica to the caller
-    copy = pickle.loads(pickle.dumps(ServerFault("shard x is truncated", "RebuildError")))
-    assert (type(copy), str(copy), copy.kind) == (ServerFault, "shard x is truncated", "RebuildError")
+def test_every_error_has_its_kind_and_a_field_error_names_its_field_and_limit():
+    assert [e.kind for e in (ClientError("seconds", "x"), AdmissionRejected("x"), WeightsRejected("x"),
+                             ServerFault("x", FaultCause.RANK_FAILURE), Unavailable("x"), GenerationCancelled("x"))] == [
+        ErrorKind.INVALID_REQUEST, ErrorKind.ADMISSION, ErrorKind.INVALID_REQUEST, ErrorKind.SERVER_FAULT,
+        ErrorKind.UNAVAILABLE, ErrorKind.CANCELLED]
+    error = ClientError("steps", "70 exceeds this server's max_steps=65", "max_steps=65")
+    assert (str(error), error.field, error.detail, error.limit) == (
+        "steps: 70 exceeds this server's max_steps=65", "steps", "70 exceeds this server's max_steps=65",
+        "max_steps=65")
+    assert (AdmissionRejected("too many plans").field, WeightsRejected("no such dir").field) == ("steps", "path")
+
+
+@pytest.mark.parametrize("error", [
+    ClientError("width", "65 is out of range: must be a multiple of 32 px", "must be a multiple of 32 px"),
+    AdmissionRejected("request needs 3 distinct AdaLN plans", "adaln.gpu_plans=2"),
+    WeightsRejected("/ckpt: missing config.json"),
+    ServerFault("shard x is truncated", FaultCause.CHECKPOINT_UNREADABLE),
+    Unavailable("no worker could take the request: RayActorError", replica_lost=True),
+    GenerationCancelled("generation cancelled by the caller"),
+])
+def test_an_error_crosses_processes_as_data(error):  # Ray pickles it from the replica to the caller
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.kind, vars(copy)) == (type(error), str(error), error.kind, vars(error))
 
 
 # --- the engine translates at its boundary -------------------------------------------------------
@@ -64,16 +88,28 @@ def engine(tmp_path_factory) -> Engine:
                                adaln={"mode": "online", "gpu_plans": 2, "host_cache_gb": 0.0}))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"width": 65}, "width=65 is out of range: must be a multiple of 32 px"),
-    ({"guidance_scale": 3.0}, "guidance_scale: 3.0 is not served: MiniMax-H3 is CFG-distilled"),
-    ({"seconds": 16.0}, "must be between 5 and 15 s"),
+@pytest.mark.parametrize("overrides, field, message", [
+    ({"width": 65}, "width", "width: 65 is out of range: must be a multiple of 32 px"),
+    ({"guidance_scale": 3.0}, "guidance_scale", "guidance_scale: 3.0 is not served: MiniMax-H3 is CFG-distilled"),
+    ({"seconds": 16.0}, "seconds", "must be between 5 and 15 s"),
+    ({"width": 1536, "height": 768}, "width", "width: 1536x768 = 1179648 px is out of range: must be <= 1032192 px"),
+    ({"height": 1536, "width": 768}, "height", "height: 768x1536 = 1179648 px is out of range"),
+    ({"prompt": "a lighthouse at dusk " * 200}, "prompt", "tokens exceeds this server's max_prompt_tokens="),
+    ({"cache_dit": {"enabled": True}}, "cache_dit", "cache_dit: Cache-DiT is off on this server"),
 ])
-def test_a_request_over_a_model_limit_is_a_client_error(engine, overrides, message):
+def test_a_request_over_a_model_limit_is_a_client_error_naming_its_field(engine, overrides, field, message):
     for call in (engine.validate, engine.generate):
         with pytest.raises(ClientError, match=re.escape(message)) as info:
             call(request(**overrides))
+        assert info.value.field == field  # typed: the HTTP layers map it, never parse the message
         assert info.value.__cause__ is None  # the message is the whole story; no lower-layer type leaks
+
+
+def test_the_engine_describes_the_limits_it_checks(engine):
+    from engine.limits import ModelLimits
+
+    described = ModelLimits.model_validate(engine.describe()["limits"])
+    assert described == engine.limits and described.short_edge is None  # a tiny checkpoint: any 32-px multiple
 
 
 def test_a_request_the_plan_cache_can_never_admit_is_admission_rejected_with_the_cache_message(engine, monkeypatch):
@@ -88,7 +124,7 @@ def test_a_request_the_plan_cache_can_never_admit_is_admission_rejected_with_the
             with pytest.raises(AdmissionRejected) as info:
                 call(request(steps=4))
             assert isinstance(info.value.__cause__, AdmissionError)
-            assert str(info.value) == str(info.value.__cause__)
+            assert (str(info.value), info.value.limit) == (f"steps: {info.value.__cause__}", "adaln.gpu_plans=2")
             assert "request needs 3 distinct AdaLN plans but the GPU slab holds adaln.gpu_plans=2" in str(info.value)
         engine.validate(request(steps=3))  # exactly the slab's plans: admitted
     assert engine.generate(request(steps=3)).video.shape == (24, 37, 4, 4)  # the engine serves on
@@ -99,7 +135,7 @@ def test_a_weight_update_the_model_cannot_take_is_weights_rejected(engine, tmp_p
     for call in (engine.validate_weight_update, engine.update_weights):
         with pytest.raises(WeightsRejected) as info:
             call(str(wrong))
-        assert isinstance(info.value.__cause__, CheckpointError) and str(info.value) == str(info.value.__cause__)
+        assert isinstance(info.value.__cause__, CheckpointError) and str(info.value) == f"path: {info.value.__cause__}"
     with pytest.raises(WeightsRejected, match="no-such-dir"):
         engine.validate_weight_update(str(tmp_path / "no-such-dir"))
 
@@ -114,16 +150,16 @@ def test_a_cancelled_generation_stays_generation_cancelled(engine):
 
 
 @pytest.mark.parametrize("exc, status, kind, message", [
-    (ClientError("width=65 is out of range: must be a multiple of 32 px"), 422, "invalid_request",
-     "width=65 is out of range: must be a multiple of 32 px"),
+    (ClientError("width", "65 is out of range: must be a multiple of 32 px"), 422, "invalid_request",
+     "width: 65 is out of range: must be a multiple of 32 px"),
     (AdmissionRejected("request needs 3 distinct AdaLN plans"), 422, "invalid_request",
-     "request needs 3 distinct AdaLN plans"),
+     "steps: request needs 3 distinct AdaLN plans"),
     (ServerFault("/srv/ckpt/transformer/diffusion_pytorch_model-00003-of-00005.safetensors is truncated",
-                 "RebuildError"), 500, "server_error",
-     "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
+                 FaultCause.CHECKPOINT_UNREADABLE), 500, "server_error",
+     "generation failed: checkpoint_unreadable (the server could not read its checkpoint; retry later)"),
     # A multi-GPU replica that lost a rank: no checkpoint was involved, the replica is being replaced.
-    (ServerFault("parallel replica unusable: generate: rank 1 of 2 died", "RankFailure"), 500, "server_error",
-     "generation failed: RankFailure (a server fault; retry later)"),
+    (ServerFault("parallel replica unusable: generate: rank 1 of 2 died", FaultCause.RANK_FAILURE), 500,
+     "server_error", "generation failed: rank_failure (a server fault; retry later)"),
     (GenerationCancelled("stopped"), 499, "cancelled", "the request was cancelled"),
     # Anything else is a bug: 500 naming the type (a stray ValueError too: only ClientError is a 4xx).
     (RuntimeError("a bug"), 500, "server_error", "generation failed: RuntimeError"),
@@ -136,9 +172,9 @@ def test_worker_errors_map_to_statuses(exc, status, kind, message):
 
 
 @pytest.mark.parametrize("exc, status, message", [
-    (ClientError("guidance_scale: 2.0 is not served"), 422, "guidance_scale: 2.0 is not served"),
-    (ServerFault("/srv/ckpt/x is truncated", "RebuildError"), 500,
-     "generation failed: RebuildError (the server could not read its checkpoint; retry later)"),
+    (ClientError("guidance_scale", "2.0 is not served"), 422, "guidance_scale: 2.0 is not served"),
+    (ServerFault("/srv/ckpt/x is truncated", FaultCause.CHECKPOINT_UNREADABLE), 500,
+     "generation failed: checkpoint_unreadable (the server could not read its checkpoint; retry later)"),
     (GenerationCancelled("stopped"), 499, "the request was cancelled"),
     # The replica's type, as for a local one: not Ray's wrapper ("RayTaskError(RuntimeError)").
     (RuntimeError("a bug"), 500, "generation failed: RuntimeError"),
@@ -152,10 +188,21 @@ def test_worker_errors_from_a_replica_are_sorted_by_what_the_replica_raised(exc,
 def test_a_dead_replica_is_503():
     error = worker_error(RayActorError(), "gen-test")
     assert (error.status, error.kind) == (503, "unavailable")
+    lost = engine_error(RayActorError())
+    assert isinstance(lost, Unavailable) and lost.replica_lost
+
+
+def test_a_field_error_names_its_field_in_the_body():
+    body = http_error(ClientError("seconds", "16.0 is out of range: ...")).response_body()
+    assert body == {"error": {"type": "invalid_request", "message": "seconds: 16.0 is out of range: ...", "errors": [
+        {"loc": ["seconds"], "msg": "seconds: 16.0 is out of range: ...", "type": "value_error"}]}}
 
 
 def test_handle_callers_get_a_client_error_for_4xx_and_a_runtime_error_otherwise():
-    assert type(RequestError(422, "invalid_request", "steps: x").for_handle_caller()) is ClientError
+    from deployments.errors import invalid_field
+
+    refused = invalid_field("steps", "steps: x").for_handle_caller()
+    assert type(refused) is ClientError and (refused.field, str(refused)) == ("steps", "steps: x")
     assert type(RequestError(413, "payload_too_large", "big").for_handle_caller()) is ClientError
     assert type(RequestError(504, "timeout", "slow").for_handle_caller()) is RuntimeError
 
@@ -187,8 +234,8 @@ def log_failed_request(exc: BaseException) -> logging.LogRecord:
     return record
 
 
-@pytest.mark.parametrize("exc", [ClientError("steps: Input should be a valid integer"),
-                                 AdmissionRejected("steps: too many\nplans")])
+@pytest.mark.parametrize("exc", [ClientError("steps", "Input should be a valid integer"),
+                                 AdmissionRejected("too many\nplans")])
 def test_a_client_error_is_logged_as_one_info_line_without_a_traceback(exc):
     record = log_failed_request(exc)
     assert (record.levelno, record.exc_info, record.exc_text) == (logging.INFO, None, None)
@@ -196,7 +243,7 @@ def test_a_client_error_is_logged_as_one_info_line_without_a_traceback(exc):
     assert "\n" not in logging.Formatter().format(record)
 
 
-@pytest.mark.parametrize("exc", [ServerFault("shard x is truncated", "RebuildError"), RuntimeError("a bug")])
+@pytest.mark.parametrize("exc", [ServerFault("shard x is truncated", FaultCause.CHECKPOINT_UNREADABLE), RuntimeError("a bug")])
 def test_a_server_fault_keeps_error_level_and_its_traceback(exc):
     record = log_failed_request(exc)
     assert record.levelno == logging.ERROR and record.exc_info[1] is exc

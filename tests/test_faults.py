@@ -20,7 +20,7 @@ from device.streams import FakeDevice
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import AdmissionRejected, ServerFault
+from engine.errors import AdmissionRejected, FaultCause, ServerFault
 from model.layout import CheckpointError, H3Checkpoint
 from model.tiny import make_tiny_checkpoint
 from model.weights import TensorLocation, TransformerWeights
@@ -105,7 +105,7 @@ def test_broken_shard_at_rebuild_is_a_typed_error_then_a_retry_succeeds(tiny_che
     with pytest.raises(ServerFault, match=location.path.name) as info:
         engine.generate(request())
     # The engine's boundary: a server fault naming the lower layer's type, which stays chained.
-    assert info.value.kind == "RebuildError" and isinstance(info.value.__cause__, RebuildError)
+    assert info.value.cause is FaultCause.CHECKPOINT_UNREADABLE and isinstance(info.value.__cause__, RebuildError)
     assert_no_plan_held_or_half_built(engine)
     assert engine.health()["failed"] == 1
 

@@ -23,6 +23,7 @@ from deployments.schemas import GenerationResponse, decode_latents
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.limits import ModelLimits
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,15 +111,15 @@ BAD_REQUESTS = [
     ("seconds-too-long", {"json": {**VALID, "seconds": 16.0}}, 422,
      "snaps to 396 frames = 16.5 s at 24 fps; must be between 5 and 15 s"),
     ("width-not-a-multiple-of-32", {"json": {**VALID, "width": 65}}, 422,
-     "width=65 is out of range: must be a multiple of 32 px"),
+     "width: 65 is out of range: must be a multiple of 32 px"),
     ("height-not-a-multiple-of-32", {"json": {**VALID, "height": 48}}, 422,
-     "height=48 is out of range: must be a multiple of 32 px"),
+     "height: 48 is out of range: must be a multiple of 32 px"),
     ("too-many-pixels", {"json": {**VALID, "width": 2048, "height": 1024}}, 422,
-     "width*height=2097152 is out of range: must be <= 1032192 px"),
+     "width: 2048x1024 = 2097152 px is out of range: must be <= 1032192 px"),
     ("prompt-over-token-limit", {"json": {**VALID, "prompt": "a lighthouse at dusk " * 5}}, 422,
      f"prompt: 71 tokens exceeds this server's max_prompt_tokens={MAX_PROMPT_TOKENS}"),
     ("cache-dit-off-on-the-server", {"json": {**VALID, "cache_dit": {"enabled": True}}}, 422,
-     "cache_dit.enabled: Cache-DiT is off on this server"),
+     "cache_dit: Cache-DiT is off on this server"),
 ]
 
 
@@ -176,9 +177,12 @@ def test_models_lists_the_loaded_checkpoint(base_url, local_engine):
     body = requests.get(f"{base_url}/v1/models", timeout=30).json()
     (card,) = body["data"]
     assert card["id"] == local_engine.model_name and card["id"].startswith("minimax-h3@") and card["device"] == "cpu"
-    assert card["limits"] == {"max_steps": 65, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0,
-                              "max_seconds": 15.0, "pixel_multiple": 32, "fps": 24,
-                              "max_prompt_tokens": MAX_PROMPT_TOKENS}
+    # The engine's own ModelLimits, what both APIs check requests against.
+    assert ModelLimits.model_validate(card["limits"]) == local_engine.limits
+    assert {k: card["limits"][k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",
+                                           "size_multiple", "fps", "max_prompt_tokens", "default_size")} == {
+        "max_steps": 65, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0, "max_seconds": 15.0,
+        "size_multiple": 32, "fps": 24, "max_prompt_tokens": MAX_PROMPT_TOKENS, "default_size": "1344x768"}
     assert card["layout"] == "diffusers" and card["engine_config"]["adaln"]["mode"] == "online"
 
 

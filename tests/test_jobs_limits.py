@@ -1,14 +1,20 @@
-"""Resolving an API request into a VideoSpec against a model's limits: defaults, sizes, and every refusal
-naming the field, the value and the limit."""
+"""Resolving an API request into a VideoSpec against the served model's limits (the engine's `ModelLimits`, as
+the full-width H3 serves them): defaults, sizes, and every refusal naming the field, the value and the limit."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from engine.config import EngineConfig
+from engine.engine import H3_HIDDEN_SIZE, model_limits
+from engine.limits import ModelLimits
 from jobs.errors import InvalidVideoRequest
-from jobs.limits import H3_LIMITS, VideoModelLimits, resolve_spec
+from jobs.limits import resolve_spec
 from jobs.schemas import VideoCreateRequest
+
+#: What the engine serves for the released model with its default config.
+H3_LIMITS = model_limits(EngineConfig(), H3_HIDDEN_SIZE)
 
 
 def request(**fields) -> VideoCreateRequest:
@@ -18,7 +24,7 @@ def request(**fields) -> VideoCreateRequest:
 def test_h3_defaults_fill_every_field():
     spec = resolve_spec(request(seed=3), H3_LIMITS)
     assert spec.model_dump() == {
-        "model": "MiniMax-H3", "prompt": "a lighthouse at dusk", "seconds": 5.0, "width": 1344, "height": 768,
+        "model": "minimax-h3", "prompt": "a lighthouse at dusk", "seconds": 5.0, "width": 1344, "height": 768,
         "num_inference_steps": 50, "seed": 3, "flow_shift": 12.0, "audio_flow_shift": 3.0, "quality": "lossless",
     }
 
@@ -37,12 +43,18 @@ def test_a_missing_seed_is_drawn():
         ({"aspect_ratio": "9:16"}, (768, 1344)),
         ({"aspect_ratio": "1:1"}, (768, 768)),
         ({"aspect_ratio": "4:3"}, (1024, 768)),
-        ({"aspect_ratio": "16:9", "short_edge": 384}, (672, 384)),  # 682.7 -> 672
     ],
 )
 def test_sizes_from_size_or_aspect_ratio(fields, size):
     spec = resolve_spec(request(**fields), H3_LIMITS)
     assert (spec.width, spec.height) == size
+
+
+def test_a_model_without_a_fixed_short_edge_takes_the_requested_one():
+    any_short_edge = model_limits(EngineConfig(), 64)  # the quick-start tiny checkpoint: any 32-px multiple
+    spec = resolve_spec(request(aspect_ratio="16:9", short_edge=384), any_short_edge)
+    assert (spec.width, spec.height) == (672, 384)  # 682.7 -> 672
+    assert resolve_spec(request(), any_short_edge).size == "1344x768"  # the same default as H3
 
 
 def test_seconds_as_a_numeric_string_like_openai_clients_send():
@@ -52,21 +64,24 @@ def test_seconds_as_a_numeric_string_like_openai_clients_send():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"seconds": 3.5}, "seconds: 3.5 is below the model's min_seconds=4"),
-        ({"seconds": 16}, "seconds: 16 exceeds the model's max_seconds=15"),
+        ({"seconds": 4}, "seconds: 4 snaps to 107 frames = 4.45833 s at 24 fps; the model's clips last "
+                         "min_seconds=5 to max_seconds=15"),
+        # 15 s is 361 frames, snapped up to 362 = 15.08 s: over the bound, as the engine itself refuses it.
+        ({"seconds": 15}, "seconds: 15 snaps to 362 frames = 15.0833 s at 24 fps; the model's clips last "
+                          "min_seconds=5 to max_seconds=15"),
         ({"size": "1000x768"}, "size: 1000x768: 1000 is not a multiple of the model's size_multiple=32"),
-        ({"size": "1344x1344"}, "size: 1344x1344: 1806336 pixels exceed the model's max_pixels=1032192"),
+        ({"size": "1344x1344"}, "size: 1344x1344: the short edge 1344 is not the model's short_edge=768"),
         ({"size": "1376x768"}, "size: 1376x768: 1376 exceeds the model's max_edge=1344"),
-        ({"size": "224x768"}, "size: 224x768: 224 is below the model's min_edge=256"),
+        ({"size": "704x768"}, "size: 704x768: 704 is below the model's min_edge=768"),
         ({"aspect_ratio": "21:9"}, "aspect_ratio: 1792x768: 1792 exceeds the model's max_edge=1344"),
         ({"aspect_ratio": "0:9"}, "aspect_ratio: '0:9': both sides must be positive"),
         ({"aspect_ratio": "16:9", "short_edge": 700},
          "short_edge: 700 is not a multiple of the model's size_multiple=32"),
         ({"num_inference_steps": 1}, "num_inference_steps: 1 is below the model's min_steps=2"),
-        ({"num_inference_steps": 101}, "num_inference_steps: 101 exceeds the model's max_steps=100"),
+        ({"num_inference_steps": 66}, "num_inference_steps: 66 exceeds the model's max_steps=65"),
         ({"flow_shift": 101.0}, "flow_shift: 101 exceeds the model's max_flow_shift=100"),
         ({"audio_flow_shift": 1000.0}, "audio_flow_shift: 1000 exceeds the model's max_flow_shift=100"),
-        ({"prompt": "x" * 8193}, "prompt: 8193 characters exceed the model's max_prompt_chars=8192"),
+        ({"prompt": "x" * 20001}, "prompt: 20001 characters exceed the model's max_prompt_chars=20000"),
         ({"prompt": "  \n "}, "prompt: must not be blank"),
     ],
 )
@@ -96,7 +111,7 @@ def test_schema_refusals(fields, message):
 
 
 def test_a_tiny_model_allows_what_h3_refuses():
-    tiny = VideoModelLimits(
+    tiny = ModelLimits(
         name="tiny", min_seconds=0.5, max_seconds=2, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
         max_pixels=128 * 64, default_size="64x32", default_short_edge=32, max_steps=8, default_steps=4,
     )
@@ -105,7 +120,7 @@ def test_a_tiny_model_allows_what_h3_refuses():
 
 
 def test_limits_with_defaults_outside_their_bounds_are_refused():
-    with pytest.raises(ValidationError, match="default_seconds=20.0 is outside 4.0..15.0"):
-        VideoModelLimits(name="x", default_seconds=20)
+    with pytest.raises(ValidationError, match="default_seconds=20 snaps to 20.0417 s, outside 5..15"):
+        H3_LIMITS.model_validate({**H3_LIMITS.model_dump(), "default_seconds": 20})
     with pytest.raises(ValidationError, match="default_size: 100x100: 100 is not a multiple"):
-        VideoModelLimits(name="x", default_size="100x100")
+        H3_LIMITS.model_validate({**H3_LIMITS.model_dump(), "default_size": "100x100"})

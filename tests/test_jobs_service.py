@@ -21,7 +21,7 @@ import pytest
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import JobsConfig
 from jobs.errors import JobNotFound, OutputExpired, QueueFull, StoreUnavailable
-from jobs.limits import VideoModelLimits
+from engine.limits import ModelLimits
 from jobs.outputs import OutputStore, VideoVariant
 from jobs.records import JobError, JobRecord, JobStatus
 from jobs.service import JobService, open_job_service
@@ -32,8 +32,8 @@ from jobs.testing import FakeClock, FakeVideoBackend, fake_mp4, fake_png
 pytestmark = pytest.mark.timeout(600)
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = VideoModelLimits(
-    name="tiny", min_seconds=0.5, max_seconds=2, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
+TINY = ModelLimits(
+    name="tiny", min_seconds=1, max_seconds=3, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
     max_pixels=128 * 64, default_size="64x32", default_short_edge=32, max_steps=8, default_steps=4,
 )
 LEASE_S = 0.5
@@ -403,7 +403,7 @@ def test_a_full_queue_refuses_with_a_retry_after_from_recent_runs(sqlite_url, tm
 KILLABLE_REPLICA = """
 import asyncio, sys
 from jobs.config import JobsConfig
-from jobs.limits import VideoModelLimits
+from engine.limits import ModelLimits
 from jobs.outputs import OutputStore
 from jobs.service import JobService, open_job_service
 from jobs.store import open_job_store
@@ -413,7 +413,7 @@ async def main():
     service = JobService(
         store=open_job_store(sys.argv[1]), outputs=OutputStore(sys.argv[2]),
         backend=FakeVideoBackend(hold_before_step=int(sys.argv[3])),
-        models=[VideoModelLimits.model_validate_json(sys.argv[4])], config=JobsConfig.model_validate_json(sys.argv[5]),
+        models=[ModelLimits.model_validate_json(sys.argv[4])], config=JobsConfig.model_validate_json(sys.argv[5]),
     )
     await service.start()
     await asyncio.Event().wait()

@@ -34,7 +34,13 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "actors": frozenset({"deployments", "bench", "tests"}),
     # The Serve layer talks to the engine (its types and errors) and to actors, never to the layers below.
     "deployments": frozenset({"cache", "model", "offload", "bench", "tests"}),
+    # The job layer is plain Python: no torch, no Ray, nothing of the engine but its served limits (below).
+    "jobs": frozenset({"device", "model", "cache", "offload", "parallel", "engine", "actors", "bench", "tests",
+                       "torch"}),
 }
+#: Modules a package may import although the rules above forbid their package: jobs/ resolves requests against
+#: the engine's `ModelLimits` (pydantic only).
+ALLOWED_MODULES: dict[str, tuple[str, ...]] = {"jobs": ("engine.limits",)}
 #: Modules (and their submodules) a package must not import, beyond the first-component rules above.
 FORBIDDEN_MODULES: dict[str, tuple[str, ...]] = {"device": ("torch.distributed",)}
 #: Top-level folders whose files may import Ray.
@@ -88,6 +94,8 @@ def layering_violations(root: Path) -> list[str]:
                 violations.append(f"{rel}:{line}: imports {module} (Ray belongs in actors/ and deployments/)")
             elif first == "deployments" and top not in DEPLOYMENTS_ALLOWED:
                 violations.append(f"{rel}:{line}: imports {module} (nothing imports the Serve layer)")
+            elif module in ALLOWED_MODULES.get(top, ()):
+                continue
             elif first in forbidden:
                 violations.append(f"{rel}:{line}: imports {module} ({top}/ must not import {first}/)")
             elif any(module == m or module.startswith(m + ".") for m in FORBIDDEN_MODULES.get(top, ())):
@@ -139,6 +147,8 @@ def write(root: Path, relpath: str, source: str) -> None:
     ("actors/host_cache_pool.py", "from deployments import worker\n", "(nothing imports the Serve layer)"),
     ("deployments/ingress.py", "from cache.rebuild import RebuildError\n", "(deployments/ must not import cache/)"),
     ("deployments/ingress.py", "def f():\n    from model.checkpoint import CheckpointError\n", "(deployments/ must not import model/)"),
+    ("jobs/limits.py", "import torch\n", "jobs/limits.py:1: imports torch (jobs/ must not import torch/)"),
+    ("jobs/service.py", "from engine.errors import ClientError\n", "(jobs/ must not import engine/)"),
     ("video/mux.py", "import ray\n", "video/mux.py:1: imports ray"),  # a new folder gets the strict default
 ])
 def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected):
@@ -151,6 +161,7 @@ def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected)
     ("actors/host_cache_pool.py", "import ray\nfrom engine.config import PoolConfig\nfrom cache.plan_cache import PlanRows\n"),
     ("deployments/worker.py", "import ray\nfrom actors.host_cache_pool import make_pool_client\nfrom engine.engine import Engine\n"),
     ("engine/engine.py", "from cache.plan_cache import make_adaln_provider\nfrom model.checkpoint import load_model\n"),
+    ("jobs/limits.py", "from engine.limits import ModelLimits\n"),
     ("cache/plan_cache.py", "from model.sampler import FlowMatchSchedule\nfrom offload.pinned import BlockLayout\n"),
     ("cache/host_tier.py", "from device.streams import Device\nfrom device.pinned import PinnedMemory\n"),
     ("offload/layerwise.py", "from device.streams import make_device\n"),

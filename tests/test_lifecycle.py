@@ -137,10 +137,10 @@ def test_a_queued_request_whose_caller_left_never_runs_a_forward(base_url):
 
 # prompt -> (status, error type, message): raised after the second forward, after validation
 MID_RUN = {
-    "fault": (500, "server_error", "generation failed: RebuildError (the server could not read its checkpoint; "
-              "retry later)"),
+    "fault": (500, "server_error", "generation failed: checkpoint_unreadable (the server could not read its "
+              "checkpoint; retry later)"),
     "boom": (500, "server_error", "generation failed: RuntimeError"),
-    "refuse": (422, "invalid_request", "refuse: this request cannot be served past its second forward"),
+    "refuse": (422, "invalid_request", "prompt: refuse: this request cannot be served past its second forward"),
 }
 
 

@@ -27,11 +27,11 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.gpu_worker import RANK_FAILURE, OwnPlacementGroup, ParallelEngine, ReplicaBundles, replica_bundles
+from actors.gpu_worker import OwnPlacementGroup, ParallelEngine, ReplicaBundles, replica_bundles
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ClientError, GenerationCancelled, ServerFault, WeightsRejected
+from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from model.layout import CheckpointError
 from model.tiny import make_tiny_checkpoint
 from parallel.config_check import check_parallel_config
@@ -370,7 +370,7 @@ def test_a_killed_rank_fails_the_request_with_a_server_fault_and_health_turns_un
 
         with pytest.raises(ServerFault, match="generate: rank 1 of 2 died") as failed:
             victim.generate(request(steps=MAX_STEPS), kill_rank_1)
-        assert failed.value.kind == RANK_FAILURE
+        assert failed.value.cause is FaultCause.RANK_FAILURE
         with pytest.raises(ServerFault, match="parallel replica unusable: generate: rank 1 of 2 died"):
             victim.health()
         with pytest.raises(ServerFault, match="parallel replica unusable"):
@@ -388,7 +388,7 @@ def test_a_rank_dying_between_requests_turns_health_unhealthy(ray_cluster, check
             for _ in range(600):
                 victim.health()
                 time.sleep(0.05)
-        assert failed.value.kind == RANK_FAILURE
+        assert failed.value.cause is FaultCause.RANK_FAILURE
 
 
 def test_ranks_whose_plan_caches_diverged_fail_the_request_loudly(ray_cluster, checkpoint):

@@ -78,7 +78,7 @@ def test_schema_error_is_422_naming_the_field(base_url):
 def test_engine_client_error_is_422_with_its_message(base_url):
     r = post(base_url, {"prompt": "x", "width": 65})
     assert r.status_code == 422
-    assert r.json()["error"]["message"] == "width=65 is out of range: must be a multiple of 32 px"
+    assert r.json()["error"]["message"] == "width: 65 is out of range: must be a multiple of 32 px"
     r = post(base_url, {"prompt": "x", "guidance_scale": 2})
     assert r.status_code == 422 and r.json()["error"]["message"].startswith("guidance_scale: 2.0 is not served")
 
@@ -180,7 +180,7 @@ def test_handle_generate_raises_value_error_on_bad_input(base_url):
     handle = serve.get_app_handle(APP_NAME)
     with pytest.raises(ValueError, match="steps"):
         handle.generate.remote({"prompt": "x", "steps": 100}).result(timeout_s=60)
-    with pytest.raises(ValueError, match="height=48 is out of range: must be a multiple of 32 px"):
+    with pytest.raises(ValueError, match="height: 48 is out of range: must be a multiple of 32 px"):
         handle.generate.remote({"prompt": "x", "height": 48}).result(timeout_s=60)
 
 

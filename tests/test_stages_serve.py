@@ -185,7 +185,8 @@ def test_split_stages_share_each_device_by_fractions(gpus_in_cluster, worker, st
     lambda: __import__("ray.exceptions", fromlist=["ActorUnavailableError"]).ActorUnavailableError("gone", None),
     # a multi-GPU replica that lost a rank fails its running and queued jobs this way while Serve replaces it
     lambda: __import__("engine.errors", fromlist=["ServerFault"]).ServerFault(
-        "parallel replica unusable: generate: rank 1 of 2 died", "RankFailure"),
+        "parallel replica unusable: generate: rank 1 of 2 died",
+        __import__("engine.errors", fromlist=["FaultCause"]).FaultCause.RANK_FAILURE),
 ])
 def test_a_replica_that_died_is_a_lost_worker_for_the_retry_rule(make_error):
     from deployments.video_backend import backend_error

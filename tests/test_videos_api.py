@@ -12,10 +12,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from deployments.errors import install_error_handlers
 from deployments.videos import VideoApi, VideoApiSlot, build_videos_app, parse_range, videos_router
+from engine.limits import ModelLimits
 from jobs.backend import VideoSpec
 from jobs.config import AuthConfig, JobsConfig
-from jobs.limits import VideoModelLimits
 from jobs.outputs import OutputStore
 from jobs.service import JobService
 from jobs.sqlite_store import SqliteJobStore
@@ -23,8 +24,9 @@ from jobs.testing import FAKE_MP4_BYTES, FakeVideoBackend, fake_mp4, fake_png
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = VideoModelLimits(
-    name="tiny", min_seconds=0.5, max_seconds=2, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
+# Clips snap up to 17n+5 frames at 24 fps: 1 s -> 39 frames = 1.625 s, 2 s -> 56 frames = 2.33 s.
+TINY = ModelLimits(
+    name="tiny", min_seconds=1, max_seconds=3, default_seconds=1, size_multiple=16, min_edge=32, max_edge=128,
     max_pixels=128 * 64, default_size="64x32", default_short_edge=32, max_steps=8, default_steps=4,
     max_prompt_chars=256,
 )
@@ -202,24 +204,27 @@ def test_list_is_newest_first_in_pages(serve):
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"limit": "0"}, "limit: 0 is outside 1..100 (jobs.max_list_limit)"),
-        ({"limit": "101"}, "limit: 101 is outside 1..100 (jobs.max_list_limit)"),
-        ({"limit": "99999999999999999999"}, "limit: 99999999999999999999 is outside 1..100"),
-        ({"limit": "-1"}, "limit: '-1' is not a positive integer"),
-        ({"limit": "ten"}, "limit: 'ten' is not a positive integer"),
-        ({"limit": "\u00b2"}, "limit: '\u00b2' is not a positive integer"),  # isdigit() but not int()-able
-        ({"limit": "\u0663"}, "limit: '\u0663' is not a positive integer"),  # Arabic-Indic 3: ASCII digits only
-        ({"limit": "9" * 5000}, "limit: " + "9" * 32 + " is outside 1..100"),  # past int()'s 4300 digits
-        ({"after": "../../etc"}, "after: '../../etc' is not a video id"),
+        # Declared bounds: FastAPI's own check, in the app's error shape (loc names the query parameter).
+        ({"limit": "0"}, "query.limit: Input should be greater than or equal to 1"),
+        ({"limit": "-1"}, "query.limit: Input should be greater than or equal to 1"),
+        ({"limit": "ten"}, "query.limit: Input should be a valid integer"),
+        ({"limit": "\u00b2"}, "query.limit: Input should be a valid integer"),  # isdigit() but not int()-able
+        ({"limit": "9" * 5000}, "query.limit: "),  # past int()'s 4300 digits: refused, not a ValueError
+        # The replica's configured bound.
+        ({"limit": "101"}, "limit: 101 exceeds jobs.max_list_limit=100"),
+        ({"limit": "99999999999999999999"}, "limit: 99999999999999999999 exceeds jobs.max_list_limit=100"),
+        ({"after": "../../etc"}, "query.after: String should match pattern"),
         ({"after": "video_" + "Z" * 22}, "after: no video job with id 'video_ZZZZZZZZZZZZZZZZZZZZZZ'"),
-        ({"order": "asc"}, "order: 'asc' is not served; jobs list newest first (order=desc)"),
-        ({"order": ""}, "order: '' is not served"),
+        ({"order": "asc"}, "query.order: Input should be 'desc'"),
+        ({"order": ""}, "query.order: Input should be 'desc'"),
     ],
 )
 def test_bad_list_parameters_are_422(serve, params, message):
     response = serve().get("/v1/videos", params=params)
     assert response.status_code == 422
-    assert response.json()["error"]["message"].startswith(message)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request" and error["message"].startswith(message)
+    assert error["errors"][0]["loc"][-1] == next(iter(params))  # the parameter at fault, named
 
 
 # --- Cancel, delete, conflicts -------------------------------------------------------------------------
@@ -316,9 +321,10 @@ def raw(body: str, content_type: str = "application/json") -> dict:
 
 
 BAD_REQUESTS = [
-    ("seconds-over-model", {"json": {**VALID, "seconds": 9}}, 422, "seconds: 9 exceeds the model's max_seconds=2"),
+    ("seconds-over-model", {"json": {**VALID, "seconds": 9}}, 422,
+     "seconds: 9 snaps to 226 frames = 9.41667 s at 24 fps; the model's clips last min_seconds=1 to max_seconds=3"),
     ("seconds-under-model", {"json": {**VALID, "seconds": 0.25}}, 422,
-     "seconds: 0.25 is below the model's min_seconds=0.5"),
+     "seconds: 0.25 snaps to 22 frames = 0.916667 s at 24 fps; the model's clips last min_seconds=1"),
     ("seconds-zero", {"json": {**VALID, "seconds": 0}}, 422, "seconds: Input should be greater than 0"),
     ("seconds-word", {"json": {**VALID, "seconds": "long"}}, 422,
      "seconds: Value error, seconds='long' is not a number"),
@@ -457,7 +463,7 @@ def test_an_unknown_variant_is_422(serve):
     job = completed(client, client.post("/v1/videos", json=VALID).json()["id"])
     response = client.get(f"/v1/videos/{job['id']}/content", params={"variant": "spritesheet"})
     assert response.status_code == 422
-    assert response.json()["error"]["message"] == "variant: 'spritesheet' is not one of ['video', 'thumbnail']"
+    assert response.json()["error"]["message"] == "query.variant: Input should be 'video' or 'thumbnail'"
 
 
 # --- Events and sync -----------------------------------------------------------------------------------
@@ -558,7 +564,7 @@ def test_openapi_describes_every_route_and_field(serve):
     request_fields = create["requestBody"]["content"]["application/json"]["schema"]["properties"]
     components = schema["components"]["schemas"]
     for name, fields in [("VideoCreateRequest", request_fields), *(
-        (n, components[n]["properties"]) for n in ("VideoJob", "VideoList", "VideoDeleted", "VideoErrorBody")
+        (n, components[n]["properties"]) for n in ("VideoJob", "VideoList", "VideoDeleted", "ErrorBody")
     )]:
         undescribed = [f for f, s in fields.items() if not s.get("description")]
         assert undescribed == [], f"{name} fields without a description: {undescribed}"
@@ -571,6 +577,7 @@ def test_routes_answer_503_until_the_ingress_sets_its_api(tmp_path):
     """A Serve ingress declares the routes at import and builds the service in its constructor."""
     slot = VideoApiSlot()
     app = FastAPI()
+    install_error_handlers(app)
     app.include_router(videos_router(slot.get))
     with TestClient(app) as client:
         early = client.get("/v1/videos")

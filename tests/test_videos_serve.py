@@ -34,13 +34,14 @@ from deployments.schemas import HIGH_QUALITY_CACHE_DIT, AppConfig
 from deployments.video_backend import (
     LOSSLESS_CACHE_DIT,
     ModelCard,
-    ServedModelLimits,
     generation_request,
     invalid_request,
-    video_model_limits,
     video_output,
 )
 from deployments.videos import VideoApi, build_videos_app
+from engine.config import EngineConfig
+from engine.engine import H3_HIDDEN_SIZE, model_limits
+from engine.errors import ClientError
 from engine.api import AdalnStats, CacheDitStats, GenerationResult, GenerationStats, GenerationTimings
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import AuthConfig, JobsConfig
@@ -71,13 +72,17 @@ FINISHED = ("completed", "failed", "cancelled")
 
 
 def card(short_edge: int | None, max_pixels: int, min_seconds: float = 5.0, max_seconds: float = 15.0) -> ModelCard:
-    limits = ServedModelLimits(max_steps=65, short_edge=short_edge, max_pixels=max_pixels, min_seconds=min_seconds,
-                               max_seconds=max_seconds, pixel_multiple=32, fps=24, max_prompt_tokens=2048)
-    return ModelCard(id="minimax-h3@0123456789abcdef", limits=limits, cache_dit_enabled=False)
+    """What a worker's describe() gives the video API for an engine serving this geometry."""
+    geometry = {"short_edge": short_edge, "max_pixels": max_pixels, "min_seconds": min_seconds,
+                "max_seconds": max_seconds}
+    limits = model_limits(EngineConfig(geometry=geometry), H3_HIDDEN_SIZE)
+    described = {"id": "minimax-h3@0123456789abcdef", "limits": limits.model_dump(mode="json"),
+                 "engine_config": {"cache_dit": {"enabled": False}}}
+    return ModelCard.from_describe(described)
 
 
 def test_h3_limits_come_from_the_model_card():
-    limits = video_model_limits(card(short_edge=768, max_pixels=768 * 1344))
+    limits = card(short_edge=768, max_pixels=768 * 1344).limits
     assert limits.name == "minimax-h3"  # stable across weight updates: no fingerprint
     assert (limits.short_edge, limits.min_edge, limits.max_edge, limits.max_pixels) == (768, 768, 1344, 768 * 1344)
     assert (limits.default_size, limits.default_seconds, limits.default_steps) == ("1344x768", 5.0, 50)
@@ -86,10 +91,11 @@ def test_h3_limits_come_from_the_model_card():
 
 
 def test_a_small_model_gets_small_sizes_and_a_default_that_fits():
-    limits = video_model_limits(card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0))
+    limits = card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0).limits
     # Largest 16:9 frame within 128*128 pixels in 32-px multiples: 96 x (170 -> 160).
     assert (limits.short_edge, limits.min_edge, limits.max_edge, limits.default_size) == (None, 32, 512, "160x96")
-    assert (limits.min_seconds, limits.default_seconds, limits.max_seconds) == (0.2, 5.0, 5.0)
+    # 5 s would snap to 5.17 s: the default is the longest clip within 5 s (107 frames, no snapping).
+    assert (limits.min_seconds, limits.default_seconds, limits.max_seconds) == (0.2, 106 / 24, 5.0)
 
 
 @pytest.mark.parametrize("size, message", [
@@ -98,7 +104,7 @@ def test_a_small_model_gets_small_sizes_and_a_default_that_fits():
     ("1408x768", "1408x768: 1408 exceeds the model's max_edge=1344"),
 ])
 def test_h3_limits_refuse_any_short_edge_but_768(size, message):
-    limits = video_model_limits(card(short_edge=768, max_pixels=768 * 1344))
+    limits = card(short_edge=768, max_pixels=768 * 1344).limits
     with pytest.raises(InvalidVideoRequest) as refused:
         resolve_spec(VideoCreateRequest(prompt="a fox", size=size), limits)
     assert str(refused.value) == f"size: {message}"
@@ -106,8 +112,8 @@ def test_h3_limits_refuse_any_short_edge_but_768(size, message):
 
 
 def test_a_request_the_backend_refuses_is_never_queued(tmp_path):
-    # The worker's check (prompt tokens, snapped duration) runs before the job is stored: a 422, no job.
-    limits = video_model_limits(card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0))
+    # The tokenizer's check (prompt tokens) runs before the job is stored: a 422, no job.
+    limits = card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0).limits
     service = open_job_service(JobsConfig(state_dir=str(tmp_path)), FakeVideoBackend(), [limits])
     with TestClient(build_videos_app(VideoApi(service=service, auth=AuthConfig()))) as client:
         refused = client.post("/v1/videos", json={**SMALL, "prompt": "invalid: far too many tokens"})
@@ -140,20 +146,72 @@ def test_high_quality_is_the_measured_f1b0_w4_r004_mc1_profile():
         AppConfig.model_validate({"videos": {"high_quality": {"enabled": False}}})
 
 
-@pytest.mark.parametrize("engine_message, field, message", [
-    ("prompt: 3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt", "prompt",
+@pytest.mark.parametrize("error, field, message", [
+    (ClientError("prompt", "3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt"), "prompt",
      "prompt: 3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt"),
-    ("steps: 66 exceeds this server's max_steps=65", "num_inference_steps",
+    (ClientError("steps", "66 exceeds this server's max_steps=65"), "num_inference_steps",
      "num_inference_steps: 66 exceeds this server's max_steps=65"),
-    ("num_frames=121 is out of range: snaps to 124 frames", "seconds",
-     "seconds: num_frames=121 is out of range: snaps to 124 frames"),
-    ("width*height=2000000 is out of range: must be <= 1032192 px", "size",
-     "size: width*height=2000000 is out of range: must be <= 1032192 px"),
-    ("something else went wrong", "request", "request: something else went wrong"),
+    (ClientError("seconds", "16.0 is out of range: snaps to 396 frames"), "seconds",
+     "seconds: 16.0 is out of range: snaps to 396 frames"),
+    (ClientError("width", "1536x768 = 1179648 px is out of range: must be <= 1032192 px"), "size",
+     "size: 1536x768 = 1179648 px is out of range: must be <= 1032192 px"),
+    (ClientError("cache_dit", "Cache-DiT is off on this server"), "quality", "quality: Cache-DiT is off on this server"),
+    (ClientError("guidance_scale", "a field jobs never send"), "request", "request: a field jobs never send"),
 ])
-def test_engine_refusals_name_the_video_api_field(engine_message, field, message):
-    error = invalid_request(engine_message)
-    assert isinstance(error, InvalidVideoRequest) and error.field == field and str(error) == message
+def test_engine_refusals_name_the_video_api_field(error, field, message):
+    """From the error's typed field, never from its message."""
+    refused = invalid_request(error)
+    assert isinstance(refused, InvalidVideoRequest) and refused.field == field and str(refused) == message
+
+
+class CheckCall:
+    """A handle method's `.remote(...)` that records the call and answers (or raises) like the replica."""
+
+    def __init__(self, calls: list, name: str, error: Exception | None) -> None:
+        self.calls, self.name, self.error = calls, name, error
+
+    def remote(self, *args):
+        self.calls.append((self.name, args))
+
+        async def answer():
+            if self.error is not None:
+                raise self.error
+            return 8
+
+        return answer()
+
+
+class CheckingHandle:
+    def __init__(self, calls: list, name: str, error: Exception | None = None) -> None:
+        self.validate = CheckCall(calls, f"{name}.validate", error)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_job_is_checked_at_creation_by_one_call_to_what_holds_the_tokenizer(split):
+    """Sizes, duration and steps were checked against the served limits already: the backend asks one replica,
+    the fused Worker or (split) the TextEncoder, never both."""
+    import asyncio
+
+    from deployments.video_backend import StagedVideoBackend, WorkerVideoBackend
+    from deployments.worker import StageHandles
+
+    calls: list = []
+    refusal = ClientError("prompt", "3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt")
+    for error in (None, refusal):
+        calls.clear()
+        worker = CheckingHandle(calls, "worker", None if split else error)
+        text_encoder = CheckingHandle(calls, "text_encoder", error if split else None)
+        the_card = card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0)
+        backend = (StagedVideoBackend(worker, StageHandles(text_encoder, CheckingHandle(calls, "decoder")), the_card,
+                                      LOSSLESS_CACHE_DIT, 5.0) if split
+                   else WorkerVideoBackend(worker, the_card, LOSSLESS_CACHE_DIT, 5.0))
+        if error is None:
+            asyncio.run(backend.validate(spec()))
+        else:
+            with pytest.raises(InvalidVideoRequest) as refused:
+                asyncio.run(backend.validate(spec()))
+            assert (refused.value.field, str(refused.value)) == ("prompt", str(refusal))
+        assert [name for name, _ in calls] == ["text_encoder.validate" if split else "worker.validate"]
 
 
 def test_a_video_output_reads_the_engines_typed_timings_and_stats():
@@ -419,7 +477,8 @@ def test_sync_answers_the_mp4_of_an_ordinary_job(app):
 
 
 @pytest.mark.parametrize("overrides, field, message", [
-    ({"seconds": 5.0}, "seconds", "snaps to 124 frames = 5.16667 s at 24 fps; must be between 0.2 and 5 s"),
+    ({"seconds": 5.0}, "seconds", "5 snaps to 124 frames = 5.16667 s at 24 fps; the model's clips last "
+                                  "min_seconds=0.2 to max_seconds=5"),
     ({"size": "100x64"}, "size", "100 is not a multiple of the model's size_multiple=32"),
     ({"size": "256x128"}, "size", "32768 pixels exceed the model's max_pixels=16384"),
     ({"num_inference_steps": 66}, "num_inference_steps", "66 exceeds the model's max_steps=65"),
