@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
+from selenium import webdriver  # the dev extra: a missing one fails here rather than skipping the test
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra (pip install -e '.[dev]')")
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
