@@ -30,7 +30,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -41,6 +41,7 @@ from deployments.errors import (RequestError, install_client_error_log_filter, i
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import RoutingMetrics
 from deployments.moving_mean import moving_mean
+from deployments.playground import playground_response
 from deployments.schemas import (
     AdminOptions,
     ErrorResponse,
@@ -346,6 +347,14 @@ class Ingress:
             return loads_body(await read_body(http_request, self._http.max_body_bytes, "http.max_body_bytes"))
         except JsonBodyError as exc:
             raise RequestError(exc.status, exc.kind, exc.message) from None
+
+    # ---------------------------------------------------------------------------------------------
+    # Playground (GET /): a static page over the public API (deployments/playground.py)
+    # ---------------------------------------------------------------------------------------------
+
+    @api.get("/", include_in_schema=False)
+    async def playground(self) -> Response:
+        return playground_response(self._http.playground)
 
     @api.get("/healthz", summary="200 when a worker replica answers its health check.")
     async def healthz(self) -> JSONResponse:

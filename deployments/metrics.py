@@ -15,6 +15,9 @@ Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deploy
 | `ray_ditserve_requests_total` | counter | `outcome`: ok, cancelled, invalid, error | finished requests |
 | `ray_ditserve_request_seconds` | histogram | `outcome` | engine time per finished request |
 | `ray_ditserve_weights_version` | gauge | | fleet weights version this replica serves (0: the configured checkpoint) |
+| `ray_ditserve_denoise_seconds_per_forward` | histogram | | a request's denoising loop / its transformer forwards |
+| `ray_ditserve_stage_seconds` | histogram | `stage`: plan, encode, denoise, decode, mux | seconds per stage of a finished request, as the worker's engine timed it (a split app's worker runs plan and denoise only: its encode and decode run in the TextEncoder and Decoder) |
+| `ray_ditserve_offload_copied_bytes_total` | counter | | block weight bytes layerwise offload copied host -> GPU |
 
 Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live), from
 `deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica started:
@@ -28,11 +31,13 @@ from __future__ import annotations
 
 import threading
 
-from engine.api import GenerationStats
+from engine.api import GenerationStats, GenerationTimings
 
 OUTCOMES = ("ok", "cancelled", "invalid", "error")
 
 _SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+#: One transformer forward: milliseconds on the tiny model, seconds for H3 at 768p (more with offload).
+_FORWARD_BOUNDARIES = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
 class WorkerMetrics:
@@ -75,6 +80,19 @@ class WorkerMetrics:
         self.weights_version = metrics.Gauge(
             "ditserve_weights_version", description="Fleet weights version served (0: the configured checkpoint)."
         )
+        self.denoise_seconds_per_forward = metrics.Histogram(
+            "ditserve_denoise_seconds_per_forward", description="A request's denoising loop seconds / its "
+            "transformer forwards.", boundaries=_FORWARD_BOUNDARIES,
+        )
+        self.stage_seconds = metrics.Histogram(
+            "ditserve_stage_seconds", description="Seconds per stage (plan, encode, denoise, decode, mux) of a "
+            "finished request, as this replica's engine timed it.", boundaries=_SECONDS_BOUNDARIES,
+            tag_keys=("stage",),
+        )
+        self.offload_copied_bytes = metrics.Counter(
+            "ditserve_offload_copied_bytes", description="Block weight bytes layerwise offload copied host -> GPU."
+        )
+        self._offload_bytes_seen = 0  # the engine's offload counter is cumulative: the counter gets its growth
         self._ongoing = 0
         self._lock = threading.Lock()  # started on the event loop, finished on the engine thread
         self.ongoing.set(0)
@@ -85,8 +103,9 @@ class WorkerMetrics:
             self._ongoing += 1
             self.ongoing.set(self._ongoing)
 
-    def request_finished(self, outcome: str, seconds: float, stats: GenerationStats | None) -> None:
-        """One request left the engine (`stats`: `GenerationResult.stats` when it succeeded)."""
+    def request_finished(self, outcome: str, seconds: float, stats: GenerationStats | None,
+                         timings: GenerationTimings | None = None) -> None:
+        """One request left the engine (`stats`, `timings`: the `GenerationResult`'s when it succeeded)."""
         with self._lock:
             self._ongoing -= 1
             self.ongoing.set(self._ongoing)
@@ -94,6 +113,8 @@ class WorkerMetrics:
         self.request_seconds.observe(seconds, tags={"outcome": outcome})
         if stats is not None:
             self._record_stats(stats)
+        if timings is not None:
+            self._record_timings(timings, stats)
 
     def _record_stats(self, stats: GenerationStats) -> None:
         adaln = stats.adaln
@@ -114,6 +135,23 @@ class WorkerMetrics:
                 self.plan_copied_bytes.inc(adaln.h2d_bytes)
         if stats.cache_dit is not None and stats.cache_dit.cached_steps:
             self.cached_steps.inc(stats.cache_dit.num_cached_steps)
+        if stats.offload is not None:
+            with self._lock:
+                total = stats.offload.h2d_bytes
+                # Smaller than last time: the counter was reset (a weight update re-applies offload).
+                grown = total - self._offload_bytes_seen if total >= self._offload_bytes_seen else total
+                self._offload_bytes_seen = total
+            if grown:
+                self.offload_copied_bytes.inc(grown)
+
+    def _record_timings(self, timings: GenerationTimings, stats: GenerationStats | None) -> None:
+        stages = {"plan": timings.plan_s, "encode": timings.encode_s, "denoise": timings.denoise_s,
+                  "decode": timings.decode_s, "mux": timings.mux_s}
+        for stage, value in stages.items():
+            if value > 0:  # a stage this replica did not run (split: encode, decode) is not a 0 s sample
+                self.stage_seconds.observe(value, tags={"stage": stage})
+        if stats is not None and stats.forwards > 0 and timings.denoise_s > 0:
+            self.denoise_seconds_per_forward.observe(timings.denoise_s / stats.forwards)
 
 
 class RoutingMetrics:

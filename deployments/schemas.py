@@ -336,6 +336,10 @@ class HttpOptions(BaseModel):
         "app.ingress_graceful_shutdown_s), so that when the whole app stops each open generation hears its worker "
         "stop (a 503 naming it) instead of the proxy's bare 500.",
     )
+    playground: bool = Field(
+        True, description="GET / serves the playground page (a prompt form, live progress, the clip and the job "
+        "list, over the public API only); false for API-only deployments (GET / then answers 404).",
+    )
 
 
 class AdminOptions(BaseModel):

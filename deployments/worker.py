@@ -44,7 +44,9 @@ from deployments.metrics import WorkerMetrics
 from deployments.routing.reporter import ScheduleAffinityReporter
 from deployments.schemas import GenerationResponse, ProgressEvent, ServeTimings
 from deployments.weights import WeightFollower
-from engine.api import EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, SlabState
+from engine.api import (
+    EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState,
+)
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
 from engine.stages import PromptEmbedding
@@ -185,12 +187,13 @@ class Worker(ScheduleAffinityReporter):
             start = time.perf_counter()
             outcome: str = "error"
             stats: GenerationStats | None = None
+            timings: GenerationTimings | None = None
             try:
                 if embedding is None:
                     result = self._engine.generate(request, progress, cancelled.is_set)
                 else:
                     result = self._engine.denoise(request, embedding, progress, cancelled.is_set)
-                outcome, stats = "ok", result.stats
+                outcome, stats, timings = "ok", result.stats, result.timings
                 adaln = result.stats.adaln
                 missed = adaln is not None and adaln.built_plans + adaln.host_hit_plans + adaln.pool_hit_plans > 0
                 self.record_service(time.perf_counter() - start, result.timings.plan_s, missed)
@@ -205,7 +208,7 @@ class Worker(ScheduleAffinityReporter):
                 self._in_flight.discard(cancelled)
                 last["outcome"] = outcome
                 self._outcomes[outcome] += 1
-                self._metrics.request_finished(outcome, time.perf_counter() - start, stats)
+                self._metrics.request_finished(outcome, time.perf_counter() - start, stats, timings)
 
         self._metrics.request_started()
         self._in_flight.add(cancelled)

@@ -12,8 +12,9 @@ import pytest
 from ray.serve import metrics as serve_metrics
 
 from deployments.metrics import WorkerMetrics
-from engine.api import AdalnStats, CacheDitStats, GenerationRequest, GenerationStats
+from engine.api import AdalnStats, CacheDitStats, GenerationRequest, GenerationStats, GenerationTimings
 from engine.config import EngineConfig
+from offload.layerwise import OffloadStats
 from tests.fake_engine import FakeEngine
 
 REQUEST = GenerationRequest(prompt="a cat", steps=5, seconds=5.0, width=96, height=64, seed=1)  # 4 forwards
@@ -101,3 +102,25 @@ def test_resident_adaln_and_failed_requests_record_no_plans(worker_metrics):
     finish(worker_metrics, None, outcome="error")
     assert worker_metrics.plans.values == {} and worker_metrics.warm_requests.values == {}
     assert (worker_metrics.requests.total(outcome="ok"), worker_metrics.requests.total(outcome="error")) == (1, 1)
+
+
+def test_stage_times_and_seconds_per_forward_come_from_the_results_timings(worker_metrics):
+    stats = GenerationStats(steps=11, forwards=10, frames=124, tokens=1000, text_tokens=8, adaln_mode="resident",
+                            schedule_key="k")
+    # A split app's worker: plan and denoise only (encode and decode ran in the other stages).
+    worker_metrics.request_started()
+    worker_metrics.request_finished("ok", 3.0, stats, GenerationTimings(plan_s=0.5, denoise_s=2.0, total_s=2.5))
+    assert worker_metrics.denoise_seconds_per_forward.values[()] == [0.2]  # 2.0 s over 10 forwards
+    stage = worker_metrics.stage_seconds
+    assert (stage.values[(("stage", "plan"),)], stage.values[(("stage", "denoise"),)]) == ([0.5], [2.0])
+    assert stage.count(stage="encode") == stage.count(stage="decode") == stage.count(stage="mux") == 0  # not 0 s
+
+
+def test_offload_bytes_count_the_growth_of_the_engines_cumulative_counter(worker_metrics):
+    def with_offload(h2d_bytes: int) -> GenerationStats:
+        return GenerationStats(steps=2, forwards=1, frames=124, tokens=1000, text_tokens=8, adaln_mode="resident",
+                               schedule_key="k", offload=OffloadStats(h2d_bytes=h2d_bytes))
+
+    for cumulative in (100, 250, 40):  # 40: the engine's counter restarted (offload applied again)
+        finish(worker_metrics, with_offload(cumulative))
+    assert worker_metrics.offload_copied_bytes.values[()] == [100, 150, 40]

@@ -1,0 +1,49 @@
+"""The playground page (deployments/playground.py, deployments/static/playground.html) without a browser:
+shipped as package data, served or switched off by `http.playground`, and only speaking the public API.
+The page in a real browser against the app: tests/test_playground_browser.py (slow)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from deployments.playground import PLAYGROUND_FILE, playground_page, playground_response
+from deployments.schemas import HttpOptions
+from jobs.schemas import VideoCreateRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_page_is_package_data_of_deployments():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["deployments"]
+    assert any(Path(PLAYGROUND_FILE).match(pattern) for pattern in patterns)
+    assert playground_page() == (ROOT / "deployments" / PLAYGROUND_FILE).read_text()
+
+
+def test_on_by_default_it_serves_the_page_and_off_it_answers_404_in_the_error_shape():
+    assert HttpOptions().playground is True
+    page = playground_response(HttpOptions().playground)
+    assert page.status_code == 200 and page.media_type == "text/html" and b"ditserve playground" in page.body
+    off = playground_response(HttpOptions(playground=False).playground)
+    assert off.status_code == 404
+    assert b'"type":"not_found"' in off.body and b"http.playground: false" in off.body
+
+
+def test_the_page_fetches_nothing_from_elsewhere():
+    page = playground_page()
+    assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", page)  # no CDN, no web fonts: works offline
+    assert not re.search(r"<(?:script|link)[^>]+(?:src|href)=", page)  # everything inline
+
+
+def test_every_field_the_form_posts_is_a_field_of_the_create_body():
+    names = set(re.findall(r'<(?:input|select|textarea)[^>]*\bname="([a-z_]+)"', playground_page()))
+    assert {"prompt", "size", "aspect_ratio", "seconds", "num_inference_steps", "seed", "quality"} <= names
+    # task and adapter appear only when GET /v1/models lists them: the fields of an API still to come.
+    assert names - {"task", "adapter"} <= set(VideoCreateRequest.model_fields)
+
+
+def test_the_page_calls_only_routes_of_the_public_api():
+    routes = set(re.findall(r'[`"](v1/[a-z]+)', playground_page()))
+    assert routes == {"v1/models", "v1/videos"}
