@@ -50,7 +50,7 @@ def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def postgres_url():
     """A throwaway PostgreSQL server for the session (scripts/postgres; installs the Debian package if missing)."""
-    from jobs.testing import postgres_server
+    from tests.jobs_support import postgres_server
 
     with postgres_server() as url:
         yield url
@@ -59,7 +59,7 @@ def postgres_url():
 @pytest.fixture(params=["sqlite", "postgres"])
 def database_url(request, tmp_path) -> str:
     """Each job-store test on SQLite and on PostgreSQL (emptied before the test)."""
-    from jobs.testing import reset_postgres
+    from tests.jobs_support import reset_postgres
 
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"

@@ -49,7 +49,7 @@ from jobs.limits import resolve_spec
 from jobs.schemas import VideoCreateRequest
 from jobs.service import open_job_service
 from jobs.store import REAP_CAUSE, RELEASE_CAUSE
-from jobs.testing import FakeVideoBackend, postgres_server
+from tests.jobs_support import FakeVideoBackend, postgres_server
 from model.mp4 import thumbnail_png, write_mp4
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
