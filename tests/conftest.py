@@ -11,6 +11,16 @@ from model.layout import Layout
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
 from model.weights import H3TransformerConfig
 from tests.adaln_support import Models, models_for
+from tests.serve_helpers import SESSION
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cluster():
+    """The one Ray cluster Ray modules share (tests/serve_helpers.py `SESSION`, started on first use): stopped
+    at session end. Ray is imported only if a module started it."""
+    yield
+    if SESSION.started:
+        SESSION.stop()
 
 
 @pytest.fixture(scope="session")
@@ -56,13 +66,13 @@ def postgres_url():
         yield url
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def database_url(request, tmp_path) -> str:
     """Each job-store test on SQLite and on PostgreSQL (emptied before the test)."""
     from tests.jobs_support import reset_postgres
 
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
-    url = request.getfixturevalue("postgres_url")
+    url = request.getfixturevalue("postgres_url")  # "postgres": marked slow (a server start, SQL over TCP)
     reset_postgres(url)
     return url
