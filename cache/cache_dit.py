@@ -26,9 +26,12 @@ step, `predict_middle()` tells the offloader whether the middle blocks will sure
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import logging
+import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -38,6 +41,74 @@ if TYPE_CHECKING:
     from torch import nn
 
 logger = logging.getLogger(__name__)
+
+
+# --- the versions this module is written against ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SupportedRange:
+    """`lowest <= version < below` of one distribution, compared on the release numbers (1.5.3 -> (1, 5, 3))."""
+
+    package: str
+    lowest: tuple[int, ...]
+    below: tuple[int, ...]
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}>={'.'.join(map(str, self.lowest))},<{'.'.join(map(str, self.below))}"
+
+    def admits(self, version: str) -> bool:
+        return self.lowest <= release_numbers(version) < self.below
+
+
+#: Kept equal to pyproject.toml's pins. `CacheDit.predict_middle` mirrors cache-dit 1.5's private
+#: `CachedContextManager.can_cache` and `_context` reads the wrapped model's private `_context_manager`;
+#: cache-dit 1.5 itself reads diffusers 0.42's internals. Another minor version may move any of them, and a
+#: wrong `predict_middle` would only cost time, silently: so another version is refused, by name.
+SUPPORTED_VERSIONS: tuple[SupportedRange, ...] = (
+    SupportedRange("cache-dit", (1, 5), (1, 6)),
+    SupportedRange("diffusers", (0, 42, 1), (0, 43)),
+)
+
+
+class UnsupportedVersion(ImportError):
+    """An installed cache-dit or diffusers outside the range whose private names this module reads."""
+
+
+def release_numbers(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string: "1.5.3" -> (1, 5, 3), "0.43.0.dev0" -> (0, 43, 0)."""
+    release = re.match(r"\d+(?:\.\d+)*", version)
+    if release is None:
+        raise UnsupportedVersion(f"cannot read a release number from version {version!r}")
+    return tuple(int(n) for n in release.group().split("."))
+
+
+def check_versions(installed: Mapping[str, str | None]) -> None:
+    """Raise `UnsupportedVersion` naming the package, its version and the supported range when an installed
+    distribution is outside `SUPPORTED_VERSIONS`; a missing one (None) is left to the lazy import to report."""
+    for supported in SUPPORTED_VERSIONS:
+        version = installed.get(supported.package)
+        if version is not None and not supported.admits(version):
+            raise UnsupportedVersion(
+                f"{supported.package} {version} is installed; cache/cache_dit.py reads private names of "
+                f"{supported.requirement} (pyproject.toml pins it): install that range"
+            )
+
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed version of each distribution in `SUPPORTED_VERSIONS` (None: not installed)."""
+    versions: dict[str, str | None] = {}
+    for supported in SUPPORTED_VERSIONS:
+        try:
+            versions[supported.package] = importlib.metadata.version(supported.package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[supported.package] = None
+    return versions
+
+
+# At import, before anything reads a private name: on another version this module fails loudly, at once.
+check_versions(installed_versions())
 
 #: Where a model keeps its block stack, in lookup order (diffusers' names: H3 and most, then Wan).
 BLOCK_STACK_ATTRS: tuple[str, ...] = ("transformer_blocks", "blocks")
@@ -429,6 +500,10 @@ class CacheDit:
 
 __all__ = [
     "BLOCK_STACK_ATTRS",
+    "SUPPORTED_VERSIONS",
+    "SupportedRange",
+    "UnsupportedVersion",
+    "check_versions",
     "BlockStack",
     "BlockStackError",
     "CacheDit",

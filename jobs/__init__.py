@@ -12,5 +12,4 @@ deployments/videos.py puts the HTTP API on top.
 - `events.py`   in-process change notifications (SSE fast path)
 - `service.py`  JobService: admission, runners, leases, cancellation, reaper, retention
 - `config.py`   JobsConfig, AuthConfig
-- `testing.py`  FakeVideoBackend, FakeClock
 """

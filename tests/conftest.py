@@ -11,6 +11,16 @@ from model.layout import Layout
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
 from model.weights import H3TransformerConfig
 from tests.adaln_support import Models, models_for
+from tests.serve_helpers import SESSION
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cluster():
+    """The one Ray cluster Ray modules share (tests/serve_helpers.py `SESSION`, started on first use): stopped
+    at session end. Ray is imported only if a module started it."""
+    yield
+    if SESSION.started:
+        SESSION.stop()
 
 
 @pytest.fixture(scope="session")
@@ -50,19 +60,19 @@ def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def postgres_url():
     """A throwaway PostgreSQL server for the session (scripts/postgres; installs the Debian package if missing)."""
-    from jobs.testing import postgres_server
+    from tests.jobs_support import postgres_server
 
     with postgres_server() as url:
         yield url
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def database_url(request, tmp_path) -> str:
     """Each job-store test on SQLite and on PostgreSQL (emptied before the test)."""
-    from jobs.testing import reset_postgres
+    from tests.jobs_support import reset_postgres
 
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
-    url = request.getfixturevalue("postgres_url")
+    url = request.getfixturevalue("postgres_url")  # "postgres": marked slow (a server start, SQL over TCP)
     reset_postgres(url)
     return url

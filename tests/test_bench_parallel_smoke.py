@@ -14,7 +14,7 @@ import pytest
 from bench import parallel
 from model.tiny import TINY_TRANSFORMER
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # slow: bench.parallel's smoke: spawned gloo ranks
 
 
 @pytest.fixture(scope="module")

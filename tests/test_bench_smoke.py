@@ -12,6 +12,15 @@ import pytest
 import torch
 
 from bench import adaln, engine, h3, offload, quality
+from tests.serve_helpers import own_cluster
+
+pytestmark = pytest.mark.slow  # every benchmark's smoke run: seconds to a minute each
+
+
+@pytest.fixture
+def bench_starts_its_own_ray():
+    """bench.app calls `ray.init` itself: the session's shared cluster must be down first."""
+    own_cluster()
 
 
 def load(path: Path) -> dict:
@@ -46,11 +55,17 @@ def test_h3_smoke_measures_every_mode_and_stage(tmp_path):
         assert sum(stage.startswith(prefix) for stage in stages) == 1, prefix
     components = [row["component"] for row in report["memory"]]
     assert len(components) == 6 and components[0] == "transformer, online AdaLN (ours)"
+    # End to end: a cold request reported with each of its parts, and the same request with its plans in the
+    # GPU slab, which skips the plan miss. (Their sizes are CPU timings: meaningless, not checked.)
     cold, warm = report["end_to_end"]
     parts = ("text encode", "plan miss", "denoise", "video decode", "audio decode", "mux")
-    assert cold["total_s"] == pytest.approx(sum(cold[p] for p in parts), abs=0.05 * len(parts))
-    assert warm["total_s"] == pytest.approx(cold["total_s"] - cold["plan miss"], abs=0.1)
-    assert (tmp_path / "h3-smoke-cpu.md").read_text().count("## ") == 5
+    assert all(cold[part] >= 0 for part in parts) and cold["total_s"] >= 0
+    assert warm["request"] == "same, plans in the GPU slab (a repeat schedule)" and "plan miss" not in warm
+    markdown = (tmp_path / "h3-smoke-cpu.md").read_text()
+    for section in ("Setup", "Denoise step per shape", "Stages of one request", "Memory per component", "End to end"):
+        assert f"\n## {section}\n" in markdown, section
+    assert "## Not measured" not in markdown  # nothing skipped
+    assert all(row["mode"] in markdown for row in report["denoise"])
 
 
 def test_adaln_smoke_is_bit_exact_in_every_tier(tmp_path):
@@ -118,7 +133,7 @@ def assert_tiers_land(tiers: dict) -> None:
     assert tiers["first miss after start (page cache)"]["disk_bytes"] == 0  # the shards were just read
 
 
-def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
+def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path, bench_starts_its_own_ray):
     """bench.app on CPU: one replica of the real app on the tiny checkpoint. The tier sequence must land on the
     tier each row names (the plan counters come back through the app), beside bench.adaln's numbers."""
     from bench import app
@@ -157,7 +172,8 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path):
     assert new["engine transformer_s"] > 0 and new["engine total_s"] <= new["engine build"]
     assert new["engine text_encoder_s"] == 0  # stages: split: the worker holds the denoiser alone
     assert "n/a" in rows["GPU utilization under the load"]["detail"]
-    assert (tmp_path / "app-cpu.md").read_text().count("plan_s:") == 7
+    markdown = (tmp_path / "app-cpu.md").read_text()
+    assert all(metric in markdown for metric in rows if metric.startswith("plan_s: "))  # every tier's row
 
 
 def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
@@ -196,7 +212,8 @@ def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
         assert rows["scale-up 1 -> 2:   - module imports"] == 3.5
 
 
-def test_app_smoke_at_sp2_serves_one_replica_of_two_gloo_ranks_beside_the_one_process_parts(tmp_path):
+def test_app_smoke_at_sp2_serves_one_replica_of_two_gloo_ranks_beside_the_one_process_parts(tmp_path,
+                                                                                            bench_starts_its_own_ray):
     """bench.app --sp 2 on CPU: the real app with engine.parallel.sp: 2 (one Worker replica coordinating two gloo
     rank actors in its placement group, stages fused). The tiers land as at SP1 (rank 0's counters), every rank
     ends every request with rank 0's latents, the ranks' rebuilds split the one-device rebuild's bytes between

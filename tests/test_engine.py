@@ -496,6 +496,7 @@ def _make_checkpoint_after(barrier, config: EngineConfig) -> str:
     return str(ensure_checkpoint(config))
 
 
+@pytest.mark.slow  # two processes each importing torch and diffusers
 def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_complete_one(tmp_path):
     # Replicas are processes: two start at once and both find no checkpoint (the tiny model's meta-device
     # init is process-global, so the race is run in processes, as Serve runs it).

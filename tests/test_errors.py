@@ -296,7 +296,7 @@ def apps(tmp_path_factory):
     from jobs.outputs import OutputStore
     from jobs.service import JobService
     from jobs.sqlite_store import SqliteJobStore
-    from jobs.testing import FakeVideoBackend
+    from tests.jobs_support import FakeVideoBackend
     from tests.test_videos_api import TINY
 
     state = tmp_path_factory.mktemp("state")

@@ -26,7 +26,7 @@ from jobs.outputs import OutputStore, VideoVariant
 from jobs.records import JobError, JobRecord, JobStatus
 from jobs.service import JobService, open_job_service
 from jobs.store import open_job_store
-from jobs.testing import FakeClock, FakeVideoBackend, fake_mp4, fake_png
+from tests.jobs_support import FakeClock, FakeVideoBackend, fake_mp4, fake_png
 
 # 600: the first PostgreSQL test may install Debian's postgresql package (scripts/postgres) on a fresh machine.
 pytestmark = pytest.mark.timeout(600)
@@ -407,7 +407,7 @@ from engine.limits import ModelLimits
 from jobs.outputs import OutputStore
 from jobs.service import JobService, open_job_service
 from jobs.store import open_job_store
-from jobs.testing import FakeVideoBackend
+from tests.jobs_support import FakeVideoBackend
 
 async def main():
     service = JobService(

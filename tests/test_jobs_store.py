@@ -22,7 +22,7 @@ from jobs.postgres_store import PostgresJobStore
 from jobs.records import JobError, JobStatus, LeaseStatus
 from jobs.sqlite_store import SqliteJobStore
 from jobs.store import open_job_store
-from jobs.testing import FakeClock, reset_postgres
+from tests.jobs_support import FakeClock, reset_postgres
 
 # 600: the first PostgreSQL test may install Debian's postgresql package (scripts/postgres) on a fresh machine.
 pytestmark = pytest.mark.timeout(600)

@@ -2,10 +2,13 @@
 
     deployments/  Serve: ingress, worker shim, router          engine, actors (not cache/model/offload); Ray
     actors/       Ray actors (the node's plan pool)            engine, cache, model, offload; Ray
-    engine/       plain torch: one device, one model           cache, offload, model; no Ray
+    engine/       plain torch: one device, one model           parallel, cache, offload, model; no Ray
+    parallel/     sequence parallel over one replica's ranks   cache, offload, model, device; no Ray
     cache/, offload/  plan cache, layerwise offload            model, device (and each other); no Ray
     model/        the model                                    nothing of ours; no Ray
     device/       streams, events, pinned memory               nothing of ours; no Ray, no torch.distributed
+    jobs/         video jobs behind /v1/videos                 only the standard library, pydantic, psycopg,
+                                                               fsspec and `engine.limits`; no torch, no Ray
 
 Nothing imports `deployments/` except `deployments/` itself, `tests/` and `bench/` (they drive the app);
 `tests/` and `bench/` may import Ray. Any other top-level folder (a new one included) gets the strict
@@ -16,6 +19,7 @@ relative imports are resolved), so nothing is executed.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "offload": frozenset({"engine", "actors", "deployments", "bench", "tests"}),
     "engine": frozenset({"actors", "deployments", "bench", "tests"}),
     "actors": frozenset({"deployments", "bench", "tests"}),
+    # Plain torch.distributed over the ranks of one replica: the actors that host the ranks sit above it.
+    "parallel": frozenset({"engine", "actors", "jobs", "deployments", "bench", "tests"}),
     # The Serve layer talks to the engine (its types and errors) and to actors, never to the layers below.
     "deployments": frozenset({"cache", "model", "offload", "bench", "tests"}),
     # The job layer is plain Python: no torch, no Ray, nothing of the engine but its served limits (below).
@@ -43,6 +49,16 @@ FORBIDDEN: dict[str, frozenset[str]] = {
 ALLOWED_MODULES: dict[str, tuple[str, ...]] = {"jobs": ("engine.limits",)}
 #: Modules (and their submodules) a package must not import, beyond the first-component rules above.
 FORBIDDEN_MODULES: dict[str, tuple[str, ...]] = {"device": ("torch.distributed",)}
+#: Packages held to a list of what they may import (module names and their submodules), instead of a list of
+#: what they must not: jobs/ runs inside the ingress and in tests without torch, so nothing may pull it in.
+ONLY_ALLOWED: dict[str, frozenset[str]] = {
+    "jobs": frozenset({
+        *sys.stdlib_module_names, "jobs", "pydantic", "psycopg", "fsspec",
+        # The served model's limits, shared with the engine so a job is checked by the engine's own rules.
+        # Exactly this module, which imports no torch; the rest of engine/ is torch.
+        "engine.limits",
+    }),
+}
 #: Top-level folders whose files may import Ray.
 RAY_ALLOWED = frozenset({"actors", "deployments", "tests", "bench"})
 #: Top-level folders whose files may import `deployments`.
@@ -88,6 +104,7 @@ def layering_violations(root: Path) -> list[str]:
         rel = path.relative_to(root)
         top = rel.parts[0] if len(rel.parts) > 1 else ""  # "" for a file at the repository root
         forbidden = FORBIDDEN.get(top, frozenset())
+        only = ONLY_ALLOWED.get(top)
         for line, module in imported_modules(path, root):
             first = module.split(".")[0]
             if first == "ray" and top not in RAY_ALLOWED:
@@ -96,6 +113,9 @@ def layering_violations(root: Path) -> list[str]:
                 violations.append(f"{rel}:{line}: imports {module} (nothing imports the Serve layer)")
             elif module in ALLOWED_MODULES.get(top, ()):
                 continue
+            elif only is not None and not any(module == m or module.startswith(m + ".") for m in only):
+                violations.append(f"{rel}:{line}: imports {module} ({top}/ imports only the standard library, "
+                                  f"its own modules and {', '.join(sorted(only - sys.stdlib_module_names - {top}))})")
             elif first in forbidden:
                 violations.append(f"{rel}:{line}: imports {module} ({top}/ must not import {first}/)")
             elif any(module == m or module.startswith(m + ".") for m in FORBIDDEN_MODULES.get(top, ())):
@@ -110,7 +130,8 @@ def test_the_tree_follows_the_layering_rules():
 def test_the_checker_reads_the_real_tree():
     # Guards against a checker that passes because it looks at nothing.
     tops = {path.relative_to(REPO).parts[0] for path in source_files(REPO)}
-    assert {"device", "model", "cache", "offload", "engine", "actors", "deployments", "tests"} <= tops
+    assert {"device", "model", "cache", "offload", "engine", "parallel", "jobs", "actors", "deployments",
+            "tests"} <= tops
     assert not any(".venv" in path.parts for path in source_files(REPO))
     modules = {m for m in (module for p in source_files(REPO) for _, module in imported_modules(p, REPO))}
     assert {"ray", "engine.engine", "cache.plan_cache", "device.streams", "device.pinned"} <= modules
@@ -150,6 +171,17 @@ def write(root: Path, relpath: str, source: str) -> None:
     ("jobs/limits.py", "import torch\n", "jobs/limits.py:1: imports torch (jobs/ must not import torch/)"),
     ("jobs/service.py", "from engine.errors import ClientError\n", "(jobs/ must not import engine/)"),
     ("video/mux.py", "import ray\n", "video/mux.py:1: imports ray"),  # a new folder gets the strict default
+    ("parallel/group.py", "import ray\n", "parallel/group.py:1: imports ray (Ray belongs"),
+    ("parallel/sequence.py", "from actors.gpu_worker import RankActor\n", "(parallel/ must not import actors/)"),
+    ("parallel/sequence.py", "from deployments.worker import Worker\n", "(nothing imports the Serve layer)"),
+    ("parallel/adaln.py", "from engine.engine import Engine\n", "(parallel/ must not import engine/)"),
+    ("jobs/service.py", "import torch\n", "jobs/service.py:1: imports torch (jobs/ imports only the standard"),
+    ("jobs/service.py", "def f():\n    from diffusers import MiniMaxH3Scheduler\n", "jobs/service.py:2: imports diffusers"),
+    ("jobs/service.py", "import ray\n", "jobs/service.py:1: imports ray (Ray belongs"),
+    ("jobs/service.py", "from engine.engine import Engine\n", "imports engine.engine (jobs/ imports only"),
+    ("jobs/service.py", "from engine import limits\n", "imports engine (jobs/ imports only"),  # all of engine/
+    ("jobs/limits.py", "from model.tiny import TINY_TRANSFORMER\n", "imports model.tiny (jobs/ imports only"),
+    ("jobs/limits.py", "import engine.limitsx\n", "imports engine.limitsx (jobs/"),  # a prefix is not the module
 ])
 def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected):
     write(tmp_path, relpath, source)
@@ -169,6 +201,11 @@ def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected)
     ("tests/test_x.py", "import ray\nfrom deployments.app import build_app\n"),
     ("bench/app.py", "import ray\nfrom deployments.app import build_app\n"),
     ("model/sub/x.py", "from .. import config\nfrom ..sampler import euler_step\n"),  # relative, inside model/
+    ("parallel/adaln.py", "import torch.distributed as dist\nfrom cache.plan_cache import PlanRows\n"
+                          "from model.adaln import Modulation\nfrom .group import SpGroup\n"),
+    ("jobs/service.py", "import asyncio\nimport sqlite3\nfrom pydantic import BaseModel\nimport psycopg\n"
+                        "import fsspec.core\nfrom engine.limits import ModelLimits\nfrom .store import JobStore\n"
+                        "from jobs.records import JobRecord\n"),
     (".venv/lib/cache/x.py", "import ray\n"),  # not ours
 ])
 def test_checker_accepts_an_allowed_import(tmp_path, relpath, source):

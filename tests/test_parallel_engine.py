@@ -36,8 +36,9 @@ from model.layout import CheckpointError
 from model.tiny import make_tiny_checkpoint
 from parallel.config_check import check_parallel_config
 from parallel.sequence import SequenceParallelError
+from tests.serve_helpers import shared_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: SP2 rank actors (gloo)
 
 FPS = 24
 NUM_FRAMES = 22  # 0.5 s -> round(0.5 * 24) + 1 = 13 frames, snapped up to 17 n + 5
@@ -98,9 +99,8 @@ def seed1_checkpoint(tmp_path_factory) -> Path:
 def ray_cluster():
     # 6 logical CPUs: the module's replica (2 ranks) beside one more (2 ranks, and a coordinator for the
     # Serve-like one)
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with shared_ray():  # the session's cluster (8 CPUs), emptied after the module
+        yield
 
 
 @pytest.fixture(scope="module")

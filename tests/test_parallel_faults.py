@@ -31,8 +31,9 @@ from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFa
 from model.layout import H3Checkpoint
 from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights
+from tests.serve_helpers import shared_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: SP2 rank actors stalled and killed
 
 TIMEOUT_S = 10.0  # collectives and coordinator calls (a stalled rank is found within it)
 LOAD_TIMEOUT_S = 120.0
@@ -110,9 +111,8 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with shared_ray():  # the session's cluster (tests/serve_helpers.py), emptied after the module
+        yield
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ import actors.gpu_worker as gpu_worker
 from actors.gpu_worker import OwnPlacementGroup, ParallelEngine
 from engine.config import EngineConfig
 from engine.errors import ServerFault
+from tests.serve_helpers import shared_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: weight updates over SP2 ranks
 
 VALIDATED = "f00dfeedf00dfeed"  # what every rank's validation reads
 CHANGED = "0badc0de0badc0de"  # what a rank reads when the directory changed after the validation
@@ -59,9 +60,8 @@ class FakeRank:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with shared_ray():  # the session's cluster (tests/serve_helpers.py), emptied after the module
+        yield
 
 
 @pytest.mark.parametrize("rank1_ends_on, healthy", [(VALIDATED, True), (CHANGED, False)])

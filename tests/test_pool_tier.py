@@ -8,7 +8,6 @@ one pool namespace per test.
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 from pathlib import Path
 
@@ -21,8 +20,9 @@ from engine.api import GenerationRequest
 from engine.config import EngineConfig, PoolConfig
 from engine.engine import Engine
 from model.tiny import make_tiny_checkpoint
+from tests.serve_helpers import shared_ray
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: engines on the node pool
 
 MiB = 1 << 20
 #: The smallest request the tiny checkpoint serves (64x64 px, 5 s), latents only: 4 grid points = 3 forwards.
@@ -32,9 +32,8 @@ NUM_PLANS = 3  # forward 0 (timestep 0.0 for both modalities) and two more with 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with shared_ray():  # the session's cluster (tests/serve_helpers.py), emptied after the module
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +118,7 @@ def test_a_killed_pool_costs_speed_only(checkpoints, namespace):
     ray.kill(ray.get_actor(pool_actor_name(a_remote.node_id, 0), namespace=namespace), no_restart=True)
 
     b_remote = client(namespace, timeout_s=5.0)
-    start = time.monotonic()
-    second = worker(checkpoints[0], b_remote).generate(GenerationRequest(**REQUEST))
-    assert time.monotonic() - start < 60
+    second = worker(checkpoints[0], b_remote).generate(GenerationRequest(**REQUEST))  # no error: rebuilt plans
     stats = second.stats.adaln
     assert stats.pool_hit_plans == 0 and stats.built_plans == NUM_PLANS
     assert same_bits(first, second)

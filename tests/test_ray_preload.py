@@ -9,7 +9,11 @@ import time
 
 import pytest
 
+from tests.serve_helpers import own_cluster
+
 ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow  # a Ray cluster of its own (RAY_preload_python_modules)
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +21,7 @@ def preloading_ray():
     # The raylet reads the variable when it starts and passes it to every worker process it starts.
     previous = os.environ.get("RAY_preload_python_modules")
     os.environ["RAY_preload_python_modules"] = "deployments"
+    own_cluster()  # the variable must reach a raylet of its own: the session's one was started without it
     try:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     finally:

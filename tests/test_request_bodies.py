@@ -19,7 +19,7 @@ from jobs.config import AuthConfig, JobsConfig
 from jobs.outputs import OutputStore
 from jobs.service import JobService
 from jobs.sqlite_store import SqliteJobStore
-from jobs.testing import FakeVideoBackend
+from tests.jobs_support import FakeVideoBackend
 from tests.test_videos_api import TINY
 
 LIMIT = 4096

@@ -32,6 +32,7 @@ from deployments.routing.report import SlabReport
 from deployments.routing.reporter import ScheduleAffinityReporter
 from deployments.routing.router import ScheduleAffinityRouter
 from engine.api import SlabState
+from tests.serve_helpers import serve_cluster
 
 KEYS = [f"steps=50/shift={s}" for s in range(200)]
 FAKE_DEPLOYMENT = DeploymentID(name="Worker", app_name="fake")
@@ -419,13 +420,10 @@ class EchoIngress:
 
 @pytest.fixture(scope="module")
 def app():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(proxy_location="Disabled")
-    ingress = serve.run(EchoIngress.bind(EchoWorker.bind()), name=APP, route_prefix=None)
-    worker = serve.get_deployment_handle("EchoWorker", app_name=APP)
-    yield ingress, worker
-    serve.shutdown()
-    ray.shutdown()
+    with serve_cluster():  # the session's cluster and Serve (its HTTP proxy unused: handles only)
+        ingress = serve.run(EchoIngress.bind(EchoWorker.bind()), name=APP, route_prefix=None)
+        worker = serve.get_deployment_handle("EchoWorker", app_name=APP)
+        yield ingress, worker
 
 
 def call(handle_method, *args, timeout_s=30, **kwargs):
@@ -451,6 +449,7 @@ def worker_replica_ids(worker) -> list:
     return sorted(seen)
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_same_key_goes_to_its_rendezvous_replica(app):
     _, worker = app
     replicas = worker_replica_ids(worker)
@@ -459,6 +458,7 @@ def test_same_key_goes_to_its_rendezvous_replica(app):
         assert got == {first_choice(key, replicas)}, key
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_all_handles_agree_without_shared_state(app):
     ingress, worker = app
     replicas = worker_replica_ids(worker)
@@ -471,6 +471,7 @@ def test_all_handles_agree_without_shared_state(app):
     assert len(by_ingress) == 2, "both ingress replicas should have routed requests"
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_hot_key_spills_over_bounded_load_to_next_choice(app):
     _, worker = app
     replicas = worker_replica_ids(worker)
@@ -487,6 +488,7 @@ def test_hot_key_spills_over_bounded_load_to_next_choice(app):
     assert after["hits"] > before["hits"]
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_requests_without_key_route_by_least_load(app):
     _, worker = app
     wait_until_router_sees_idle_replicas()
@@ -497,6 +499,7 @@ def test_requests_without_key_route_by_least_load(app):
     assert max(used.values()) == 2
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_replicas_report_warm_keys_to_the_router(app):
     _, worker = app
     key = KEYS[60]
@@ -508,6 +511,7 @@ def test_replicas_report_warm_keys_to_the_router(app):
         time.sleep(0.25)
 
 
+@pytest.mark.slow  # Ray + Serve (the session's cluster)
 def test_ingress_reports_affinity_stats(app):
     ingress, _ = app
     stats = call(ingress.stats)

@@ -17,7 +17,7 @@ import requests
 from deployments.schemas import decode_latents
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: split stages
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 GENERATION = {"prompt": "a red fox in snow", "steps": 4, "seconds": 1.0, "width": 96, "height": 64, "seed": 7,

@@ -20,7 +20,7 @@ from jobs.config import AuthConfig, JobsConfig
 from jobs.outputs import OutputStore
 from jobs.service import JobService
 from jobs.sqlite_store import SqliteJobStore
-from jobs.testing import FAKE_MP4_BYTES, FakeVideoBackend, fake_mp4, fake_png
+from tests.jobs_support import FAKE_MP4_BYTES, FakeVideoBackend, fake_mp4, fake_png
 
 pytestmark = pytest.mark.timeout(120)
 

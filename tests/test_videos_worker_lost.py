@@ -27,7 +27,7 @@ import requests
 
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: a worker lost mid-job
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 # 64 forwards on ~900 tokens (4 s -> 97 frames, snapped to 107): many seconds of CPU work, so the replica is

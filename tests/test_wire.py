@@ -13,6 +13,7 @@ from engine.api import GenerationResult, Latents
 from engine.stages import PromptEmbedding
 from engine.wire import TensorsAsArrays, WireTensor
 from model.text_encoder import PromptCacheStats
+from tests.serve_helpers import shared_ray
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.complex64)
@@ -81,15 +82,13 @@ def test_the_crossing_dataclasses_pickle_their_tensors_as_arrays_and_nothing_els
     assert issubclass(GenerationResult, TensorsAsArrays)
 
 
+@pytest.mark.slow  # Ray
 def test_ray_moves_them_through_its_object_store_into_tensors_of_their_own():
     import ray
 
     embedding = PromptEmbedding(embeds=sample(torch.bfloat16, (300, 64)), encode_s=0.0,
                                 cache=PromptCacheStats(hits=0, misses=1, evictions=0, entries=1, used_bytes=1, capacity_bytes=1))
-    ray.init(num_cpus=1, include_dashboard=False)
-    try:
+    with shared_ray():  # the session's cluster (tests/serve_helpers.py)
         back = ray.get(ray.put(embedding))
-    finally:
-        ray.shutdown()
     assert torch.equal(back.embeds, embedding.embeds)
     back.embeds.add_(1)  # its own memory, not the store's read-only buffer

@@ -1,4 +1,5 @@
-"""Test doubles of the job layer: a scripted `VideoBackend` and a clock that moves only when told.
+"""Test doubles of the job layer (kept in tests/, out of the package): a scripted `VideoBackend`, a clock that
+moves only when told, and a throwaway PostgreSQL server.
 
 `FakeVideoBackend` runs `num_inference_steps` steps of `step_s` seconds each, reports progress, honours
 `cancelled()` between steps, and returns deterministic bytes (`fake_mp4(spec)`, a real 1x1 `fake_png(spec)`).
