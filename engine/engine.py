@@ -65,6 +65,7 @@ from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, GenerationCancelled, ServerFault, WeightsRejected
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
+from engine.conditioning import checked_conditioning, conditioning_stage
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation, Modulation
 from model.decode import AudioDecoder, VideoDecoder
@@ -325,6 +326,7 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         self.limits = geometry_limits(config.geometry, self.model_config.hidden_size)
+        self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage, self.limits)
         t = time.perf_counter()
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"
         fingerprint_s = time.perf_counter() - t
@@ -360,7 +362,8 @@ class Engine:
                     f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
                     "use text_encoder.device: engine, or text_encoder_tp: false")
             text_split = TextTensorParallel(self.group)
-        self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split)
+        self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split,
+                                        vision=config.text_encoder.vision and text_split is None)
         return time.perf_counter() - start
 
     def _load_vaes(self) -> float:
@@ -400,9 +403,12 @@ class Engine:
         if request.steps > self.config.max_steps:
             raise ClientError(f"steps: {request.steps} exceeds this server's max_steps={self.config.max_steps}")
         try:
-            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits,
-                                                  H3_LATENTS)
-            schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
+            if request.task is Task.T2VA:
+                geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds, self.limits,
+                                                      H3_LATENTS)
+                schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
+            else:
+                geometry, schedule = checked_conditioning(self.conditioning, request).check(request)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
@@ -626,7 +632,8 @@ class Engine:
         """The stages composed in this process (what the split app runs in three deployments)."""
         assert self.prompt_stage is not None
         self._check_cancelled(cancelled)
-        embedding = self.prompt_stage.encode(request.prompt)
+        embedding = self.prompt_stage.encode(request.prompt) if request.task is Task.T2VA else \
+            checked_conditioning(self.conditioning, request).encode(request)
         result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
         decoded = None
         if request.return_video and self.decode_stage is not None:  # rank 0 alone decodes; the other ranks are done
@@ -683,7 +690,8 @@ class Engine:
             self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
-            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device)
+            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, None if request.task is Task.T2VA
+                                else checked_conditioning(self.conditioning, request).conditions(request))
             latents = denoiser.initial_latents(seed)
             late = LateFlag(self.group) if self.group is not None else None
             if self.sequence_parallel is not None:
