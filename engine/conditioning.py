@@ -74,8 +74,9 @@ class ConditioningStage:
         entry = self._prepared(request)
         start = time.perf_counter()
         cache = self.prompt_stage.cache
-        embeds = cache.get_or_encode_presentation(self.prompt_stage.encoder, entry.prepared.presentation,
-                                                  max_tokens=self.prompt_stage.config.max_prompt_tokens)
+        # The prompt's own tokens were checked against max_prompt_tokens (`PromptStage.check`); the vision blocks
+        # are the canvas's, bounded by the media limits.
+        embeds = cache.get_or_encode_presentation(self.prompt_stage.encoder, entry.prepared.presentation)
         return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=cache.stats())
 
     def conditions(self, request: GenerationRequest) -> ConditionLatents:

@@ -10,6 +10,10 @@ the same model:
     native:    FL2VA/transformer/ under native names and layouts (interleaved qkv, fc1 as [gate; value],
                rope.inv_freq), FL2VA/model_index.json with the `_minimax_h3` block
 
+`ref2va=True` adds the Ref2VA partition: `transformer_ref/` at the diffusers root, `Ref2VA/` (its own transformer,
+index and components) beside `FL2VA/` in the native layout; its transformer is `tiny_transformer(seed +
+REF2VA_SEED_OFFSET)`. The model indexes carry `TINY_CANVAS` (`model.canvas.CanvasRule`).
+
 Everything else (text encoder, tokenizer, processor, VAEs) is written by
 `model.tiny_components.write_tiny_components(component_root, layout, seed)` into the directory that holds the
 component directories: the root for the diffusers layout, FL2VA/ for the native one.
