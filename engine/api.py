@@ -11,25 +11,28 @@ grid and the audio length, `model.geometry`); `steps` counts sampling grid point
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
+                      model_validator)
 
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
+from engine.errors import ClientError
 from engine.limits import MAX_PROMPT_CHARS
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
-from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Task, schedule_key
+from model.geometry import GeometryError
+from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, ScheduleError, Task, schedule_key
 from model.text_encoder import PromptCacheStats
 from offload.layerwise import OffloadStats
 
 __all__ = [
     "AdalnStats", "CacheDitStats", "CancelledFn", "EngineProtocol", "GenerationRequest", "GenerationResult",
-    "GenerationStats", "GenerationTimings", "OffloadStats", "ParallelStats", "ProgressFn", "PromptCacheStats",
-    "RankStats", "request_schedule_key",
+    "GenerationStats", "GenerationTimings", "KeyframeInput", "OffloadStats", "ParallelStats", "ProgressFn",
+    "PromptCacheStats", "RankStats", "ReferenceInput", "request_schedule_key",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -40,8 +43,44 @@ ProgressFn = Callable[[int, int], None]
 CancelledFn = Callable[[], bool]
 
 
+#: Most keyframes (first and last) and references (the released model's 12) a request carries.
+MAX_KEYFRAMES = 2
+MAX_REFERENCES = 12
+
+
+class KeyframeInput(BaseModel):
+    """One keyframe of a fl2va request: an encoded image and where the clip shows it."""
+
+    # In JSON the bytes are base64 (what a `data:` URL carries after its comma).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, val_json_bytes="base64",
+                              ser_json_bytes="base64")
+
+    image: bytes = Field(..., min_length=1, description="PNG, JPEG or WebP file bytes (the HTTP layer decodes "
+                                                        "multipart uploads and data: URLs into these).")
+    anchor: Literal["first", "last"] | None = Field(
+        None, description="first: the clip starts on the image; last: it ends on it. Or give frame_index.")
+    frame_index: int | None = Field(
+        None, description="The frame-index form the APIs use: 0 (first) or -1 / the clip's last frame (last).")
+
+    @model_validator(mode="after")
+    def _one_position(self) -> KeyframeInput:
+        if (self.anchor is None) == (self.frame_index is None):
+            raise ValueError("give exactly one of anchor (first | last) and frame_index")
+        return self
+
+
+class ReferenceInput(BaseModel):
+    """One reference of a ref2va request, encoded: an image, a video (with its soundtrack) or a soundtrack."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, val_json_bytes="base64",
+                              ser_json_bytes="base64")
+
+    kind: Literal["image", "video", "audio"] = Field(..., description="What the file is.")
+    data: bytes = Field(..., min_length=1, description="The file bytes: PNG/JPEG/WebP, a video, or audio.")
+
+
 class GenerationRequest(BaseModel):
-    """One text -> video+audio generation (task t2va) of MiniMax-H3.
+    """One generation of MiniMax-H3: t2va (text only), fl2va (`keyframes`) or ref2va (`references`).
 
     Checks here are model-independent; limits that depend on the loaded model and server (size rules,
     duration, prompt tokens, steps) are checked by the engine, which raises `engine.errors.ClientError`
@@ -74,6 +113,14 @@ class GenerationRequest(BaseModel):
     cache_dit: CacheDitOverrides | None = Field(
         None, description="Per-request changes to the server's Cache-DiT settings (null: the server's)."
     )
+    keyframes: tuple[KeyframeInput, ...] | None = Field(
+        None, max_length=MAX_KEYFRAMES,
+        description="fl2va: the first and/or last keyframe. Without width/height the canvas is the model's for "
+        "the first keyframe's aspect ratio (768 short edge for the release).")
+    references: tuple[ReferenceInput, ...] | None = Field(
+        None, max_length=MAX_REFERENCES,
+        description="ref2va, in the order the model reads them: up to 9 images, 3 videos, 3 soundtracks (never "
+        "soundtracks alone). Served by the Ref2VA partition.")
 
     @field_validator("prompt")
     @classmethod
@@ -83,6 +130,21 @@ class GenerationRequest(BaseModel):
             raise ValueError("must not be blank")
         return prompt
 
+    @model_validator(mode="after")
+    def _one_task(self) -> GenerationRequest:
+        if self.keyframes and self.references:
+            raise ValueError("keyframes (fl2va) and references (ref2va) are different tasks: send one of them")
+        return self
+
+    @property
+    def task(self) -> Task:
+        return Task.FL2VA if self.keyframes else Task.REF2VA if self.references else Task.T2VA
+
+    @property
+    def size_given(self) -> bool:
+        """Whether the request names its canvas (a fl2va / ref2va request without one takes the model's)."""
+        return "width" in self.model_fields_set or "height" in self.model_fields_set
+
     @property
     def schedule_key(self) -> str:
         """The AdaLN plan group this request needs (routes it to a warm replica); no tensors are built."""
@@ -90,7 +152,10 @@ class GenerationRequest(BaseModel):
 
 
 def request_schedule_key(request: GenerationRequest) -> str:
-    return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, Task.T2VA)
+    # A soundtrack reference adds the t = 1 rows to every plan. (A video reference's own soundtrack would too;
+    # video references are not served yet: model.presentation.)
+    reference_audio = any(reference.kind == "audio" for reference in request.references or ())
+    return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, request.task, reference_audio)
 
 
 class GenerationTimings(BaseModel):
@@ -239,3 +304,18 @@ class EngineProtocol(Protocol):
 
     #: How the engine's constructor spent its time (None for an engine that does not measure it, e.g. a fake).
     startup: EngineStartup | None
+
+
+#: model/ names of request fields, as the request spells them.
+_REQUEST_FIELDS = {"num_steps": "steps", "video_shift": "flow_shift", "audio_shift": "audio_flow_shift",
+                   "num_frames": "seconds"}
+
+
+def field_error(exc: GeometryError | ScheduleError, request: GenerationRequest) -> ClientError:
+    """A `model/` refusal (field, value, limit) as the engine's ClientError on the request's field."""
+    field = _REQUEST_FIELDS.get(exc.field, exc.field)
+    detail = f"{exc.value!r} is out of range: {exc.limit}"
+    if field == "width*height":  # the area: the long edge is the one to shrink (the short edge is fixed)
+        field = "width" if request.width >= request.height else "height"
+        detail = f"{request.width}x{request.height} = {exc.value} px is out of range: {exc.limit}"
+    return ClientError(field, detail, exc.limit)

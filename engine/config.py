@@ -64,6 +64,10 @@ class TextEncoderConfig(BaseModel):
     prompt_cache_mb: float = Field(
         256.0, ge=0, description="Prompt-embedding cache (LRU by prompt, bounded in MB; 0 turns it off)."
     )
+    vision: bool = Field(
+        True, description="Load Qwen3-VL's vision tower, so keyframe (fl2va) and image-reference (ref2va) prompts "
+        "are served; false: a t2va-only process keeps the text layers' memory and answers those requests with a 422."
+    )
 
 
 class DecodeConfig(BaseModel):

@@ -55,6 +55,7 @@ import torch
 from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
 from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
+from engine.api import field_error
 from engine.api import (
     CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
     SlabState,
@@ -64,6 +65,7 @@ from engine.errors import AdmissionRejected, ClientError, FaultCause, Generation
 from engine.limits import ModelLimits, served_limits
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
+from engine.conditioning import checked_conditioning, conditioning_stage
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VideoDecoder
@@ -143,20 +145,6 @@ def geometry_limits(limits: ModelLimits) -> GeometryLimits:
 
 
 #: The request field of a `model/` error's field (`GeometryError`, `ScheduleError`); the rest are the same name.
-_REQUEST_FIELDS = {"num_steps": "steps", "video_shift": "flow_shift", "audio_shift": "audio_flow_shift",
-                   "num_frames": "seconds"}
-
-
-def field_error(exc: GeometryError | ScheduleError, request: GenerationRequest) -> ClientError:
-    """A `model/` refusal (field, value, limit) as the engine's ClientError on the request's field."""
-    field = _REQUEST_FIELDS.get(exc.field, exc.field)
-    detail = f"{exc.value!r} is out of range: {exc.limit}"
-    if field == "width*height":  # the area: the long edge is the one to shrink (the short edge is fixed)
-        field = "width" if request.width >= request.height else "height"
-        detail = f"{request.width}x{request.height} = {exc.value} px is out of range: {exc.limit}"
-    return ClientError(field, detail, exc.limit)
-
-
 def _init_device(device: torch.device) -> None:
     """Create the device's context now (CUDA: ~1 s on first use), so the load timings do not include it."""
     if device.type == "cuda":
@@ -299,6 +287,8 @@ class Engine:
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
         self.limits = model_limits(config, self.model_config.hidden_size)
         self._geometry_limits = geometry_limits(self.limits)
+        self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
+                                               self._geometry_limits)
         self._lock = threading.Lock()
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
@@ -331,7 +321,8 @@ class Engine:
                     f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
                     "use text_encoder.device: engine, or text_encoder_tp: false")
             text_split = TextTensorParallel(self.group)
-        self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split)
+        self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split,
+                                        vision=config.text_encoder.vision and text_split is None)
         return time.perf_counter() - start
 
     def _load_vaes(self) -> float:
@@ -371,9 +362,12 @@ class Engine:
             raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
                               f"max_steps={self.limits.max_steps}")
         try:
-            geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
-                                                  self._geometry_limits, H3_LATENTS)
-            schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
+            if request.task is Task.T2VA:
+                geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
+                                                      self._geometry_limits, H3_LATENTS)
+                schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
+            else:
+                geometry, schedule = checked_conditioning(self.conditioning, request).check(request)
         except (GeometryError, ScheduleError) as exc:
             raise field_error(exc, request) from None
         if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
@@ -598,7 +592,8 @@ class Engine:
         """The stages composed in this process (what the split app runs in three deployments)."""
         assert self.prompt_stage is not None
         self._check_cancelled(cancelled)
-        embedding = self.prompt_stage.encode(request.prompt)
+        embedding = self.prompt_stage.encode(request.prompt) if request.task is Task.T2VA else \
+            checked_conditioning(self.conditioning, request).encode(request)
         result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
         decoded = None
         if request.return_video and self.decode_stage is not None:  # rank 0 alone decodes; the other ranks are done
@@ -655,7 +650,8 @@ class Engine:
             self._begin_request(cache_dit, num_forwards)
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
-            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device)
+            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, None if request.task is Task.T2VA
+                                else checked_conditioning(self.conditioning, request).conditions(request))
             latents = denoiser.initial_latents(seed)
             late = LateFlag(self.group) if self.group is not None else None
             if self.sequence_parallel is not None:

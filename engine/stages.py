@@ -54,11 +54,13 @@ class PromptStage:
     one caller thread at a time per encode (the cache is locked; the encoder runs one prompt at a time)."""
 
     def __init__(self, config: TextEncoderConfig, checkpoint: H3Checkpoint, device: torch.device, *,
-                 split: LanguageModelSplit | None = None) -> None:
-        """`split`: the encoder's share of a tensor-parallel group (`parallel.text_encoder`); None: whole."""
+                 split: LanguageModelSplit | None = None, vision: bool = False) -> None:
+        """`split`: the encoder's share of a tensor-parallel group (`parallel.text_encoder`); None: whole.
+        `vision`: also hold Qwen3-VL's vision tower (keyframe and reference prompts, `engine.conditioning`)."""
         self.config = config
         self.encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, device,
-                                     hidden_state_index=config.hidden_state_index, split=split)
+                                     hidden_state_index=config.hidden_state_index, split=split, vision=vision,
+                                     processor_dir=checkpoint.processor_dir)
         # Another model's encoder (e.g. a smaller Qwen3-VL) loads fine and fails every request in the transformer.
         config_path = checkpoint.transformer_dir / CONFIG_FILE
         text_dim = H3TransformerConfig.from_json(config_path.read_bytes(), checkpoint.layout, config_path).text_dim

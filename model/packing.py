@@ -1,4 +1,4 @@
-"""The packed t2va sequence `[text | audio | video]` that MiniMax-H3's transformer runs over, and its latent codecs.
+"""The packed sequence `[text | conditions | audio | video]` MiniMax-H3's transformer runs over, and its latent codecs.
 
 Row layout (diffusers `MiniMaxH3PrepareLayoutStep.build_packed_sequence` with no keyframes, reproduced bit for bit):
 - rows [0, L): text, tag 1; rotary (t, h, w) = (row, 0, 0).
@@ -9,10 +9,20 @@ Row layout (diffusers `MiniMaxH3PrepareLayoutStep.build_packed_sequence` with no
   patch centres of an aspect-normalised grid spanning [0, 32) along sqrt(latent area), built with numpy's
   `linspace(endpoint=False)` because that is the reference's float64 arithmetic.
 Positions are float64, as the reference builds them; the transformer casts them to fp32 itself.
+
+Conditions (diffusers `build_packed_sequence` with keyframe anchors, `build_ref2va_packed_sequence`) sit between
+the text and the generated audio, one block each in packed order:
+- fl2va `KeyframeBlock`: one latent frame of the target canvas, rotary t = L (`first`) or the last pixel frame's
+  time (`last`, numpy's pairwise sum); keyframes do not move the media clock.
+- ref2va blocks advance a shared clock from L: an `ImageBlock` (its own size, one integer slot), an `AudioBlock`
+  (channel-major, w pinned to the target's width extremes, its latent count), a `VideoBlock` (its soundtrack's
+  rows, then its frames at its own size from the same origin, advancing by max(soundtrack latents, the frames'
+  sequentially summed span)); the generated audio and video then start at the clock's time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,40 +62,155 @@ def _latent_frame_times(num_latent_frames: int, origin: float) -> Tensor:
     return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
 
 
-def _position_ids(geometry: VideoGeometry, num_text_tokens: int) -> Tensor:
-    """fp64 [S, 3] rotary (t, h, w) of every row of `[text | audio | video]`."""
+@dataclass(frozen=True)
+class KeyframeBlock:
+    """fl2va: one keyframe's latent frame on the target canvas, pinned at the first or last frame's rotary time."""
+
+    anchor: str  # "first" | "last"
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    """ref2va: one image reference's latent frame at its own size; takes one integer rotary slot."""
+
+    latent_height: int
+    latent_width: int
+
+
+@dataclass(frozen=True)
+class AudioBlock:
+    """ref2va: one reference soundtrack's channel-major rows; advances the clock by its latent count."""
+
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class VideoBlock:
+    """ref2va: one video reference (its soundtrack's rows first, sharing its origin) at its own size."""
+
+    num_latent_frames: int
+    latent_height: int
+    latent_width: int
+    num_audio_rows: int = 0
+
+
+ConditionBlock = KeyframeBlock | ImageBlock | AudioBlock | VideoBlock
+
+
+def _frame_grid(latent_height: int, latent_width: int, patch_h: int, patch_w: int) -> tuple[Tensor, Tensor]:
+    """fp64 [rows * cols, 2] (h, w) of one latent frame's patches, row-major, and the width axis."""
+    sqrt_area = np.sqrt(latent_height * latent_width)
+    rows = torch.from_numpy(_spatial_axis(latent_height, patch_h, sqrt_area))
+    cols = torch.from_numpy(_spatial_axis(latent_width, patch_w, sqrt_area))
+    grid = torch.stack([rows[:, None].expand(-1, cols.numel()).reshape(-1),
+                        cols[None, :].expand(rows.numel(), -1).reshape(-1)], dim=-1)
+    return grid, cols
+
+
+def _last_frame_time(num_latent_frames: int, origin: float) -> float:
+    """The rotary time of the last *pixel* frame: the generated span summed pairwise by numpy (the reference's
+    order for this anchor; a sequential sum differs in the last ulp from 16 latent frames on)."""
+    spans = np.ones(num_latent_frames, dtype=np.float64) * _ROTARY_UNITS_PER_FRAME
+    for offset in range(len(_PIXEL_FRAMES_PER_LATENT)):
+        spans[offset:: len(_PIXEL_FRAMES_PER_LATENT)] *= _PIXEL_FRAMES_PER_LATENT[offset]
+    return origin + float(spans.sum()) - _ROTARY_UNITS_PER_FRAME
+
+
+def _sequential_span(num_latent_frames: int) -> float:
+    """The rotary time a video reference advances the clock by, summed sequentially (the reference's order there)."""
+    pattern = _PIXEL_FRAMES_PER_LATENT
+    return sum(_ROTARY_UNITS_PER_FRAME * pattern[k % len(pattern)] for k in range(num_latent_frames))
+
+
+def _fill_audio(positions: Tensor, start: int, num_latents: int, channels: int, time: float, cols: Tensor) -> None:
+    """Channel-major audio rows: t = time + latent index; w pinned to the first / last value of `cols`."""
+    rows = positions[start: start + num_latents * channels]
+    rows[:, 0] = (time + torch.arange(num_latents, dtype=torch.float64)).repeat(channels)
+    rows[:num_latents, 2] = float(cols[0])
+    rows[num_latents:, 2] = float(cols[-1])
+
+
+def _fill_video(positions: Tensor, start: int, num_frames: int, grid: Tensor, origin: float) -> None:
+    rows = positions[start: start + num_frames * grid.shape[0]].view(num_frames, grid.shape[0], 3)
+    rows[..., 0] = _latent_frame_times(num_frames, origin)[:, None]
+    rows[..., 1:] = grid[None]
+
+
+def _build_rows(geometry: VideoGeometry, num_text_tokens: int, blocks: tuple[ConditionBlock, ...]):
+    """fp64 positions [S, 3], video row indices, audio row indices, condition video rows, condition audio rows."""
     _, patch_h, patch_w = geometry.spec.patch_size
-    num_audio_latents = geometry.num_audio_latents
-    audio_start = num_text_tokens
-    video_start = audio_start + geometry.num_audio_rows
-    positions = torch.zeros(geometry.num_tokens(num_text_tokens), 3, dtype=torch.float64)
+    channels = geometry.spec.audio_channels
+    target_grid, target_cols = _frame_grid(geometry.latent_height, geometry.latent_width, patch_h, patch_w)
+    rows_per_frame = target_grid.shape[0]
 
-    positions[:audio_start, 0] = torch.arange(num_text_tokens, dtype=torch.float64)
+    def video_rows(frames: int, height: int, width: int) -> int:
+        return frames * (height // patch_h) * (width // patch_w)
 
-    sqrt_area = np.sqrt(geometry.latent_height * geometry.latent_width)
-    rows = torch.from_numpy(_spatial_axis(geometry.latent_height, patch_h, sqrt_area))
-    cols = torch.from_numpy(_spatial_axis(geometry.latent_width, patch_w, sqrt_area))
+    sizes = []
+    for block in blocks:
+        if isinstance(block, KeyframeBlock):
+            sizes.append((0, rows_per_frame))
+        elif isinstance(block, ImageBlock):
+            sizes.append((0, video_rows(1, block.latent_height, block.latent_width)))
+        elif isinstance(block, AudioBlock):
+            sizes.append((block.num_rows, 0))
+        else:
+            sizes.append((block.num_audio_rows,
+                          video_rows(block.num_latent_frames, block.latent_height, block.latent_width)))
+    condition_rows = sum(a + v for a, v in sizes)
+    num_tokens = geometry.num_tokens(num_text_tokens) + condition_rows
+    positions = torch.zeros(num_tokens, 3, dtype=torch.float64)
+    positions[:num_text_tokens, 0] = torch.arange(num_text_tokens, dtype=torch.float64)
 
+    video_runs, audio_runs = [], []
+    cursor, clock = num_text_tokens, float(num_text_tokens)
+    for block, (num_audio, num_video) in zip(blocks, sizes):
+        if isinstance(block, KeyframeBlock):  # keyframes do not move the clock
+            if block.anchor == "first":
+                time = float(num_text_tokens)
+            elif block.anchor == "last":
+                time = _last_frame_time(geometry.num_latent_frames, float(num_text_tokens))
+            else:
+                raise PackingError(f"a keyframe anchor must be 'first' or 'last', got {block.anchor!r}")
+            positions[cursor: cursor + num_video, 0] = time
+            positions[cursor: cursor + num_video, 1:] = target_grid
+        elif isinstance(block, ImageBlock):
+            grid, _ = _frame_grid(block.latent_height, block.latent_width, patch_h, patch_w)
+            positions[cursor: cursor + num_video, 0] = clock
+            positions[cursor: cursor + num_video, 1:] = grid
+            clock += 1.0
+        elif isinstance(block, AudioBlock):
+            _fill_audio(positions, cursor, num_audio // channels, channels, clock, target_cols)
+            clock += float(num_audio // channels)
+        else:
+            grid, cols = _frame_grid(block.latent_height, block.latent_width, patch_h, patch_w)
+            _fill_audio(positions, cursor, num_audio // channels, channels, clock, cols)
+            _fill_video(positions, cursor + num_audio, block.num_latent_frames, grid, clock)
+            clock += max(float(num_audio // channels), _sequential_span(block.num_latent_frames))
+        audio_runs.append(torch.arange(cursor, cursor + num_audio))
+        video_runs.append(torch.arange(cursor + num_audio, cursor + num_audio + num_video))
+        cursor += num_audio + num_video
+
+    audio_start, video_start = cursor, cursor + geometry.num_audio_rows
     # Audio shares the video clock (40 latents/s = 24 fps * 5/3 units); channel c sits at the c-th width extreme.
-    audio = positions[audio_start:video_start].view(geometry.spec.audio_channels, num_audio_latents, 3)
-    audio[:, :, 0] = float(num_text_tokens) + torch.arange(num_audio_latents, dtype=torch.float64)
-    audio[0, :, 2] = float(cols[0])
-    audio[1:, :, 2] = float(cols[-1])
-
-    video = positions[video_start:].view(geometry.num_latent_frames, rows.numel(), cols.numel(), 3)
-    video[..., 0] = _latent_frame_times(geometry.num_latent_frames, float(num_text_tokens))[:, None, None]
-    video[..., 1] = rows[None, :, None]
-    video[..., 2] = cols[None, None, :]
-    return positions
+    _fill_audio(positions, audio_start, geometry.num_audio_latents, channels, clock, target_cols)
+    _fill_video(positions, video_start, geometry.num_latent_frames, target_grid, clock)
+    video_indices = torch.cat(video_runs + [torch.arange(video_start, num_tokens)])
+    audio_indices = torch.cat(audio_runs + [torch.arange(audio_start, video_start)])
+    num_condition_video = sum(v for _, v in sizes)
+    num_condition_audio = sum(a for a, _ in sizes)
+    return positions, video_indices, audio_indices, num_condition_video, num_condition_audio
 
 
 @dataclass(frozen=True, eq=False)
 class PackedLayout:
-    """Where every row of one request's packed sequence comes from; depends on geometry and text length only.
+    """Where every row of one request's packed sequence comes from: geometry, text rows and condition blocks.
 
-    Invariants (true by construction, checked in tests/test_h3_denoise.py): text, audio and video indices partition
-    range(S) into three contiguous runs in that order; `token_tags` is TEXT_TAG / AUDIO_TAG / VIDEO_TAG on exactly
-    those runs.
+    `[text | condition blocks | target audio | target video]`; t2va has no blocks. Invariants (checked in
+    tests/test_h3_denoise.py and tests/test_h3_fl2va.py): text, audio and video indices partition range(S);
+    `video_indices` / `audio_indices` list the condition rows first (`num_condition_video_rows`,
+    `num_condition_audio_rows` of them), then the generated ones, which are one contiguous run each at the end;
+    text rows are TEXT_TAG except a vision block's rows (VIDEO_TAG), audio rows AUDIO_TAG, video rows VIDEO_TAG.
     """
 
     geometry: VideoGeometry
@@ -93,27 +218,33 @@ class PackedLayout:
     position_ids: Tensor  # fp64 [S, 3]
     token_tags: Tensor  # int64 [S]
     text_indices: Tensor  # int64 [L]
-    audio_indices: Tensor  # int64 [2A]
-    video_indices: Tensor  # int64 [Nv]
+    audio_indices: Tensor  # int64 [Nca + 2A]
+    video_indices: Tensor  # int64 [Ncv + Nv]
+    num_condition_video_rows: int = 0
+    num_condition_audio_rows: int = 0
 
     @classmethod
-    def build(cls, geometry: VideoGeometry, num_text_tokens: int, device: torch.device | str = "cpu") -> PackedLayout:
+    def build(cls, geometry: VideoGeometry, num_text_tokens: int, device: torch.device | str = "cpu", *,
+              text_token_tags: Tensor | None = None, blocks: tuple[ConditionBlock, ...] = ()) -> PackedLayout:
+        """`text_token_tags` [L] (default: all TEXT_TAG; a vision block's rows are VIDEO_TAG); `blocks` in packed
+        order (fl2va: `KeyframeBlock`s; ref2va: one block per reference)."""
         if isinstance(num_text_tokens, bool) or not isinstance(num_text_tokens, int) or num_text_tokens < 1:
             raise PackingError(f"num_text_tokens={num_text_tokens!r} must be an integer >= 1")
-        audio_start = num_text_tokens
-        video_start = audio_start + geometry.num_audio_rows
-        num_tokens = geometry.num_tokens(num_text_tokens)
-        token_tags = torch.full((num_tokens,), VIDEO_TAG, dtype=torch.long)
-        token_tags[:audio_start] = TEXT_TAG
-        token_tags[audio_start:video_start] = AUDIO_TAG
+        if text_token_tags is None:
+            text_token_tags = torch.full((num_text_tokens,), TEXT_TAG, dtype=torch.long)
+        if tuple(text_token_tags.shape) != (num_text_tokens,):
+            raise PackingError(f"text_token_tags of shape {tuple(text_token_tags.shape)}; expected ({num_text_tokens},)")
+        positions, video_indices, audio_indices, condition_video, condition_audio = _build_rows(
+            geometry, num_text_tokens, tuple(blocks))
+        token_tags = torch.empty(positions.shape[0], dtype=torch.long)
+        text_indices = torch.arange(num_text_tokens)
+        token_tags[text_indices] = text_token_tags.to(torch.long)
+        token_tags[audio_indices] = AUDIO_TAG
+        token_tags[video_indices] = VIDEO_TAG
         layout = cls(
-            geometry=geometry,
-            num_text_tokens=num_text_tokens,
-            position_ids=_position_ids(geometry, num_text_tokens),
-            token_tags=token_tags,
-            text_indices=torch.arange(0, audio_start),
-            audio_indices=torch.arange(audio_start, video_start),
-            video_indices=torch.arange(video_start, num_tokens),
+            geometry=geometry, num_text_tokens=num_text_tokens, position_ids=positions, token_tags=token_tags,
+            text_indices=text_indices, audio_indices=audio_indices, video_indices=video_indices,
+            num_condition_video_rows=condition_video, num_condition_audio_rows=condition_audio,
         )
         return layout.to(device)
 
@@ -122,20 +253,21 @@ class PackedLayout:
         return self.token_tags.shape[0]
 
     def to(self, device: torch.device | str) -> PackedLayout:
-        return PackedLayout(
-            geometry=self.geometry,
-            num_text_tokens=self.num_text_tokens,
-            position_ids=self.position_ids.to(device),
-            token_tags=self.token_tags.to(device),
-            text_indices=self.text_indices.to(device),
-            audio_indices=self.audio_indices.to(device),
+        return dataclasses.replace(
+            self, position_ids=self.position_ids.to(device), token_tags=self.token_tags.to(device),
+            text_indices=self.text_indices.to(device), audio_indices=self.audio_indices.to(device),
             video_indices=self.video_indices.to(device),
         )
 
-    def timestep_indices(self, video_index: int, audio_index: int) -> Tensor:
+    def timestep_indices(self, video_index: int, audio_index: int, condition_video_index: int | None = None,
+                         condition_audio_index: int | None = None) -> Tensor:
         """int64 [S]: every row's index into its forward's `timestep` tensor (text rows share video's)."""
         indices = torch.full((self.num_tokens,), video_index, dtype=torch.long, device=self.token_tags.device)
         indices[self.audio_indices] = audio_index
+        if self.num_condition_video_rows:
+            indices[self.video_indices[: self.num_condition_video_rows]] = condition_video_index
+        if self.num_condition_audio_rows:
+            indices[self.audio_indices[: self.num_condition_audio_rows]] = condition_audio_index
         return indices
 
 

@@ -18,6 +18,12 @@ installs what joins the partial results (an all-reduce); the encoder itself stay
 
 Text-only prompts carry no vision tokens, so Qwen3-VL's multimodal rotary layout reduces to plain positions
 0..L-1 on all three axes; the language model computes exactly that when given no position ids.
+
+Keyframe and reference prompts (`model.presentation.Presentation`: labels, vision blocks, the prompt) need the
+vision tower: `PromptEncoder(..., vision=True)` also loads `model.visual.*` and the image processor from the
+processor directory, and `encode_presentation` runs transformers' own `Qwen3VLModel` forward (vision features
+scattered into the pad rows, deepstack, the multimodal rotary positions) over the same truncated language model.
+Without `vision` (a t2va-only deployment) neither is loaded, and the memory is today's.
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ from typing import Protocol
 import torch
 from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
-from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLTextConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLTextConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
+
+from model.presentation import Presentation
 
 #: MiniMax-H3 conditions on hidden_states[50] of its Qwen3-VL (diffusers `text_encoder_layer`).
 H3_HIDDEN_STATE_INDEX = 50
 #: Where a Qwen3VLForConditionalGeneration checkpoint keeps its language model's tensors.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
+VISION_PREFIX = "model.visual."
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -108,7 +117,10 @@ class PromptEncoder:
     """
 
     def __init__(self, text_encoder_dir: str | Path, tokenizer_dir: str | Path, device: torch.device | str, *,
-                 hidden_state_index: int = H3_HIDDEN_STATE_INDEX, split: LanguageModelSplit | None = None) -> None:
+                 hidden_state_index: int = H3_HIDDEN_STATE_INDEX, split: LanguageModelSplit | None = None,
+                 vision: bool = False, processor_dir: str | Path | None = None) -> None:
+        """`vision`: also load the vision tower and the image processor (`processor_dir`), for keyframe and
+        reference prompts (`encode_presentation`); not with `split`."""
         self.text_encoder_dir, self.tokenizer_dir = Path(text_encoder_dir), Path(tokenizer_dir)
         self.device = torch.device(device)
         self.hidden_state_index = hidden_state_index
@@ -124,6 +136,17 @@ class PromptEncoder:
             self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
             self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
                                          split.label if split is not None else "")
+            self._multimodal: Qwen3VLModel | None = None
+            self.image_processor: Qwen2VLImageProcessorPil | None = None
+            if vision:
+                if split is not None:
+                    raise TextEncoderLoadError("a tensor-parallel text encoder serves text prompts only; keyframe and "
+                                               "reference prompts need text_encoder_tp = 1")
+                if processor_dir is None:
+                    raise TextEncoderLoadError("vision=True needs the processor directory (its image processor)")
+                self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+                self._multimodal = _load_multimodal(self.text_encoder_dir, text_config, weight_files, self._model,
+                                                    self.device)
         except (KeyError, json.JSONDecodeError, struct.error, OSError, SafetensorError) as e:
             # An index without weight_map, a shard cut short: the bare errors name no file.
             raise TextEncoderLoadError(f"cannot load the text encoder weights in {self.text_encoder_dir}: "
@@ -158,6 +181,30 @@ class PromptEncoder:
         _check_token_count(len(token_ids), max_tokens)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         output = self._model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+        return output.last_hidden_state[0]
+
+    @property
+    def has_vision(self) -> bool:
+        return self._multimodal is not None
+
+    @torch.inference_mode()
+    def encode_presentation(self, presentation: Presentation, *, max_tokens: int | None = None) -> torch.Tensor:
+        """[num_tokens, text_dim] of a keyframe / reference presentation: `hidden_states[index]` of Qwen3-VL's
+        multimodal forward (diffusers `get_qwen3vl_prompt_embeds` with its vision inputs)."""
+        if self._multimodal is None:
+            raise TextEncoderLoadError("this prompt encoder was loaded without the vision tower (vision=False)")
+        _check_token_count(presentation.num_tokens, max_tokens)
+        model = self._multimodal
+        input_ids = torch.tensor([presentation.token_ids], dtype=torch.long, device=self.device)
+        types = torch.zeros_like(input_ids)  # Qwen3-VL's own modality types: 1 image pad, 2 video pad
+        types[input_ids == model.config.image_token_id] = 1
+        types[input_ids == model.config.video_token_id] = 2
+        vision = {}
+        if presentation.pixel_values is not None:
+            vision = {"pixel_values": presentation.pixel_values.to(self.device, self.dtype),
+                      "image_grid_thw": presentation.image_grid_thw.to(self.device)}
+        output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
+                       use_cache=False, **vision)
         return output.last_hidden_state[0]
 
 
@@ -247,6 +294,32 @@ def _load_truncated_language_model(text_config: Qwen3VLTextConfig, weight_files:
     return model
 
 
+def _load_multimodal(text_encoder_dir: Path, text_config: Qwen3VLTextConfig, weight_files: dict[str, Path],
+                     language_model: Qwen3VLTextModel, device: torch.device) -> Qwen3VLModel:
+    """transformers' Qwen3VLModel around the truncated language model and the vision tower read from the
+    checkpoint (its `model.visual.*` tensors), for its multimodal forward."""
+    config = Qwen3VLConfig.from_pretrained(text_encoder_dir)
+    config.text_config = text_config
+    with init_empty_weights():
+        visual = Qwen3VLVisionModel(config.vision_config)
+        model = Qwen3VLModel(config)
+    wanted = set(visual.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted({path for name, path in weight_files.items() if name.startswith(VISION_PREFIX)}):
+        with safe_open(path, framework="pt", device=str(device)) as handle:
+            for stored_name in handle.keys():
+                if stored_name.startswith(VISION_PREFIX) and stored_name[len(VISION_PREFIX):] in wanted:
+                    state[stored_name[len(VISION_PREFIX):]] = handle.get_tensor(stored_name)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise TextEncoderLoadError(f"text encoder weights lack {len(missing)} vision tensors (under "
+                                   f"{VISION_PREFIX!r}), e.g. {missing[:3]}")
+    visual.load_state_dict(state, strict=True, assign=True)
+    model.visual = visual.to(device).eval().requires_grad_(False)
+    model.language_model = language_model
+    return model.eval()
+
+
 def _fingerprint(text_encoder_dir: Path, weight_files: dict[str, Path], tokenizer_dir: Path,
                  hidden_state_index: int, split_label: str) -> str:
     """Which weight files (path, size, modification time, header), which tokenizer (bytes), which layer.
@@ -280,6 +353,7 @@ def _safetensors_header(path: Path) -> bytes:
 class PromptKey:
     encoder_identity: str
     prompt: str
+    media_hash: str = ""  # a keyframe / reference presentation: the content hash of its images ("" for text)
 
 
 @dataclass(frozen=True)
@@ -347,6 +421,19 @@ class PromptEmbeddingCache:
         embedding = self.lookup(key)
         if embedding is None:
             embedding = encoder.encode(prompt, max_tokens=max_tokens)
+            self.insert(key, embedding)
+        else:
+            _check_token_count(embedding.shape[0], max_tokens)
+        return embedding
+
+    def get_or_encode_presentation(self, encoder: PromptEncoder, presentation: Presentation, *,
+                                   max_tokens: int | None = None) -> torch.Tensor:
+        """As `get_or_encode`, for a keyframe / reference presentation; keyed by its images' content hash too
+        (the same prompt with other images is another entry)."""
+        key = PromptKey(encoder.identity, presentation.prompt, presentation.media_hash)
+        embedding = self.lookup(key)
+        if embedding is None:
+            embedding = encoder.encode_presentation(presentation, max_tokens=max_tokens)
             self.insert(key, embedding)
         else:
             _check_token_count(embedding.shape[0], max_tokens)

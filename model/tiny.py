@@ -10,6 +10,10 @@ the same model:
     native:    FL2VA/transformer/ under native names and layouts (interleaved qkv, fc1 as [gate; value],
                rope.inv_freq), FL2VA/model_index.json with the `_minimax_h3` block
 
+`ref2va=True` adds the Ref2VA partition: `transformer_ref/` at the diffusers root, `Ref2VA/` (its own transformer,
+index and components) beside `FL2VA/` in the native layout; its transformer is `tiny_transformer(seed +
+REF2VA_SEED_OFFSET)`. The model indexes carry `TINY_CANVAS` (`model.canvas.CanvasRule`).
+
 Everything else (text encoder, tokenizer, processor, VAEs) is written by
 `model.tiny_components.write_tiny_components(component_root, layout, seed)` into the directory that holds the
 component directories: the root for the diffusers layout, FL2VA/ for the native one.
@@ -47,6 +51,11 @@ TINY_TRANSFORMER = H3TransformerConfig(
     in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=32, freq_dim=32, time_embed_hidden_dim=64,
     time_embed_dim=32, rope_freq_dim=4,
 )
+#: The tiny model's canvas rule (`model.canvas.CanvasRule`, in its model index as diffusers reads it): a 16:9 request
+#: without a size is 64x32 (2 video rows per latent frame), a reference image's short edge 32.
+TINY_CANVAS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 64, "reference_image_short_edge": 32}
+#: The Ref2VA partition's transformer is `tiny_transformer(seed + REF2VA_SEED_OFFSET)`: another model than FL2VA's.
+REF2VA_SEED_OFFSET = 10_000
 #: Small enough that the tiny diffusers transformer (~0.6 MB) is written as several shards plus an index.
 DIFFUSERS_MAX_SHARD_SIZE = "200KB"
 #: The hub repository a downloaded diffusers root points its components at (diffusers loads local copies).
@@ -108,25 +117,31 @@ def native_state_dict(model: MiniMaxH3Transformer3DModel) -> dict[str, torch.Ten
 
 
 def make_tiny_checkpoint(out: str | os.PathLike, layout: Layout | str, seed: int = 0, *,
-                         components: bool = True) -> Path:
+                         components: bool = True, ref2va: bool = False) -> Path:
     """Write the tiny checkpoint of `layout` to `out` (which must not exist, or be empty) and return `out`.
 
     `components=False` writes only the transformer, indexes and scheduler configs (for tests that need nothing
     else); otherwise `model.tiny_components.write_tiny_components` adds the rest and the result must open as a
-    complete H3Checkpoint."""
+    complete H3Checkpoint. `ref2va` adds the Ref2VA partition (diffusers: `transformer_ref/` beside the shared
+    components; native: `Ref2VA/` beside `FL2VA/`, each partition with its components, as released)."""
     out, layout = Path(out), Layout(layout)
+    partitions = (Partition.FL2VA, Partition.REF2VA) if ref2va else (Partition.FL2VA,)
     with atomic_directory(out) as tmp:
-        model = tiny_transformer(seed)
+        models = {partition: tiny_transformer(seed + (REF2VA_SEED_OFFSET if partition is Partition.REF2VA else 0))
+                  for partition in partitions}
         if layout is Layout.DIFFUSERS:
-            component_root = tmp
-            _write_diffusers(tmp, model)
+            _write_diffusers(tmp, models)
+            component_roots = [tmp]
         else:
-            component_root = tmp / Partition.FL2VA.native_dir_name
-            _write_native(component_root, model)
+            component_roots = [tmp / partition.native_dir_name for partition in partitions]
+            for partition, model in models.items():
+                _write_native(tmp / partition.native_dir_name, model, partition)
         if components:
             from model.tiny_components import write_tiny_components  # helper B's module: text encoder, VAEs
-            write_tiny_components(component_root, layout, seed)
-            H3Checkpoint.open(tmp, require_components=True)
+            for component_root in component_roots:
+                write_tiny_components(component_root, layout, seed)
+            for partition in partitions:
+                H3Checkpoint.open(tmp, partition, require_components=True)
     return out
 
 
@@ -165,19 +180,24 @@ def _write_json(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def _write_diffusers(root: Path, model: MiniMaxH3Transformer3DModel) -> None:
-    model.save_pretrained(root / "transformer", max_shard_size=DIFFUSERS_MAX_SHARD_SIZE)
+def _write_diffusers(root: Path, models: dict[Partition, MiniMaxH3Transformer3DModel]) -> None:
+    for partition, model in models.items():
+        model.save_pretrained(root / partition.diffusers_transformer_name, max_shard_size=DIFFUSERS_MAX_SHARD_SIZE)
     MiniMaxH3Scheduler(shift=RELEASED_VIDEO_SHIFT).save_pretrained(root / "scheduler")
     MiniMaxH3Scheduler(shift=RELEASED_AUDIO_SHIFT).save_pretrained(root / "audio_scheduler")
     header = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__}
-    _write_json(root / MODEL_INDEX, header | {name: [library, cls] for name, library, cls in _DIFFUSERS_COMPONENTS})
+    components = _DIFFUSERS_COMPONENTS
+    if Partition.REF2VA in models:
+        components += (("transformer_ref", "diffusers", "MiniMaxH3Transformer3DModel"),)
+    _write_json(root / MODEL_INDEX, header | {name: [library, cls] for name, library, cls in components} | TINY_CANVAS)
     specs = {name: [library, cls, {"pretrained_model_name_or_path": HUB_REPO, "subfolder": name, "variant": None,
                                    "revision": None, "type_hint": [library, cls]}]
-             for name, library, cls in _DIFFUSERS_COMPONENTS}
-    _write_json(root / MODULAR_MODEL_INDEX, header | {"_blocks_class_name": "MiniMaxH3Blocks"} | specs)
+             for name, library, cls in components}
+    _write_json(root / MODULAR_MODEL_INDEX, header | {"_blocks_class_name": "MiniMaxH3Blocks"} | specs | TINY_CANVAS)
 
 
-def _write_native(partition_dir: Path, model: MiniMaxH3Transformer3DModel) -> None:
+def _write_native(partition_dir: Path, model: MiniMaxH3Transformer3DModel,
+                  partition: Partition = Partition.FL2VA) -> None:
     transformer_dir = partition_dir / "transformer"
     transformer_dir.mkdir(parents=True)
     config = H3TransformerConfig.model_validate(
@@ -199,10 +219,9 @@ def _write_native(partition_dir: Path, model: MiniMaxH3Transformer3DModel) -> No
     _write_json(transformer_dir / INDEX_FILE[Layout.NATIVE],
                 {"metadata": {"total_size": total_size}, "weight_map": weight_map})
 
-    partition = Partition.FL2VA
     _write_json(partition_dir / MODEL_INDEX, {NATIVE_BLOCK: {
         "schema_version": 1, "partition": partition.value, "tasks": list(partition.tasks), "task_aliases": {},
-        "sigma_shift_scales": {"video": RELEASED_VIDEO_SHIFT, "audio": RELEASED_AUDIO_SHIFT}}})
+        "sigma_shift_scales": {"video": RELEASED_VIDEO_SHIFT, "audio": RELEASED_AUDIO_SHIFT}} | TINY_CANVAS})
 
 
 def write_index_files(root: str | os.PathLike, layout: Layout | str) -> Path:
@@ -245,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transformer-only", action="store_true",
                         help="skip the text encoder, tokenizer, processor and VAEs")
+    parser.add_argument("--ref2va", action="store_true", help="also write the Ref2VA partition")
     args = parser.parse_args(argv)
-    out = make_tiny_checkpoint(args.out, args.layout, args.seed, components=not args.transformer_only)
+    out = make_tiny_checkpoint(args.out, args.layout, args.seed, components=not args.transformer_only,
+                               ref2va=args.ref2va)
     checkpoint = H3Checkpoint.open(out)
     print(f"wrote {out} ({checkpoint.layout.value}, {checkpoint.partition.native_dir_name}, "
           f"transformer in {checkpoint.transformer_dir})")

@@ -189,7 +189,7 @@ def test_schedule_key_is_cheap_stable_and_bit_sensitive():
 @pytest.mark.parametrize(
     "args, field",
     [((1,), "num_steps"), ((True,), "num_steps"), ((50, 0.0), "video_shift"), ((50, 12.0, -3.0), "audio_shift"),
-     ((50, 12.0, 3.0, "fl2va"), "task"), ((50, float("nan")), "video_shift")],
+     ((50, 12.0, 3.0, "i2v"), "task"), ((50, float("nan")), "video_shift")],
 )
 def test_schedule_errors_name_the_field(args, field):
     with pytest.raises(ScheduleError) as error:

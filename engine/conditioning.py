@@ -1,0 +1,176 @@
+"""The engine's prepare step for keyframe (fl2va) and reference (ref2va) requests.
+
+    stage = ConditioningStage(checkpoint, prompt_stage, decode_stage, limits)
+    geometry, schedule = stage.check(request)        # decode the uploads (limits first), canvas, geometry, plans
+    embedding = stage.encode(request)                # Qwen3-VL presentation, through the prompt-embedding cache
+    conditions = stage.conditions(request)           # VAE condition latents, for `model.denoise.Denoiser`
+
+`check` is cheap enough for `Engine.validate` (the media decode and the canvas, no model call); `encode` and
+`conditions` run the models once per request: the preparation is kept for the last few request objects, so the
+three calls of one generation decode and encode once. Every input error is a `ClientError` naming the field
+(`keyframes[0].image`, `references[2]`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.api import GenerationRequest, field_error
+from engine.errors import ClientError
+from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
+from engine.stages import DecodeStage, PromptEmbedding, PromptStage
+from model.canvas import CanvasError, CanvasRule
+from model.conditioning import (AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
+                                KeyframeAnchor, Reference, VideoReference)
+from model.denoise import ConditionLatents
+from model.encode import AudioConditionEncoder, VisualConditionEncoder
+from model.geometry import GeometryError, GeometryLimits, VideoGeometry, frames_for_seconds, snap_num_frames
+from model.layout import H3Checkpoint
+from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning, request_canvas
+from model.schedule import H3Schedule, ScheduleError, Task
+
+#: Request objects whose preparation is kept (one generation calls check, encode, conditions in turn).
+PREPARED_KEPT = 4
+
+
+@dataclass(frozen=True, eq=False)
+class _Entry:
+    request: GenerationRequest  # held so its id() is not reused while the entry lives
+    conditioning: Conditioning
+    geometry: VideoGeometry
+    schedule: H3Schedule
+    prepared: PreparedConditioning | None = None
+
+
+class ConditioningStage:
+    """Keyframes and references on one engine: the prompt stage's encoder (loaded with its vision tower) and the
+    decode stage's VAEs (their encoder halves)."""
+
+    def __init__(self, checkpoint: H3Checkpoint, prompt_stage: PromptStage, decode_stage: DecodeStage,
+                 limits: GeometryLimits, media_limits: MediaLimits = MediaLimits()) -> None:
+        self.checkpoint, self.prompt_stage, self.limits, self.media_limits = (checkpoint, prompt_stage, limits,
+                                                                              media_limits)
+        self.rule = CanvasRule.of(checkpoint)
+        encoder = prompt_stage.encoder
+        self.encoders = ConditionEncoders(encoder.tokenizer, encoder.image_processor,
+                                          VisualConditionEncoder(decode_stage.video_decoder.vae),
+                                          AudioConditionEncoder(decode_stage.audio_decoder.vae))
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The conditioned tasks this engine serves: its partition's."""
+        return tuple(task for task in self.checkpoint.tasks if task != Task.T2VA.value)
+
+    def check(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule]:
+        """The request's geometry and schedule; ClientError naming the field for any bad input."""
+        return self._entry(request).geometry, self._entry(request).schedule
+
+    def encode(self, request: GenerationRequest) -> PromptEmbedding:
+        entry = self._prepared(request)
+        start = time.perf_counter()
+        cache = self.prompt_stage.cache
+        # The prompt's own tokens were checked against max_prompt_tokens (`PromptStage.check`); the vision blocks
+        # are the canvas's, bounded by the media limits.
+        embeds = cache.get_or_encode_presentation(self.prompt_stage.encoder, entry.prepared.presentation)
+        return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=cache.stats())
+
+    def conditions(self, request: GenerationRequest) -> ConditionLatents:
+        return self._prepared(request).prepared.conditions
+
+    # --- Internals -------------------------------------------------------------------------------------
+
+    def _entry(self, request: GenerationRequest) -> _Entry:
+        with self._lock:
+            entry = self._entries.get(id(request))
+            if entry is not None and entry.request is request:
+                return entry
+        if request.task.value not in self.tasks:
+            raise ClientError("keyframes" if request.keyframes else "references",
+                              f"{request.task.value} is not served by this model (the {self.checkpoint.partition.native_dir_name} partition "
+                              f"serves {', '.join(self.checkpoint.tasks)})")
+        try:
+            conditioning = self._decoded(request)
+            size = (request.width, request.height) if request.size_given else None
+            width, height = request_canvas(conditioning, size, self.rule)
+            geometry = VideoGeometry.from_seconds(width, height, request.seconds, self.limits)
+            schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, request.task,
+                                        conditioning.has_reference_audio)
+        except (MediaError, ConditioningError, CanvasError) as exc:
+            raise _client_error(exc) from None
+        except (GeometryError, ScheduleError) as exc:  # they name their field, value and limit
+            raise field_error(exc, request) from None
+        return self._keep(_Entry(request, conditioning, geometry, schedule))
+
+    def _prepared(self, request: GenerationRequest) -> _Entry:
+        entry = self._entry(request)
+        if entry.prepared is None:
+            size = (entry.geometry.width, entry.geometry.height)
+            try:
+                prepared = prepare_conditioning(entry.conditioning, request.prompt, size, entry.geometry.num_frames,
+                                                self.rule, self.limits, self.encoders)
+            except (ConditioningError, CanvasError) as exc:
+                raise _client_error(exc) from None
+            entry = self._keep(_Entry(request, entry.conditioning, entry.geometry, entry.schedule, prepared))
+        return entry
+
+    def _keep(self, entry: _Entry) -> _Entry:
+        with self._lock:
+            self._entries[id(entry.request)] = entry
+            self._entries.move_to_end(id(entry.request))
+            while len(self._entries) > PREPARED_KEPT:
+                self._entries.popitem(last=False)
+        return entry
+
+    def _decoded(self, request: GenerationRequest) -> Conditioning:
+        limits = self.media_limits
+        if request.keyframes:
+            num_frames = snap_num_frames(frames_for_seconds(request.seconds))
+            keyframes = []
+            for index, keyframe in enumerate(request.keyframes):
+                field = f"keyframes[{index}]"
+                anchor = KeyframeAnchor(keyframe.anchor) if keyframe.anchor is not None else \
+                    KeyframeAnchor.of_frame_index(keyframe.frame_index, num_frames, f"{field}.frame_index")
+                keyframes.append(Keyframe(decode_image(keyframe.image, f"{field}.image", limits), anchor))
+            return Conditioning(keyframes=tuple(keyframes))
+        references: list[Reference] = []
+        for index, reference in enumerate(request.references):
+            field = f"references[{index}]"
+            if reference.kind == "image":
+                references.append(ImageReference(decode_image(reference.data, field, limits)))
+            elif reference.kind == "video":
+                video = decode_video(reference.data, field, limits)
+                references.append(VideoReference(video.frames, video.fps, video.audio, video.sample_rate))
+            else:
+                audio = decode_audio(reference.data, field, limits)
+                references.append(AudioReference(audio.audio, audio.sample_rate))
+        return Conditioning(references=tuple(references))
+
+
+def conditioning_stage(checkpoint: H3Checkpoint, prompt_stage: PromptStage | None, decode_stage: DecodeStage | None,
+                       limits: GeometryLimits) -> ConditioningStage | None:
+    """The stage of an engine that holds the vision encoder and the VAEs; None otherwise (a denoiser-only engine,
+    a sequence-parallel rank without the VAEs, `text_encoder.vision: false`): such an engine serves t2va only."""
+    if prompt_stage is None or decode_stage is None or not prompt_stage.encoder.has_vision:
+        return None
+    return ConditioningStage(checkpoint, prompt_stage, decode_stage, limits)
+
+
+def checked_conditioning(stage: ConditioningStage | None, request: GenerationRequest) -> ConditioningStage:
+    """`stage`, or the ClientError a keyframe / reference request gets from an engine that cannot serve it."""
+    if stage is None:
+        field = "keyframes" if request.keyframes else "references"
+        raise ClientError(field, f"{request.task.value} is not served by this engine (it needs the vision "
+                          f"encoder and the VAEs in the same fused engine: text_encoder.vision, stages: fused); "
+                          f"it serves t2va")
+    return stage
+
+
+def _client_error(exc: MediaError | ConditioningError | CanvasError) -> ClientError:
+    """An upload or condition refused below the engine, as the ClientError on the field it names."""
+    detail = str(exc).removeprefix(f"{exc.field}: ")
+    return ClientError(exc.field, detail)

@@ -1,0 +1,126 @@
+"""Shared by the fl2va and ref2va oracle tests: the tiny checkpoint of both partitions, diffusers' modular pipeline
+over its components (the oracle), and ditserve's side composed from `model/` (prepare -> encode -> denoise)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+from PIL import Image
+from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
+from transformers.processing_utils import ProcessorMixin
+
+from model.canvas import CanvasRule
+from model.conditioning import Conditioning
+from model.decode import AudioDecoder, VideoDecoder
+from model.denoise import denoise
+from model.encode import AudioConditionEncoder, VisualConditionEncoder
+from model.geometry import GeometryLimits
+from model.layout import H3Checkpoint, Partition
+from model.loading import load_transformer
+from model.packing import audio_rows_to_channels
+from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning
+from model.text_encoder import PromptEncoder
+from model.tiny import TINY_CANVAS
+from model.weights import TransformerWeights
+
+PROMPT = "A red fox runs across a snowy field at dawn."
+NUM_FRAMES = 124  # 5 s: the shortest clip the pipeline takes
+STEPS = 3
+TINY_LIMITS = GeometryLimits(short_edge=None, max_pixels=128 * 128)
+
+
+class ImageOnlyProcessor:
+    """Stands in for Qwen3VLProcessor, which needs torchvision (not installable here) for its video half. The
+    fl2va / image-reference blocks use only its image processor and `create_mm_token_type_ids`, which is
+    transformers' own function here, over the tokenizer's pad ids."""
+
+    create_mm_token_type_ids = ProcessorMixin.create_mm_token_type_ids
+
+    def __init__(self, image_processor: Qwen2VLImageProcessorPil, tokenizer: Qwen2TokenizerFast):
+        self.image_processor = image_processor
+        self.image_token_ids = [tokenizer.convert_tokens_to_ids("<|image_pad|>")]
+        self.video_token_ids = [tokenizer.convert_tokens_to_ids("<|video_pad|>")]
+        self.audio_token_ids = []
+
+
+def oracle_pipeline(root: Path, transformer_name: str):
+    """diffusers' MiniMaxH3Blocks over the tiny diffusers root's components, loaded by the libraries themselves."""
+    tokenizer = Qwen2TokenizerFast.from_pretrained(root / "tokenizer")
+    pipeline = MiniMaxH3Blocks().init_pipeline()
+    pipeline.update_components(
+        **{transformer_name: MiniMaxH3Transformer3DModel.from_pretrained(root / transformer_name,
+                                                                                  torch_dtype=torch.bfloat16)},
+        scheduler=MiniMaxH3Scheduler.from_pretrained(root / "scheduler"),
+        audio_scheduler=MiniMaxH3Scheduler.from_pretrained(root / "audio_scheduler"),
+        text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=torch.bfloat16),
+        tokenizer=tokenizer,
+        processor=ImageOnlyProcessor(Qwen2VLImageProcessorPil.from_pretrained(root / "processor"), tokenizer),
+        vae=VideoDecoder(root / "vae", "cpu").vae,
+        audio_vae=AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae"),
+        image_processor=VaeImageProcessor(vae_scale_factor=16),
+        **TINY_CANVAS,
+    )
+    return pipeline
+
+
+def run_oracle(pipeline, seed: int, **inputs) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(video latents [C, F, H, W], audio latents [2, Ca, A], frames uint8 [F, H, W, 3]) of one generation."""
+    out = pipeline(prompt=PROMPT, **inputs, num_frames=NUM_FRAMES, num_inference_steps=STEPS,
+                   generator=torch.Generator().manual_seed(seed), output=["latents", "audio_latents", "videos"])
+    videos = out["videos"]
+    frames = np.stack([np.asarray(frame) for frame in videos[0]]) if isinstance(videos, list) else videos
+    return out["latents"][0], out["audio_latents"], frames
+
+
+@dataclass
+class Ours:
+    """ditserve's side of one checkpoint partition, loaded by `model/`."""
+
+    checkpoint: H3Checkpoint
+    transformer: MiniMaxH3Transformer3DModel
+    prompt_encoder: PromptEncoder
+    encoders: ConditionEncoders
+    video_decoder: VideoDecoder
+    audio_decoder: AudioDecoder
+
+    @classmethod
+    def load(cls, root: Path, partition: Partition) -> Ours:
+        checkpoint = H3Checkpoint.open(root, partition, require_components=True)
+        weights = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
+        prompt_encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, "cpu", vision=True,
+                                       processor_dir=checkpoint.processor_dir)
+        video_decoder = VideoDecoder(checkpoint.video_vae_dir, "cpu")
+        audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, "cpu")
+        encoders = ConditionEncoders(prompt_encoder.tokenizer, prompt_encoder.image_processor,
+                                     VisualConditionEncoder(video_decoder.vae), AudioConditionEncoder(audio_decoder.vae))
+        return cls(checkpoint, load_transformer(weights, "cpu"), prompt_encoder, encoders, video_decoder,
+                   audio_decoder)
+
+    def prepare(self, conditioning: Conditioning) -> PreparedConditioning:
+        return prepare_conditioning(conditioning, PROMPT, None, NUM_FRAMES, CanvasRule.of(self.checkpoint),
+                                    TINY_LIMITS, self.encoders)
+
+    def generate(self, conditioning: Conditioning, seed: int) -> tuple[torch.Tensor, torch.Tensor, PreparedConditioning]:
+        prepared = self.prepare(conditioning)
+        embeds = self.prompt_encoder.encode_presentation(prepared.presentation)
+        schedule = prepared.schedule(STEPS, self.checkpoint.video_shift, self.checkpoint.audio_shift)
+        with torch.no_grad():
+            video, rows = denoise(self.transformer, embeds, prepared.geometry, schedule, seed, prepared.conditions)
+        return video, audio_rows_to_channels(rows, prepared.geometry), prepared
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    """A smooth random RGB image (so resizing matters), deterministic in `seed`."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, size=(max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    return Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

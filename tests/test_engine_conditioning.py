@@ -1,0 +1,104 @@
+"""The engine runs keyframe (fl2va) requests end to end on the tiny model: uploads decoded with their limits,
+the canvas from the first keyframe, online AdaLN == resident, the same bits as `model/`'s composition (which
+tests/test_h3_fl2va.py holds equal to diffusers' pipeline), and bad inputs refused naming the field."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import ClientError
+from model.conditioning import Conditioning, Keyframe, KeyframeAnchor
+from model.layout import Partition
+from model.tiny import make_tiny_checkpoint
+from tests.conditioning_support import PROMPT, STEPS, Ours, random_image
+
+FIRST, LAST = random_image(96, 54, seed=1), random_image(40, 40, seed=2)
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def fl2va_request(**overrides) -> GenerationRequest:
+    fields = dict(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False,
+                  keyframes=(KeyframeInput(image=png(FIRST), anchor="first"),
+                             KeyframeInput(image=png(LAST), frame_index=-1)))
+    return GenerationRequest(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("engine-fl2va") / "tiny", "diffusers", seed=0)
+
+
+def make_engine(checkpoint, mode: str, **config) -> Engine:
+    return Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu",
+                               adaln={"mode": mode, "host_cache_gb": 0.01}, **config))
+
+
+@pytest.fixture(scope="module")
+def online(checkpoint):
+    return make_engine(checkpoint, "online")
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint):
+    return make_engine(checkpoint, "resident")
+
+
+def test_fl2va_online_equals_resident_equals_the_model_composition(checkpoint, online, resident):
+    online_result = online.generate(fl2va_request())
+    resident_result = resident.generate(fl2va_request())
+    assert torch.equal(online_result.video, resident_result.video)
+    assert torch.equal(online_result.audio, resident_result.audio)
+    ours = Ours.load(checkpoint, Partition.FL2VA)
+    conditioning = Conditioning(keyframes=(Keyframe(FIRST, KeyframeAnchor.FIRST), Keyframe(LAST, KeyframeAnchor.LAST)))
+    video, audio, _ = ours.generate(conditioning, seed=4)
+    assert torch.equal(online_result.video, video)
+    assert online_result.video.shape[-2:] == (2, 4)  # the first keyframe's 16:9 on the tiny canvas: 64x32
+    assert online_result.stats.schedule_key.startswith("h3-rf-euler/fl2va/")
+    adaln = online_result.stats.adaln  # 2 forwards: {0, 0.999} and {t_audio, t_video, 0.999}, two distinct plans
+    assert adaln.built_plans + adaln.gpu_hit_plans + adaln.host_hit_plans == 2
+
+
+def test_fl2va_returns_an_mp4_and_repeats_from_the_prompt_cache(online):
+    first = online.generate(fl2va_request(return_video=True, seed=9))
+    again = online.generate(fl2va_request(return_video=True, seed=9))
+    assert first.mp4 and first.mp4[4:8] == b"ftyp"
+    assert torch.equal(first.video, again.video)
+    assert again.stats.prompt_cache.hits > first.stats.prompt_cache.hits
+
+
+@pytest.mark.parametrize("keyframe, field", [
+    (KeyframeInput(image=png(FIRST)[:60], anchor="first"), "keyframes[0].image"),
+    (KeyframeInput(image=b"GIF89a-not-really", anchor="first"), "keyframes[0].image"),
+    (KeyframeInput(image=png(FIRST), frame_index=40), "keyframes[0].frame_index"),
+])
+def test_bad_keyframes_are_client_errors_naming_the_field(online, keyframe, field):
+    with pytest.raises(ClientError) as error:
+        online.validate(fl2va_request(keyframes=(keyframe,)))
+    assert str(error.value).startswith(field)
+    online.generate(fl2va_request())  # the engine stays usable
+
+
+def test_references_on_the_fl2va_partition_name_the_served_tasks(online):
+    request = GenerationRequest(prompt=PROMPT, steps=STEPS, references=(ReferenceInput(kind="image",
+                                                                                       data=png(FIRST)),))
+    with pytest.raises(ClientError, match="t2va, fl2va"):
+        online.validate(request)
+
+
+def test_a_text_only_engine_refuses_keyframes(checkpoint):
+    engine = make_engine(checkpoint, "resident", text_encoder={"vision": False})
+    assert not engine.prompt_encoder.has_vision
+    with pytest.raises(ClientError, match="keyframes: fl2va is not served"):
+        engine.validate(fl2va_request())

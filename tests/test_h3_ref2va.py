@@ -1,0 +1,121 @@
+"""ref2va on the Ref2VA partition against diffusers' `MiniMaxH3ModularPipeline` with `workflow="ref2va"`.
+
+The oracle is diffusers' own `MiniMaxH3Blocks` running `transformer_ref` over the tiny checkpoint's components;
+ditserve's side is `model/` only (references normalized, Qwen3-VL's presentation, VAE and audio-VAE encoders, the
+ref2va packed layout, the loop). Image references alone, and image references with a soundtrack: the latents
+and decoded frames are equal bit for bit. Video references need Qwen3-VL's video processor, i.e. torchvision,
+which is not installable beside this torch (h3.md), so neither side can run them here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+
+from model.conditioning import (AudioReference, Conditioning, ConditioningError, ImageReference, VideoReference)
+from model.layout import Partition
+from model.packing import AUDIO_TAG, VIDEO_TAG
+from model.schedule import H3Schedule, Task
+from model.tiny import make_tiny_checkpoint
+from tests.conditioning_support import Ours, bits_equal, oracle_pipeline, random_image, run_oracle
+
+SAMPLE_RATE = 32000
+IMAGES = (random_image(48, 64, seed=11), random_image(90, 40, seed=12))  # portrait, landscape
+WAVEFORM = (0.3 * np.sin(np.linspace(0, 400 * np.pi, 2 * SAMPLE_RATE)) *
+            np.array([[1.0], [0.5]])).astype(np.float32)  # 2 s stereo at the VAE's rate
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ref2va")
+    return {layout: make_tiny_checkpoint(base / layout, layout, seed=0, ref2va=True) for layout in ("diffusers", "native")}
+
+
+@pytest.fixture(scope="module")
+def oracle(roots):
+    return oracle_pipeline(roots["diffusers"], "transformer_ref")
+
+
+@pytest.fixture(scope="module")
+def ours(roots):
+    return {layout: Ours.load(roots[layout], Partition.REF2VA) for layout in roots}
+
+
+CASES = {
+    "images": (
+        Conditioning(references=tuple(ImageReference(image) for image in IMAGES)),
+        [MiniMaxH3ImageReference(image=image) for image in IMAGES],
+    ),
+    "images+audio": (
+        Conditioning(references=(ImageReference(IMAGES[0]), AudioReference(WAVEFORM, SAMPLE_RATE),
+                                 ImageReference(IMAGES[1]))),
+        [MiniMaxH3ImageReference(image=IMAGES[0]),
+         MiniMaxH3AudioReference(audio=torch.from_numpy(WAVEFORM), sample_rate=SAMPLE_RATE),
+         MiniMaxH3ImageReference(image=IMAGES[1])],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ref2va_latents_and_frames_equal_the_diffusers_pipeline(oracle, ours, case):
+    conditioning, references = CASES[case]
+    video, audio, prepared = ours["diffusers"].generate(conditioning, seed=5)
+    expected_video, expected_audio, expected_frames = run_oracle(oracle, seed=5, references=references)
+    assert bits_equal(video, expected_video)
+    assert bits_equal(audio, expected_audio)
+    frames = ours["diffusers"].video_decoder.decode(video)
+    assert frames.shape == expected_frames.shape and (frames == expected_frames).all()
+
+
+def test_ref2va_runs_the_ref2va_partition_and_both_layouts_agree(ours):
+    conditioning, _ = CASES["images+audio"]
+    assert ours["diffusers"].checkpoint.transformer_dir.name == "transformer_ref"
+    assert ours["native"].checkpoint.transformer_dir.parent.name == "Ref2VA"
+    diffusers_video, diffusers_audio, _ = ours["diffusers"].generate(conditioning, seed=2)
+    native_video, native_audio, _ = ours["native"].generate(conditioning, seed=2)
+    assert bits_equal(diffusers_video, native_video) and bits_equal(diffusers_audio, native_audio)
+
+
+def test_one_block_per_reference_in_packed_order(ours):
+    prepared = ours["diffusers"].prepare(CASES["images+audio"][0])
+    kinds = [type(block).__name__ for block in prepared.conditions.blocks]
+    assert kinds == ["ImageBlock", "AudioBlock", "ImageBlock"]
+    # Image references at their own 32-px short edge: 48x64 -> 32x43 -> 32x32 (rounded), 90x40 -> 64x32 (72 -> 64).
+    assert [tuple(latents.shape[2:]) for latents in prepared.conditions.visual] == [(2, 2), (2, 4)]
+    assert prepared.conditions.audio[0].shape == (2 * 80, 32)  # 2 s at 40 latents/s, stereo channel-major
+    tokenizer = ours["diffusers"].encoders.tokenizer
+    ids = list(prepared.presentation.token_ids)
+    labels = [tokenizer(label, add_special_tokens=False)["input_ids"]
+              for label in ("<Picture 1>: ", "<Audio 1>: ", "<Picture 2>: ")]
+    starts = [next(i for i in range(len(ids)) if ids[i:i + len(label)] == label) for label in labels]
+    assert starts == sorted(starts)
+    tags = prepared.presentation.token_tags
+    assert (tags == VIDEO_TAG).any() and not (tags == AUDIO_TAG).any()  # a waveform never reaches Qwen3-VL
+
+
+def test_reference_soundtrack_rows_join_the_plans_at_1():
+    with_audio = H3Schedule.build(10, task=Task.REF2VA, reference_audio=True)
+    images_only = H3Schedule.build(10, task=Task.REF2VA)
+    for plan, plain in zip(with_audio.steps, images_only.steps):
+        assert float(plan.timesteps[plan.condition_audio_index]) == 1.0
+        assert set(plain.timesteps.tolist()) | {1.0} == set(plan.timesteps.tolist())
+    assert max(p.timesteps.numel() for p in with_audio.steps) == 4
+    assert with_audio.key != images_only.key
+
+
+def test_reference_limits_name_the_field():
+    with pytest.raises(ConditioningError) as error:
+        Conditioning(references=(AudioReference(WAVEFORM, SAMPLE_RATE),))
+    assert error.value.field == "audio_reference"
+    with pytest.raises(ConditioningError) as error:
+        Conditioning(references=tuple(ImageReference(IMAGES[0]) for _ in range(10)))
+    assert error.value.field == "image_references"
+
+
+def test_video_references_are_refused_without_a_video_processor(ours):
+    frames = np.zeros((30, 32, 64, 3), dtype=np.uint8)
+    with pytest.raises(ConditioningError) as error:
+        ours["diffusers"].prepare(Conditioning(references=(VideoReference(frames, 24.0),)))
+    assert error.value.field == "references[0]"
