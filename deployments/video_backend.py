@@ -195,7 +195,7 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
         logger.error("video generation failed: %s", error.cause.description, exc_info=exc)
         return VideoServerError(f"generation failed: {fault_summary(error)}")
     if isinstance(error, Unavailable) and error.replica_lost:
-        return VideoWorkerLost(f"the replica running it died ({error})")
+        return VideoWorkerLost(f"the replica running it died ({type(unwrap(exc)).__name__})")
     return VideoServerError(f"the job could not run: {error}")
 
 

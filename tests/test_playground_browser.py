@@ -127,7 +127,8 @@ def test_a_refused_field_shows_the_servers_message_next_to_it(app_url, browser):
     assert "invalid" in browser.find_element(By.ID, "prompt").get_attribute("class")
     # Over the model's limit: the job layer's field error, with the limit it names.
     fill(browser, prompt="a red fox in snow", seconds="99")
-    assert field_error(browser, "seconds") == "seconds: 99 exceeds the model's max_seconds=15"
+    assert field_error(browser, "seconds") == (
+        "seconds: 99 snaps to 2385 frames = 99.375 s at 24 fps; the model's clips last min_seconds=5 to max_seconds=15")
     assert browser.find_element(By.ID, "prompt").get_attribute("class") == ""  # the earlier error was cleared
     assert browser.find_element(By.ID, "form-error").text == ""  # placed at its field, not in the general slot
 

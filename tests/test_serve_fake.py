@@ -237,30 +237,42 @@ def test_stopping_the_app_cuts_a_generation_longer_than_the_grace_period(base_ur
     assert outcome.startswith("cut: "), outcome
 
 
-def replica_log_lines(deployment: str, needle: str) -> list[str]:
-    """Lines of this cluster's `deployment` replica logs (Serve writes them under the session dir) with `needle`."""
+def replica_logs() -> list[Path]:
+    """This cluster's replica log files of the app (Serve writes them under the session dir)."""
     import ray
 
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return [line for path in sorted(logs.glob(f"replica_{APP_NAME}_{deployment}_*.log"))
-            for line in path.read_text(errors="replace").splitlines() if needle in line]
+    return sorted(logs.glob(f"replica_{APP_NAME}_*.log"))
+
+
+def replica_log_lines(deployment: str, needle: str, since: dict[Path, int]) -> list[str]:
+    """Lines with `needle` that `deployment`'s replicas logged after `since` (file sizes then): the session's
+    cluster is shared, so earlier modules' replicas of the same app name wrote to the same directory."""
+    lines = []
+    for path in replica_logs():
+        if path.name.startswith(f"replica_{APP_NAME}_{deployment}_"):
+            with path.open("rb") as log:
+                log.seek(since.get(path, 0))
+                lines += [line for line in log.read().decode(errors="replace").splitlines() if needle in line]
+    return lines
 
 
 def test_a_client_error_through_the_handle_is_one_info_line_not_an_error_traceback(base_url):
     from ray import serve
 
     marker = f"marker-{time.monotonic_ns()}"
+    since = {path: path.stat().st_size for path in replica_logs()}
     with pytest.raises(ValueError, match="steps: Input should be a valid integer"):
         serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "steps": "8"}).result(timeout_s=60)
     with pytest.raises(ValueError, match="between 5 and 15 s"):  # refused by the engine, on the worker replica
         serve.get_app_handle(APP_NAME).generate.remote({"prompt": marker, "seconds": 16.0}).result(timeout_s=60)
     deadline = time.monotonic() + 30
-    while len(replica_log_lines("Ingress", "request refused (client error)")) < 2:  # logs are flushed async
+    while len(replica_log_lines("Ingress", "request refused (client error)", since)) < 2:  # logs are flushed async
         assert time.monotonic() < deadline, "the ingress never logged the refusals"
         time.sleep(0.2)
-    refused = replica_log_lines("Ingress", "request refused (client error)")
+    refused = replica_log_lines("Ingress", "request refused (client error)", since)
     assert any("steps: Input should be a valid integer" in line for line in refused)
     assert all(line.startswith("INFO") for line in refused)
     for deployment in ("Ingress", "Worker"):
-        assert replica_log_lines(deployment, "Request failed") == []  # Serve's ERROR line, demoted
-        assert replica_log_lines(deployment, "Traceback") == []
+        assert replica_log_lines(deployment, "Request failed", since) == []  # Serve's ERROR line, demoted
+        assert replica_log_lines(deployment, "Traceback", since) == []
