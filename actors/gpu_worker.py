@@ -34,6 +34,7 @@ is a cancel rank 0 alone saw before it decoded (its peers returned: every collec
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import socket
@@ -50,7 +51,8 @@ from ray.util.placement_group import (PlacementGroup, get_current_placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.host_cache_pool import make_pool_client
-from engine.api import NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, ParallelStats, ProgressFn, SlabState
+from engine.api import (NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, ParallelStats,
+                        ProgressFn, SlabState)
 from engine.config import EngineConfig
 from engine.engine import Engine, resolve_device
 from engine.errors import EngineError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
@@ -59,6 +61,24 @@ from parallel.config_check import check_parallel_config
 from parallel.group import init_group
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank other than 0 answers a generation with: its latents' digest (compared with rank 0's) and
+    its counters (Cache-DiT's cached steps, its plan cache's)."""
+
+    latents_digest: str
+    stats: GenerationStats
+
+
+def latents_digest(result: GenerationResult) -> str:
+    """A digest of the result's latents' bytes: equal digests, bit-identical latents (and shapes, dtypes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in (result.video, result.audio):
+        digest.update(f"{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 #: CPUs a rank actor reserves (its bundle holds this plus its GPU).
 RANK_NUM_CPUS = 1.0
@@ -176,14 +196,19 @@ class GpuWorkerActor:
             raise RuntimeError(f"rank {self.rank}: start() has not run")
         return self._engine
 
-    def generate(self, request_id: int, request: GenerationRequest) -> GenerationResult:
+    def generate(self, request_id: int, request: GenerationRequest) -> GenerationResult | RankReport:
+        """Rank 0: the result (latents, the MP4). Another rank: a digest of its latents and its counters (its
+        latents would cross to the coordinator only to be compared)."""
         def progress(done: int, total: int) -> None:
             self._progress = (request_id, done, total)
 
         def cancelled() -> bool:
             return request_id <= self._cancelled_through
 
-        return self.engine.generate(request, progress, cancelled)
+        result = self.engine.generate(request, progress, cancelled)
+        if self.rank == 0:
+            return result
+        return RankReport(latents_digest=latents_digest(result), stats=result.stats)
 
     def progress(self, request_id: int) -> tuple[int, int]:
         """(forwards done, forwards) of request `request_id` here; (0, 0) before it started."""
@@ -375,8 +400,8 @@ class ParallelEngine:
                 forwards = result.stats.forwards
                 for done in range(reported + 1, forwards + 1):
                     progress(done, forwards)
-        ranks_agree = all(torch.equal(other.video, result.video) and torch.equal(other.audio, result.audio)
-                          for other in results[1:])
+        digest = latents_digest(result)
+        ranks_agree = all(other.latents_digest == digest for other in results[1:])
         if not ranks_agree:
             logger.error("the ranks ended request %d with different latents (a bug: they run the same "
                          "computation on the same inputs)", request_id)

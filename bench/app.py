@@ -12,8 +12,8 @@ the same bytes in the same process:
 - denoise time per forward, served vs a direct `engine.Engine` call in this process (before Serve starts);
 - Serve overhead (client latency minus the engine's total_s, the stages' own work) at p50/p99: one client (no
   queueing) over the handle and over HTTP, then `--clients` concurrent clients (queueing), each split by hop from
-  the response's `serve_timings` (`overhead_hops`: client <-> ingress, ingress <-> worker, the worker's own work,
-  the TextEncoder and Decoder round trips, the engine call beyond its phases, the response's encoding);
+  the response's `serve_timings` (`overhead_hops`: client <-> ingress, the ingress's own work, the TextEncoder and
+  Decoder round trips, the worker call beyond the phases it ran, the response's encoding);
 - scale-up: the Worker scaled in place to one replica per GPU (Serve's external scaler; the transformer shards read
   into the page cache first, as a replica that starts later finds them); the new replica's timeline in wall-clock
   parts that add up (scale request -> its first import of our code -> module imported -> constructor -> ready ->
@@ -246,14 +246,14 @@ def record(kind: str, latency_s: float, timings: Dict[str, float], stats: Dict[s
 
 
 #: The parts of the serving overhead (client latency - the engine's total_s), in request order.
-HOPS = ("client <-> ingress", "ingress <-> worker", "worker own work", "TextEncoder round trip",
-        "engine call outside its phases", "Decoder round trip", "response encoding")
+HOPS = ("client <-> ingress", "ingress own work", "TextEncoder round trip", "worker call outside its phases",
+        "Decoder round trip", "response encoding")
 
 
 def overhead_hops(latency_s: float, timings: Dict[str, float], serve: Dict[str, Any]) -> Dict[str, float]:
     """latency - total_s split by the response's `serve_timings` (deployments.schemas.ServeTimings); the parts
     sum to it. Stage round trips are their calls minus the work the stage reported (encode_s, decode_s + mux_s);
-    the engine call's part is its wait minus the phases it ran (plan + denoise; every stage when fused)."""
+    the worker call's part is its wait minus the phases it ran (plan + denoise; every stage when fused)."""
     if not serve:
         return {}
     encode_call, decode_call = serve.get("encode_call_s"), serve.get("decode_call_s")
@@ -263,10 +263,9 @@ def overhead_hops(latency_s: float, timings: Dict[str, float], serve: Dict[str, 
     calls = serve["engine_call_s"] + (encode_call or 0.0) + (decode_call or 0.0)
     return {
         "client <-> ingress": latency_s - serve["ingress_s"],
-        "ingress <-> worker": serve["ingress_s"] - serve["worker_s"],
-        "worker own work": serve["worker_s"] - calls - serve["respond_s"],
+        "ingress own work": serve["ingress_s"] - calls - serve["respond_s"],
         "TextEncoder round trip": encode_call - timings["encode_s"] if encode_call is not None else 0.0,
-        "engine call outside its phases": serve["engine_call_s"] - engine_work,
+        "worker call outside its phases": serve["engine_call_s"] - engine_work,
         "Decoder round trip": decode_call - timings["decode_s"] - timings["mux_s"] if decode_call is not None else 0.0,
         "response encoding": serve["respond_s"],
     }

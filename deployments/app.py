@@ -234,9 +234,8 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
         check_split_fits({"worker": options, "text_encoder": text_encoder_options, "decoder": decoder_options},
                          num_gpus)
         text_encoder = TextEncoder.options(**text_encoder_options).bind(engine.model_dump())
-        decoder = Decoder.options(**decoder_options).bind(engine.model_dump(), jobs.resolved_output_url)
-        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory,
-                                                text_encoder, decoder)
+        decoder = Decoder.options(**decoder_options).bind(engine.model_dump())
+        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory)
     else:
         worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
     admin = config.admin.model_copy(

@@ -36,6 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.admin import WeightAdmin
+from deployments.generation import runner_for
 from deployments.errors import (RequestError, install_client_error_log_filter, install_error_handlers,
                                validation_error, worker_error)
 from deployments.json_body import JsonBodyError, loads_body, read_body
@@ -48,12 +49,13 @@ from deployments.schemas import (
     GenerationResponse,
     HttpOptions,
     ProgressEvent,
+    ServeTimings,
     VideoOptions,
 )
 from deployments.video_jobs import VideoJobs
 from deployments.videos import VideoApiSlot, videos_router
-from deployments.worker import StageHandles
 from engine.api import GenerationRequest
+from engine.pipeline import PipelineResult
 from jobs.config import AuthConfig, JobsConfig
 
 logger = logging.getLogger("ray.serve")
@@ -142,10 +144,11 @@ class Ingress:
         jobs: dict[str, Any] | None = None, auth: dict[str, Any] | None = None, videos: dict[str, Any] | None = None,
         text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None,
     ) -> None:
-        """`text_encoder` and `decoder`: the other stages of a split app (both or neither); video jobs then run
-        encode -> denoise -> decode through the three handles."""
+        """`text_encoder` and `decoder`: the other stages of a split app (both or neither); both APIs then run
+        the pipeline here over the three handles (`deployments/generation.py`)."""
         install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
         self._worker = worker
+        self._runner = runner_for(worker, text_encoder, decoder)
         self._http = HttpOptions.model_validate(http or {})
         self._pending = PendingGenerations(self._http.max_pending_generations)
         context = serve.get_replica_context()
@@ -155,8 +158,7 @@ class Ingress:
         self._videos = VideoJobs(
             worker, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
             VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,
-            describe_timeout_s=self._http.health_timeout_s,
-            stages=StageHandles(text_encoder, decoder) if text_encoder is not None and decoder is not None else None,
+            describe_timeout_s=self._http.health_timeout_s, runner=self._runner,
         )
         self._videos.start()
 
@@ -169,23 +171,30 @@ class Ingress:
     # ---------------------------------------------------------------------------------------------
 
     async def _generate(self, request: GenerationRequest, request_id: str, start: float) -> GenerationResponse:
-        """The worker's response (encoded there: latents travel only when asked for), with `ingress_s` since
-        `start` (when this replica got the request) in its `serve_timings`."""
+        """The response, with `serve_timings` (how long each stage call took; `ingress_s` since `start`, when
+        this replica got the request)."""
         with self._pending.admit():
-            # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
-            response = self._worker.generate.remote(request, request_id, schedule_key=request.schedule_key)
             try:
-                result: GenerationResponse = await asyncio.wait_for(response, timeout=self._http.request_timeout_s)
-            except asyncio.TimeoutError:
-                response.cancel()  # stops the engine at its next step (a caller that goes away cancels by itself)
+                finished = await asyncio.wait_for(self._runner.run(request), timeout=self._http.request_timeout_s)
+            except asyncio.TimeoutError:  # the run was cancelled: the engine stops at its next step
                 raise self._timeout_error() from None
             except Exception as exc:  # noqa: BLE001 - sorted by worker_error
                 raise worker_error(exc, request_id) from None
             finally:
                 self._routing_metrics.update()
-        if result.serve_timings is not None:
-            result.serve_timings.ingress_s = time.perf_counter() - start
-        return result
+        return await self._respond(finished, request, request_id, start)
+
+    async def _respond(self, finished: PipelineResult, request: GenerationRequest, request_id: str,
+                       start: float) -> GenerationResponse:
+        encoding = time.perf_counter()
+        # The preview PNG (and latents when asked) is CPU work: off the event loop.
+        response = await asyncio.to_thread(GenerationResponse.from_result, finished.result, request_id=request_id,
+                                           return_latents=request.return_latents)
+        calls, done = finished.calls, time.perf_counter()
+        response.serve_timings = ServeTimings(
+            ingress_s=done - start, encode_call_s=calls.encode_call_s, engine_call_s=calls.denoise_call_s,
+            decode_call_s=calls.decode_call_s, respond_s=done - encoding)
+        return response
 
     def _timeout_error(self) -> RequestError:
         return RequestError(
@@ -194,33 +203,39 @@ class Ingress:
 
     async def _stream(self, request: GenerationRequest, request_id: str) -> AsyncIterator[Any]:
         """Yields `ProgressEvent`s, then the `GenerationResponse`; RequestError on failure. Leaving early
-        (the caller cancelled, closed the stream, or timed out) cancels the worker's stream, which stops the
-        engine at its next step."""
+        (the caller cancelled, closed the stream, or timed out) cancels the run, which stops the engine at its
+        next step."""
         with self._pending.admit():  # one generator: closing it early must reach the finally below at once
-            stream = self._worker.options(stream=True).generate_stream.remote(
-                request, schedule_key=request.schedule_key
-            )
+            start = time.perf_counter()
+            events: asyncio.Queue[ProgressEvent] = asyncio.Queue()
+
+            def on_progress(step: int, steps: int) -> None:
+                events.put_nowait(ProgressEvent(step=step, steps=steps, elapsed_s=time.perf_counter() - start))
+
+            run = asyncio.ensure_future(self._runner.run(request, on_progress))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._http.request_timeout_s
             try:
-                while True:
+                while not run.done() or not events.empty():
+                    getter = asyncio.ensure_future(events.get())
                     try:
-                        event = await asyncio.wait_for(stream.__anext__(), timeout=max(0.0, deadline - loop.time()))
-                    except StopAsyncIteration:
-                        return
-                    except asyncio.TimeoutError:
-                        raise self._timeout_error() from None
-                    except Exception as exc:  # noqa: BLE001 - sorted by worker_error
-                        raise worker_error(exc, request_id) from None
-                    if isinstance(event, ProgressEvent):
-                        yield event
-                    else:
-                        yield await asyncio.to_thread(
-                            GenerationResponse.from_result, event, request_id=request_id,
-                            return_latents=request.return_latents,
-                        )
+                        await asyncio.wait({getter, run}, timeout=max(0.0, deadline - loop.time()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        getter.cancel()
+                    if getter.done() and not getter.cancelled():
+                        yield getter.result()
+                    elif not run.done():
+                        raise self._timeout_error()
+                try:
+                    finished = run.result()
+                except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+                    raise worker_error(exc, request_id) from None
+                yield await self._respond(finished, request, request_id, start)
             finally:
-                stream.cancel()  # no-op once the worker finished; otherwise it stops at the next step
+                if not run.done():
+                    run.cancel()  # cancels the worker's stream: the engine stops at its next step
+                    await asyncio.gather(run, return_exceptions=True)
                 self._routing_metrics.update()
 
     async def generate_stream(self, request: dict[str, Any] | GenerationRequest) -> AsyncIterator[Any]:

@@ -54,23 +54,21 @@ Timings = GenerationTimings
 
 
 class ServeTimings(BaseModel):
-    """Seconds one generation spent as the Serve layer saw it, beside the engine's own phases (`timings`):
-    what the client waited minus `timings.total_s` (the stages' work) is the serving overhead, and these split
-    it by hop. Client latency - `ingress_s`: the client <-> ingress hop (HTTP proxy or handle); `ingress_s` -
-    `worker_s`: the ingress <-> worker hop and the ingress's own work; `encode_call_s` - `timings.encode_s`: the
-    TextEncoder round trip; `engine_call_s` - the phases the engine ran in it: the engine thread's queue, request
-    checks and bookkeeping; `decode_call_s` - decode and mux: the Decoder round trip."""
+    """Seconds one generation spent as the ingress saw it, beside the engine's own phases (`timings`): what the
+    client waited minus `timings.total_s` (the stages' work) is the serving overhead, and these split it by hop.
+    Client latency - `ingress_s`: the client <-> ingress hop (HTTP proxy or handle); `encode_call_s` -
+    `timings.encode_s`: the TextEncoder round trip; `engine_call_s` - the phases the worker ran in it: the
+    worker's queue, request checks, transfers; `decode_call_s` - decode and mux: the Decoder round trip."""
 
     ingress_s: float = Field(0.0, description="The ingress: request received (body read) to response ready.")
-    worker_s: float = Field(0.0, description="The worker: call received to response ready.")
     encode_call_s: float | None = Field(
-        None, description="The TextEncoder call, as the worker waited for it. None: the engine encodes (fused).")
+        None, description="The TextEncoder call. None: the worker's engine encodes (stages: fused).")
     engine_call_s: float = Field(
-        0.0, description="The worker's engine-thread call (queue wait included): plan + denoise (split stages), "
-        "or every stage (fused).")
+        0.0, description="The worker call (queue wait included): plan + denoise (stages: split), or every stage "
+        "(stages: fused).")
     decode_call_s: float | None = Field(
-        None, description="The Decoder call, as the worker waited for it. None: no decode or the engine's (fused).")
-    respond_s: float = Field(0.0, description="Encoding this response in the worker (preview PNG; latents if asked).")
+        None, description="The Decoder call. None: no decode, or the worker's engine decodes (stages: fused).")
+    respond_s: float = Field(0.0, description="Encoding this response in the ingress (preview PNG; latents if asked).")
 
 
 class GenerationResponse(BaseModel):

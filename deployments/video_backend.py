@@ -1,24 +1,21 @@
-"""The video job layer's `VideoBackend` over the Worker deployment: a job's `VideoSpec` becomes the engine's
-`GenerationRequest`, streamed through `Worker.generate_stream`, and comes back as the job's MP4.
+"""The video job layer's `VideoBackend` over the app's `GenerationRunner` (`deployments/generation.py`): a job's
+`VideoSpec` becomes the engine's `GenerationRequest`, runs through the one pipeline (split over the stage
+deployments, or inside a fused worker), and comes back as the job's MP4.
 
 - Request: pixels, seconds, `num_inference_steps` -> `steps`, shifts, seed, `return_video=True`,
   `return_latents=False`; `quality: lossless` runs with Cache-DiT off, `quality: high` with the
   `videos.high_quality` Cache-DiT profile (refused when the server has no Cache-DiT).
 - Progress: each `progress` event of the worker's stream goes to `on_progress(step, steps)` (step 0 out of
   the request's steps once accepted, then forwards done out of `steps - 1`).
-- Cancellation: `cancelled()` is polled every `CANCEL_POLL_S`; when it turns true the stream is cancelled,
-  which stops the engine at its next step and releases its plan references.
+- Cancellation: `cancelled()` is polled every `generation.CANCEL_POLL_S`; when it turns true the worker's
+  stream is cancelled, which stops the engine at its next step and releases its plan references.
+- Split stages: the service is told (`VideoRun.denoised`) the moment denoising ends, so the next job starts on
+  the worker while this one decodes. Timings: each stage's own seconds plus what each call took beyond them
+  (`*_wait_s`: a replica's queue, transfers).
 - Errors: the engine's `ClientError` -> `VideoRequestError` under the video API's name of its `field`
-  (`VIDEO_FIELDS`), a cancel the job did not ask for (the worker
-  replica stopping) or any other failure -> `VideoServerError` with a message fit for the job record (no
-  server paths).
-- Stages (`StagedVideoBackend`, `stages: split`): the job drives TextEncoder.encode -> Worker.denoise_stream
-  -> Decoder.decode_to_store through the three handles; the worker is free (and the service told, via
-  `VideoRun.denoised`) the moment denoising ends, while the Decoder decodes, muxes and uploads to the output
-  store. Timings: each stage's own seconds plus what each call took beyond them (`*_wait_s`: a replica's
-  queue, transfers).
-- A worker replica that died mid-run (`RayActorError`) is `VideoWorkerLost`: the service retries the job when
-  no denoising step had run.
+  (`VIDEO_FIELDS`), a cancel the job did not ask for (the worker replica stopping) or any other failure ->
+  `VideoServerError` with a message fit for the job record (no server paths). A worker replica that died
+  mid-run (`RayActorError`) is `VideoWorkerLost`: the service retries the job when no denoising step had run.
 - Limits: the worker's `describe()["limits"]` is the engine's `ModelLimits` (`ModelCard`), what the job layer
   resolves and checks a job against, so a tiny CPU model accepts the small sizes it is configured for.
 """
@@ -26,24 +23,19 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
 from typing import Any
 
-import av
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.exceptions import RequestCancelledError
-from ray.serve.handle import DeploymentHandle
 
 from deployments.errors import engine_error, fault_summary, unwrap
-from deployments.schemas import ProgressEvent
-from deployments.stages import StoredVideo
-from deployments.worker import StageHandles
-from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationResult, GenerationStats
+from deployments.generation import GenerationRunner
+from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationStats
 from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
 from engine.limits import ModelLimits
-from engine.stages import PromptEmbedding
+from engine.pipeline import PipelineResult
 from jobs.backend import (
     VideoCancelled,
     VideoOutput,
@@ -58,12 +50,10 @@ from jobs.backend import (
 from jobs.errors import InvalidVideoRequest
 
 __all__ = [
-    "CANCEL_POLL_S",
     "LOSSLESS_CACHE_DIT",
     "ModelCard",
     "VIDEO_FIELDS",
-    "StagedVideoBackend",
-    "WorkerVideoBackend",
+    "PipelineVideoBackend",
     "generation_request",
     "invalid_request",
     "video_output",
@@ -71,8 +61,6 @@ __all__ = [
 
 logger = logging.getLogger("ray.serve")
 
-#: How often a running job's cancel flag is looked at while waiting for the worker's next event.
-CANCEL_POLL_S = 0.1
 #: `quality: lossless`: exact sampling, whatever the server's own Cache-DiT default is.
 LOSSLESS_CACHE_DIT = CacheDitOverrides(enabled=False)
 
@@ -124,22 +112,28 @@ def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> Gene
     )
 
 
-def video_output(result: GenerationResult) -> VideoOutput:
-    """The job's output: the MP4 and thumbnail, the engine's timings, and counts read from the MP4 itself."""
-    if result.mp4 is None or result.thumbnail_png is None:
+def video_output(finished: PipelineResult, total_s: float) -> VideoOutput:
+    """The job's output: the MP4 and thumbnail, the stages' timings and what each call took beyond them, and the
+    clip's facts as the decoder made it."""
+    result, calls = finished.result, finished.calls
+    if result.mp4 is None or result.thumbnail_png is None or result.clip is None:
         raise VideoServerError("the worker returned no MP4 for a request that asked for one")
-    with av.open(io.BytesIO(result.mp4)) as container:
-        video = container.streams.video[0]
-        audio = container.streams.audio[0] if container.streams.audio else None
-        num_frames, fps = video.frames, float(video.average_rate or 0)
-        sample_rate = audio.rate if audio is not None else 0
-    stats, timings = result.stats, result.timings
+    timings, clip = result.timings, result.clip
+    engine_work = timings.plan_s + timings.denoise_s
+    if calls.encode_call_s is None:  # fused: the worker call ran every stage
+        engine_work += timings.encode_s + timings.decode_s + timings.mux_s
     return VideoOutput(
         mp4=result.mp4,
         thumbnail_png=result.thumbnail_png,
-        timings=VideoTimings(plan_s=timings.plan_s, encode_s=timings.encode_s, denoise_s=timings.denoise_s,
-                             decode_s=timings.decode_s, mux_s=timings.mux_s, total_s=timings.total_s),
-        stats=video_stats(stats, num_frames, fps, sample_rate),
+        timings=VideoTimings(
+            plan_s=timings.plan_s, encode_s=timings.encode_s, denoise_s=timings.denoise_s, decode_s=timings.decode_s,
+            mux_s=timings.mux_s,
+            encode_wait_s=max(0.0, (calls.encode_call_s or 0.0) - (timings.encode_s if calls.encode_call_s else 0.0)),
+            denoise_wait_s=max(0.0, calls.denoise_call_s - engine_work),
+            decode_wait_s=max(0.0, (calls.decode_call_s or 0.0) - (timings.decode_s + timings.mux_s
+                                                                    if calls.decode_call_s else 0.0)),
+            total_s=total_s),
+        stats=video_stats(result.stats, clip.num_frames, clip.fps, clip.sample_rate),
     )
 
 
@@ -204,13 +198,13 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
 # --------------------------------------------------------------------------------------------------
 
 
-class WorkerVideoBackend:
-    """`jobs.backend.VideoBackend` over a `Worker` deployment handle."""
+class PipelineVideoBackend:
+    """`jobs.backend.VideoBackend` over the app's `GenerationRunner` (the pipeline split over the stage
+    deployments, or one fused worker call)."""
 
-    def __init__(
-        self, worker: DeploymentHandle, card: ModelCard, high_quality: CacheDitOverrides, validate_timeout_s: float
-    ) -> None:
-        self._worker = worker
+    def __init__(self, runner: GenerationRunner, card: ModelCard, high_quality: CacheDitOverrides,
+                 validate_timeout_s: float) -> None:
+        self._runner = runner
         self._card = card
         self._high_quality = high_quality
         self._validate_timeout_s = validate_timeout_s
@@ -229,106 +223,22 @@ class WorkerVideoBackend:
         does not refuse the job: the run checks again."""
         request = self.request(spec)
         try:
-            await asyncio.wait_for(self._prompt_check(request), timeout=self._validate_timeout_s)
+            await asyncio.wait_for(self._runner.check(request), timeout=self._validate_timeout_s)
         except Exception as exc:  # noqa: BLE001 - sorted below
             cause = unwrap(exc)
             if isinstance(cause, ClientError):
                 raise invalid_request(cause) from None
             logger.warning("video request check skipped (the worker did not answer): %s", type(exc).__name__)
 
-    def _prompt_check(self, request: GenerationRequest) -> Any:
-        """The call that checks the prompt: the fused worker holds the tokenizer (its check is the engine's)."""
-        return self._worker.validate.remote(request)
-
-    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
-        try:
-            request = self.request(spec)
-        except InvalidVideoRequest as exc:  # e.g. Cache-DiT turned off since the job was queued
-            raise VideoRequestError(str(exc)) from None
-        stream = self._worker.options(stream=True).generate_stream.remote(request, schedule_key=request.schedule_key)
-        result = await self._follow(stream, run)
-        # Reading the MP4's header is blocking work: keep it off the event loop.
-        return await asyncio.to_thread(video_output, result)
-
-    async def _follow(self, stream: Any, run: VideoRun) -> GenerationResult:
-        """The worker stream's progress to `run.on_progress`, its result returned; cancelled when `run.cancelled()`."""
-        job_id, on_progress, cancelled = run.job_id, run.on_progress, run.cancelled
-        pending: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                if cancelled():
-                    raise VideoCancelled(f"video job {job_id} cancelled")
-                if pending is None:
-                    pending = asyncio.ensure_future(stream.__anext__())
-                done, _ = await asyncio.wait({pending}, timeout=CANCEL_POLL_S)
-                if not done:
-                    continue
-                finished, pending = pending, None
-                try:
-                    event = finished.result()
-                except StopAsyncIteration:
-                    raise VideoServerError("the worker's stream ended without a result") from None
-                except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - sorted by backend_error
-                    raise backend_error(exc, cancelled()) from exc
-                if isinstance(event, ProgressEvent):
-                    on_progress(event.step, event.steps)
-                else:
-                    return event
-        finally:
-            # Leaving early (cancelled, failed, the service stopping): the engine stops at its next step.
-            # A no-op once the worker finished.
-            stream.cancel()
-            if pending is not None:
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
-
-
-class StagedVideoBackend(WorkerVideoBackend):
-    """`jobs.backend.VideoBackend` over the three stage deployments of `stages: split`."""
-
-    def __init__(self, worker: DeploymentHandle, stages: StageHandles, card: ModelCard,
-                 high_quality: CacheDitOverrides, validate_timeout_s: float) -> None:
-        super().__init__(worker, card, high_quality, validate_timeout_s)
-        self._stages = stages
-
-    def _prompt_check(self, request: GenerationRequest) -> Any:
-        return self._stages.text_encoder.validate.remote(request.prompt)  # the TextEncoder holds the tokenizer
-
     async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
         start = time.perf_counter()
         try:
             request = self.request(spec)
-        except InvalidVideoRequest as exc:
+        except InvalidVideoRequest as exc:  # e.g. Cache-DiT turned off since the job was queued
             raise VideoRequestError(str(exc)) from None
         try:
-            embedding: PromptEmbedding = await self._stages.text_encoder.encode.remote(request.prompt)
+            # `run.denoised`: the worker is free (split: while the Decoder decodes) and the next job may start.
+            finished = await self._runner.run(request, run.on_progress, run.cancelled, run.denoised)
         except Exception as exc:  # noqa: BLE001 - sorted by backend_error
             raise backend_error(exc, run.cancelled()) from exc
-        encoded = time.perf_counter()
-        if run.cancelled():
-            raise VideoCancelled(f"video job {run.job_id} cancelled")
-        stream = self._worker.options(stream=True).denoise_stream.remote(
-            request, embedding, schedule_key=request.schedule_key)
-        result = await self._follow(stream, run)
-        denoised = time.perf_counter()
-        run.denoised()  # the worker is free: the service may start the next job while this one decodes
-        if run.cancelled():
-            raise VideoCancelled(f"video job {run.job_id} cancelled")
-        try:
-            stored: StoredVideo = await self._stages.decoder.decode_to_store.remote(
-                result.latents, run.output_key)
-        except Exception as exc:  # noqa: BLE001 - sorted by backend_error (a dead decoder: steps ran, so failed)
-            raise backend_error(exc, run.cancelled()) from exc
-        done = time.perf_counter()
-        plan_s, denoise_s = result.timings.plan_s, result.timings.denoise_s
-        return VideoOutput(
-            timings=VideoTimings(
-                plan_s=plan_s, encode_s=embedding.encode_s, denoise_s=denoise_s, decode_s=stored.decode_s,
-                mux_s=stored.mux_s, upload_s=stored.upload_s,
-                encode_wait_s=max(0.0, encoded - start - embedding.encode_s),
-                denoise_wait_s=max(0.0, denoised - encoded - plan_s - denoise_s),
-                decode_wait_s=max(0.0, done - denoised - stored.decode_s - stored.mux_s - stored.upload_s),
-                total_s=done - start,
-            ),
-            stats=video_stats(result.stats, stored.num_frames, stored.fps, stored.sample_rate),
-        )
+        return video_output(finished, time.perf_counter() - start)

@@ -22,8 +22,8 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments.schemas import VideoOptions
-from deployments.video_backend import ModelCard, StagedVideoBackend, WorkerVideoBackend
-from deployments.worker import StageHandles
+from deployments.generation import GenerationRunner
+from deployments.video_backend import ModelCard, PipelineVideoBackend
 from deployments.videos import VideoApi, VideoApiSlot
 from jobs.config import AuthConfig, JobsConfig
 from jobs.outputs import OutputStore
@@ -43,13 +43,13 @@ class VideoJobs:
 
     def __init__(
         self, worker: DeploymentHandle, slot: VideoApiSlot, jobs: JobsConfig, auth: AuthConfig,
-        videos: VideoOptions, replica_id: str, describe_timeout_s: float, stages: StageHandles | None = None,
+        videos: VideoOptions, replica_id: str, describe_timeout_s: float, runner: GenerationRunner,
     ) -> None:
         self._worker, self._slot = worker, slot
         self._jobs, self._auth, self._videos = jobs, auth, videos
         self._replica_id = replica_id
         self._describe_timeout_s = describe_timeout_s
-        self._stages = stages
+        self._runner = runner
         self._service: JobService | None = None
         self._store: JobStore | None = None
         self._starting: asyncio.Task[None] | None = None
@@ -75,11 +75,7 @@ class VideoJobs:
         if card is None:
             return
         limits = card.limits  # the engine's own: what the video API resolves and checks jobs against
-        backend: WorkerVideoBackend = WorkerVideoBackend(
-            self._worker, card, self._videos.high_quality, self._videos.validate_timeout_s)
-        if self._stages is not None:  # stages: split
-            backend = StagedVideoBackend(self._worker, self._stages, card, self._videos.high_quality,
-                                         self._videos.validate_timeout_s)
+        backend = PipelineVideoBackend(self._runner, card, self._videos.high_quality, self._videos.validate_timeout_s)
         while True:
             try:
                 store = await asyncio.to_thread(open_job_store, self._jobs.resolved_database_url)

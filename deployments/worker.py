@@ -8,14 +8,12 @@ Routing: callers pass `schedule_key=` (the request's sampling schedule); with `S
 (set by `build_app`) requests of one schedule go to the replica whose GPU plan slab holds them, and this
 replica reports its ongoing count and its engine's `slab_state()` through `record_routing_stats()`.
 
-Stages (`stages: split` in serve_config.yaml): the engine holds the denoiser alone
-(`denoiser_engine_factory`); `denoise_stream` takes a prompt embedding from the TextEncoder deployment and
-returns latents, so the replica is free for the next job when the loop ends (the video job flow drives the
-stages itself: `deployments/video_backend.py`). `generate` / `generate_stream` (the research route
-`/v1/generations`) then compose the stages through the handles the builder passes: encode, denoise here,
-decode in the Decoder (the engine thread is already free while it decodes). `generate` answers with the
-response itself (`GenerationResponse`, encoded here), so latents the client did not ask for never travel to the
-ingress, and its `serve_timings` say how long each stage call and this replica took.
+Two calls, one per app shape (`stages` in serve_config.yaml; the ingress picks: `deployments/generation.py`):
+`generate_stream` runs a whole generation in the engine (`stages: fused`: `Engine.generate`, the one pipeline
+in this process); `denoise_stream` is the denoiser stage alone (`stages: split`: the engine holds the
+transformer only, `denoiser_engine_factory`), conditioned on the TextEncoder's embedding and answering latents,
+so the replica is free for the next request the moment its loop ends: its slot and its load report count
+denoising only. Both stream progress, then the `GenerationResult`.
 
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
 `serve run` stops within seconds of Ctrl-C). Drained in time, it calls `__del__`, which stops the weights
@@ -28,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -36,13 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
 
 from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
 from deployments.metrics import WorkerMetrics
 from deployments.routing.reporter import ScheduleAffinityReporter
-from deployments.schemas import GenerationResponse, ProgressEvent, ServeTimings
+from deployments.schemas import ProgressEvent
 from deployments.weights import WeightFollower
 from engine.api import (
     EngineProtocol, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState,
@@ -105,36 +101,15 @@ def import_model_stack() -> float:
     return time.perf_counter() - start
 
 
-@dataclasses.dataclass
-class StageCalls:
-    """Seconds one generation's worker waited on each stage call (`ServeTimings`); None: not called."""
-
-    encode_s: float | None = None  # the TextEncoder (split)
-    engine_s: float = 0.0  # the engine thread: plan + denoise (split), every stage (fused)
-    decode_s: float | None = None  # the Decoder (split, return_video)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageHandles:
-    """The other stages of a split app, as a Worker composes them for `/v1/generations`."""
-
-    text_encoder: DeploymentHandle
-    decoder: DeploymentHandle
-
-
 @serve.deployment(name="Worker", ray_actor_options={"num_cpus": 1})
 class Worker(ScheduleAffinityReporter):
     """Serve replica holding one engine. `build_app` sets `num_gpus` (1 on a GPU cluster, else 0)."""
 
-    def __init__(self, engine_config: dict[str, Any], engine_factory: EngineFactory | None = None,
-                 text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None) -> None:
-        """`text_encoder` and `decoder`: the split app's other stages (both or neither); with them the engine
-        is the denoiser alone and `generate` composes the three."""
+    def __init__(self, engine_config: dict[str, Any], engine_factory: EngineFactory | None = None) -> None:
+        """`engine_factory`: the engine to serve (default: the whole model; `denoiser_engine_factory` for a split
+        app; a fake in tests)."""
         constructor_at = time.time()
         install_client_error_log_filter()  # a request over a model limit is one INFO line, not an ERROR traceback
-        if (text_encoder is None) != (decoder is None):
-            raise ValueError("a split Worker needs both the TextEncoder and the Decoder handle")
-        self._stages = StageHandles(text_encoder, decoder) if text_encoder is not None else None
         config = EngineConfig.model_validate(engine_config)
         # One thread: the engine owns one device and runs one generation at a time; later requests queue here.
         # Fleet weight updates run on this same thread, so they always fall between two generations.
@@ -223,46 +198,15 @@ class Worker(ScheduleAffinityReporter):
         loop's thread pool (a multi-GPU engine asks its rank 0 actor: a bounded Ray round trip), beside a running
         generation. A split app's prompt is checked by the TextEncoder (the tokenizer lives there)."""
         await asyncio.to_thread(self._engine.validate, request)
-        if self._stages is not None:
-            await self._stages.text_encoder.validate.remote(request.prompt)
-
-    async def generate(self, request: GenerationRequest, request_id: str,
-                       schedule_key: str | None = None) -> GenerationResponse:
-        """Run one generation off the event loop and answer with the response the ingress sends, encoded here:
-        the latents cross to the ingress only inside it (when the client asked for them). `serve_timings` says
-        where this replica's time went. Raises ClientError for requests the model cannot take. `schedule_key`
-        is read by the router (and recorded here as recently served)."""
-        start = time.perf_counter()
-        cancelled = threading.Event()
-        calls = StageCalls()
-        with self.track_schedule(schedule_key):
-            future = self._start(request, cancelled, calls=calls)
-            try:
-                # shield: a cancelled caller must not cancel the executor future (the thread runs on regardless);
-                # the engine sees `cancelled` between steps and stops.
-                result = await asyncio.shield(future)
-            except asyncio.CancelledError:
-                cancelled.set()
-                logger.info("generation cancelled by the caller; the engine stops after the current step")
-                raise
-        encoding = time.perf_counter()
-        # The preview PNG (and latents when asked) is CPU work: off the event loop, not on the engine thread.
-        response = await asyncio.to_thread(
-            GenerationResponse.from_result, result, request_id=request_id, return_latents=request.return_latents)
-        done = time.perf_counter()
-        response.serve_timings = ServeTimings(
-            worker_s=done - start, encode_call_s=calls.encode_s, engine_call_s=calls.engine_s,
-            decode_call_s=calls.decode_s, respond_s=done - encoding)
-        return response
 
     async def generate_stream(
         self, request: GenerationRequest, schedule_key: str | None = None
     ) -> AsyncIterator[ProgressEvent | GenerationResult]:
-        """Streaming generation (`handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
+        """A whole generation (`stages: fused`; `handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
         request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
         errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
         stops the engine at its next step; the plan references are released there."""
-        await self._validate_all(request)
+        await asyncio.to_thread(self._engine.validate, request)  # off the loop: see denoise_stream
         async for event in self._stream(request, schedule_key, None):
             yield event
 
@@ -277,54 +221,6 @@ class Worker(ScheduleAffinityReporter):
         async for event in self._stream(request, schedule_key, embedding):
             yield event
 
-    async def _validate_all(self, request: GenerationRequest) -> None:
-        await asyncio.to_thread(self._engine.validate, request)  # off the loop: see denoise_stream
-        if self._stages is not None:  # the prompt is the text encoder's to check
-            await self._stages.text_encoder.validate.remote(request.prompt)
-
-    def _start(self, request: GenerationRequest, cancelled: threading.Event,
-               on_progress: Callable[[int, int], None] | None = None,
-               calls: StageCalls | None = None) -> asyncio.Future:
-        """A whole generation: on the engine thread (fused), or composed through the stage handles (split).
-        `calls` gets the seconds waited on each stage."""
-        calls = calls if calls is not None else StageCalls()
-        if self._stages is None:
-            future = asyncio.ensure_future(self._engine_call(request, cancelled, on_progress, None, calls))
-        else:
-            future = asyncio.ensure_future(self._composed(self._stages, request, cancelled, on_progress, calls))
-        # A caller that went away never reads the outcome: mark the exception retrieved (no asyncio warning).
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return future
-
-    async def _engine_call(self, request: GenerationRequest, cancelled: threading.Event,
-                           on_progress: Callable[[int, int], None] | None, embedding: PromptEmbedding | None,
-                           calls: StageCalls) -> GenerationResult:
-        start = time.perf_counter()
-        try:
-            return await asyncio.shield(self._submit(request, cancelled, on_progress, embedding))
-        finally:
-            calls.engine_s = time.perf_counter() - start
-
-    async def _composed(self, stages: StageHandles, request: GenerationRequest, cancelled: threading.Event,
-                        on_progress: Callable[[int, int], None] | None, calls: StageCalls) -> GenerationResult:
-        start = time.perf_counter()
-        embedding: PromptEmbedding = await stages.text_encoder.encode.remote(request.prompt)
-        calls.encode_s = time.perf_counter() - start
-        if cancelled.is_set():
-            raise GenerationCancelled("generation cancelled by the caller")
-        result = await self._engine_call(request, cancelled, on_progress, embedding, calls)
-        decoded = None
-        if request.return_video:
-            if cancelled.is_set():
-                raise GenerationCancelled("generation cancelled by the caller")
-            start = time.perf_counter()
-            decoded = await stages.decoder.decode.remote(result.latents)
-            calls.decode_s = time.perf_counter() - start
-            result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
-        return dataclasses.replace(result, timings=result.timings.with_stages(
-            encode_s=embedding.encode_s, decode_s=decoded.decode_s if decoded else 0.0,
-            mux_s=decoded.mux_s if decoded else 0.0))
-
     async def _stream(self, request: GenerationRequest, schedule_key: str | None,
                       embedding: PromptEmbedding | None) -> AsyncIterator[ProgressEvent | GenerationResult]:
         loop = asyncio.get_running_loop()
@@ -337,10 +233,7 @@ class Worker(ScheduleAffinityReporter):
 
         cancelled = threading.Event()
         with self.track_schedule(schedule_key):
-            if embedding is None:
-                future = self._start(request, cancelled, on_progress)
-            else:
-                future = self._submit(request, cancelled, on_progress, embedding)
+            future = self._submit(request, cancelled, on_progress, embedding)
             try:
                 yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
                 while True:

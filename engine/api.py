@@ -30,9 +30,9 @@ from model.text_encoder import PromptCacheStats
 from offload.layerwise import OffloadStats
 
 __all__ = [
-    "AdalnStats", "CacheDitStats", "CancelledFn", "EngineProtocol", "GenerationRequest", "GenerationResult",
+    "AdalnStats", "CacheDitStats", "CancelledFn", "ClipFacts", "EngineProtocol", "GenerationRequest", "GenerationResult",
     "GenerationStats", "GenerationTimings", "KeyframeInput", "OffloadStats", "ParallelStats", "ProgressFn",
-    "PromptCacheStats", "RankStats", "ReferenceInput", "request_schedule_key",
+    "PromptCacheStats", "RankStats", "ReferenceInput", "Task", "request_schedule_key",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -172,7 +172,7 @@ class GenerationTimings(BaseModel):
 
     def with_stages(self, *, encode_s: float, decode_s: float = 0.0, mux_s: float = 0.0) -> GenerationTimings:
         """The denoiser's timings (plan_s, denoise_s) with the prompt and decode stages' added; total_s their sum
-        (how the fused engine and the split Worker both compose a generation's timings)."""
+        (`engine.pipeline.Pipeline`, wherever it runs)."""
         total = encode_s + self.plan_s + self.denoise_s + decode_s + mux_s
         return self.model_copy(update={"encode_s": encode_s, "decode_s": decode_s, "mux_s": mux_s, "total_s": total})
 
@@ -236,6 +236,15 @@ class Latents(TensorsAsArrays):
     audio: torch.Tensor  # [2A, Ca] (left channel's A rows, then the right's)
 
 
+@dataclass(frozen=True)
+class ClipFacts:
+    """What a decoded clip holds, as the decoder made it (no need to re-open the MP4 to learn it)."""
+
+    num_frames: int
+    fps: float
+    sample_rate: int  # Hz of the soundtrack
+
+
 @dataclass
 class GenerationResult(TensorsAsArrays):
     """What the engine returns: latents on the CPU in fp32, the MP4 when asked, phase timings and counters.
@@ -249,6 +258,7 @@ class GenerationResult(TensorsAsArrays):
     stats: GenerationStats
     mp4: bytes | None = None  # H.264 + AAC, when the request asked for video
     thumbnail_png: bytes | None = None  # first decoded frame
+    clip: ClipFacts | None = None  # what the MP4 holds, when decoded
 
     @property
     def latents(self) -> Latents:

@@ -63,6 +63,7 @@ from engine.api import (
 from engine.config import EngineConfig, GeometryConfig
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from engine.limits import ModelLimits, served_limits
+from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.conditioning import checked_conditioning, conditioning_stage
@@ -289,7 +290,9 @@ class Engine:
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # generations and weight updates, one at a time
+        #: The stages composed once (`engine.pipeline`): this engine's prompt, denoise and decode steps.
+        self._pipeline = Pipeline(*local_steps(self))
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
         self._busy = False
@@ -404,29 +407,42 @@ class Engine:
     def generate(
         self, request: GenerationRequest, progress: ProgressFn | None = None, cancelled: CancelledFn | None = None
     ) -> GenerationResult:
-        """Run one generation, every stage in this process: encode -> denoise -> decode + mux (rank 0 only).
-        Raises ClientError (the request, before any work), AdmissionRejected (the plan cache can never serve
-        it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans) or GenerationCancelled
-        (`cancelled()` turned true between two steps)."""
+        """Run one generation, every stage in this process (`engine.pipeline`: encode -> denoise -> decode +
+        mux, rank 0 alone decoding). Raises ClientError (the request, before any work), AdmissionRejected (the
+        plan cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
+        or GenerationCancelled (`cancelled()` turned true between two steps)."""
         if self.prompt_stage is None:
             raise ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
                               "TextEncoder deployment and passed to denoise()", FaultCause.STAGE_MISSING)
-        return self._run(request, None, progress, cancelled)
+        with self._lock:  # the whole generation: a weight update waits for its decode too
+            return run_local(self._pipeline, request, progress, cancelled).result
+
+    @torch.no_grad()
+    def encode(self, request: GenerationRequest, cancelled: CancelledFn | None = None) -> PromptEmbedding:
+        """The prompt stage of `request` (its prompt, and for fl2va / ref2va the keyframes' and references'
+        vision blocks), after the request's checks: nothing is encoded for a request the denoiser would refuse."""
+        assert self.prompt_stage is not None
+        self._check_cancelled(cancelled)
+        self._checked(request)
+        try:
+            if request.task is Task.T2VA:
+                return self.prompt_stage.encode(request.prompt)
+            return checked_conditioning(self.conditioning, request).encode(request)
+        except BaseException as exc:
+            self._num_failed += 1
+            translated = _translated(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
 
     @torch.no_grad()
     def denoise(
         self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None = None,
         cancelled: CancelledFn | None = None,
     ) -> GenerationResult:
-        """The denoiser stage alone: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
-        (`engine.stages.PromptStage.encode` of its prompt, from any process). Returns the latents (no MP4:
-        `engine.stages.DecodeStage` decodes them); timings `plan_s`, `denoise_s`. Errors as `generate`."""
-        if self.group is not None:
-            raise ServerFault("a sequence-parallel engine runs whole generations (stages: fused)", FaultCause.STAGE_MISSING)
-        return self._run(request, embedding, progress, cancelled)
-
-    def _run(self, request: GenerationRequest, embedding: PromptEmbedding | None, progress: ProgressFn | None,
-             cancelled: CancelledFn | None) -> GenerationResult:
+        """The denoiser stage: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
+        (`encode` of it, in any process). Returns the latents (no MP4: the decode stage decodes them); timings
+        `plan_s`, `denoise_s`. Errors as `generate`."""
         geometry, schedule, cache_dit = self._checked(request)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
             raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
@@ -437,11 +453,7 @@ class Engine:
                 raise ServerFault(f"engine unusable: {unusable}", FaultCause.ENGINE_UNUSABLE)
             self._busy = True
             try:
-                if embedding is None:  # fused: every stage here
-                    result = self._generate(request, geometry, schedule, cache_dit, seed, progress, cancelled)
-                else:
-                    result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress,
-                                           cancelled)
+                result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
             except BaseException as exc:
                 self._num_failed += 1
                 translated = _translated(exc)
@@ -584,25 +596,6 @@ class Engine:
         }
 
     # --- Stages ------------------------------------------------------------------------------------
-
-    def _generate(
-        self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
-        cache_dit: CacheDitConfig, seed: int, progress: ProgressFn | None, cancelled: CancelledFn | None,
-    ) -> GenerationResult:
-        """The stages composed in this process (what the split app runs in three deployments)."""
-        assert self.prompt_stage is not None
-        self._check_cancelled(cancelled)
-        embedding = self.prompt_stage.encode(request.prompt) if request.task is Task.T2VA else \
-            checked_conditioning(self.conditioning, request).encode(request)
-        result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
-        decoded = None
-        if request.return_video and self.decode_stage is not None:  # rank 0 alone decodes; the other ranks are done
-            self._check_cancelled(cancelled, agreed=False)
-            decoded = self.decode_stage.decode(result.video, result.audio)
-            result = dataclasses.replace(result, mp4=decoded.mp4, thumbnail_png=decoded.thumbnail_png)
-        return dataclasses.replace(result, timings=result.timings.with_stages(
-            encode_s=embedding.encode_s, decode_s=decoded.decode_s if decoded else 0.0,
-            mux_s=decoded.mux_s if decoded else 0.0))
 
     def _check_cancelled(self, cancelled: CancelledFn | None, agreed: bool = True) -> None:
         stop = cancelled is not None and cancelled()

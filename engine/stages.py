@@ -1,9 +1,9 @@
 """The engine's outer stages as objects usable on their own (plain torch, no Ray).
 
 A generation is `PromptStage` (prompt -> embeddings) -> the denoiser (`engine.engine.Engine.denoise`: AdaLN
-plans, the denoising loop) -> `DecodeStage` (video + audio VAE decode, MP4 mux). `Engine.generate` composes the
-three in one process (tests, `/v1/generations` on a fused replica, every rank of a sequence-parallel replica,
-where only rank 0 decodes); the Serve app can instead run each stage in its own deployment
+plans, the denoising loop) -> `DecodeStage` (video + audio VAE decode, MP4 mux), composed once by
+`engine.pipeline.Pipeline`: in one process (`Engine.generate`: tests, a fused replica, every rank of a
+sequence-parallel replica, where only rank 0 decodes), or with each stage in its own deployment
 (`deployments/stages.py`), so the denoiser never waits for a prompt encode or a VAE decode. What crosses
 between the stages is small and typed: `PromptEmbedding` (on the CPU) and the latents.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.api import ClipFacts
 from engine.config import TextEncoderConfig
 from engine.errors import ClientError
 from engine.wire import TensorsAsArrays
@@ -103,9 +104,7 @@ class DecodedVideo:
 
     mp4: bytes  # H.264 + AAC stereo
     thumbnail_png: bytes  # the first frame
-    num_frames: int
-    fps: int
-    sample_rate: int
+    clip: ClipFacts  # frames, fps, sample rate
     decode_s: float  # video + audio VAE
     mux_s: float  # H.264 + AAC encode and mux
 
@@ -129,8 +128,8 @@ class DecodeStage:
         sample_rate = self.audio_decoder.sample_rate
         write_mp4(buffer, frames, H3_LATENTS.fps, waveform, sample_rate)
         thumbnail = thumbnail_png(frames[0])
-        return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail, num_frames=int(frames.shape[0]),
-                            fps=H3_LATENTS.fps, sample_rate=sample_rate, decode_s=decoded - start,
+        clip = ClipFacts(num_frames=int(frames.shape[0]), fps=float(H3_LATENTS.fps), sample_rate=sample_rate)
+        return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail, clip=clip, decode_s=decoded - start,
                             mux_s=time.perf_counter() - decoded)
 
 

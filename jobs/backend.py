@@ -16,9 +16,9 @@ back as one of three exception types, so the job record can say whose fault it w
 Any other exception is treated as a server fault. `on_progress(step, num_steps)` may be called from any
 thread (a Ray callback, an engine thread); the service makes it thread-safe.
 
-Each run gets a `VideoRun`: beside progress and cancel, the key its outputs go under (a backend whose last
-stage uploads the MP4 itself returns a `VideoOutput` without bytes) and `denoised()`, which a backend calls
-once the denoiser is done with the job, so the service can start the next job while this one decodes.
+Each run gets a `VideoRun`: beside progress and cancel, the key its outputs go under and `denoised()`, which a
+backend calls once the denoiser is done with the job, so the service can start the next job while this one
+decodes.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class VideoTimings(BaseModel):
     decode_wait_s: float = Field(
         0.0, ge=0, description="The decoder call beyond decode, mux and upload: waiting for a replica, transfers."
     )
-    total_s: float = Field(0.0, ge=0, description="The whole backend call.")
+    total_s: float = Field(0.0, ge=0, description="The whole run: the backend call and the upload.")
 
     @property
     def stage_s(self) -> float:
@@ -117,21 +117,12 @@ class VideoStats(BaseModel):
 
 @dataclass(frozen=True)
 class VideoOutput:
-    """A finished video: the MP4 (H.264 + AAC) and a PNG of one frame, or None for both when the backend
-    already stored them under the run's `output_key`."""
+    """A finished video: the MP4 (H.264 + AAC) and a PNG of one frame; the service stores both."""
 
     timings: VideoTimings
     stats: VideoStats
-    mp4: bytes | None = None
-    thumbnail_png: bytes | None = None
-
-    def __post_init__(self) -> None:
-        if (self.mp4 is None) != (self.thumbnail_png is None):
-            raise ValueError("a VideoOutput carries both the MP4 and the thumbnail, or neither (stored)")
-
-    @property
-    def stored(self) -> bool:
-        return self.mp4 is None
+    mp4: bytes
+    thumbnail_png: bytes
 
 
 @dataclass(frozen=True)

@@ -392,9 +392,6 @@ class JobService:
     async def _finish(self, run: _Run, output: VideoOutput, deadline_at: float) -> None:
         job = run.job
         if run.stop_reason is not None:  # cancelled or lost after the last step: keep nothing
-            if output.stored:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self._outputs.delete, run.output_key)
             await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
             return
         timings = output.timings.model_copy(
@@ -402,14 +399,12 @@ class JobService:
         )
         upload = asyncio.timeout_at(deadline_at)
         try:
-            if not output.stored:
-                start = time.perf_counter()
-                async with upload:
-                    await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
-                    await asyncio.to_thread(
-                        self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png
-                    )
-                timings = timings.model_copy(update={"upload_s": time.perf_counter() - start})
+            start = time.perf_counter()
+            async with upload:
+                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.VIDEO, output.mp4)
+                await asyncio.to_thread(self._outputs.put, run.output_key, VideoVariant.THUMBNAIL, output.thumbnail_png)
+            upload_s = time.perf_counter() - start
+            timings = timings.model_copy(update={"upload_s": upload_s, "total_s": timings.total_s + upload_s})
         except Exception as exc:  # full disk, unreachable or hung object store: the job fails, the runner goes on
             with contextlib.suppress(Exception):  # best effort: no half-stored outputs left behind
                 await asyncio.to_thread(self._outputs.delete, run.output_key)

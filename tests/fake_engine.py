@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.api import AdalnStats, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
+from engine.api import AdalnStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
 from engine.config import EngineConfig
 from engine.engine import field_error, geometry_limits, model_limits
+from engine.media import AUDIO_SAMPLE_RATE
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
 from engine.startup import EngineStartup
 from model.geometry import H3_LATENTS, GeometryError, VideoGeometry
@@ -75,12 +76,13 @@ class FakeEngine:
                 progress(i + 1, num_forwards)
         self.num_requests += 1
         total = time.perf_counter() - start
-        mp4 = thumbnail = None
+        mp4 = thumbnail = clip = None
         if request.return_video:
             mp4 = FAKE_MP4 + str(seed).encode()
             thumbnail = thumbnail_png(np.full((request.height, request.width, 3), seed % 256, dtype=np.uint8))
+            clip = ClipFacts(num_frames=geometry.num_frames, fps=float(H3_LATENTS.fps), sample_rate=AUDIO_SAMPLE_RATE)
         return GenerationResult(
-            video=video, audio=audio, seed=seed, model=FAKE_MODEL, mp4=mp4, thumbnail_png=thumbnail,
+            video=video, audio=audio, seed=seed, model=FAKE_MODEL, mp4=mp4, thumbnail_png=thumbnail, clip=clip,
             timings=GenerationTimings(denoise_s=total, total_s=total),
             stats=GenerationStats(
                 steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,

@@ -122,9 +122,10 @@ def test_jobs_start_in_creation_order_and_complete_with_their_outputs(sqlite_url
                 JobStatus.COMPLETED, 100, 1, None
             )
             assert record.stats == VideoStats(num_steps=4, num_frames=24, fps=24)
-            # The fake's stages take no time; the service adds the queue wait and its own upload.
-            assert record.timings.model_copy(update={"queued_s": 0.0, "upload_s": 0.0}) == VideoTimings()
-            assert record.timings.queued_s > 0 and record.timings.upload_s > 0
+            # The fake's stages take no time; the service adds the queue wait and its own upload (to the total).
+            timings = record.timings
+            assert timings.model_copy(update={"queued_s": 0.0, "upload_s": 0.0, "total_s": 0.0}) == VideoTimings()
+            assert timings.queued_s > 0 and timings.upload_s > 0 and timings.total_s == timings.upload_s
             blob = await service.open_output(record.id, None, VideoVariant.VIDEO)
             assert blob.read(0, blob.size) == fake_mp4(record.spec)
             thumb = await service.open_output(record.id, None, VideoVariant.THUMBNAIL)

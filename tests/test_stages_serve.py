@@ -89,8 +89,8 @@ def test_split_stages_give_the_fused_latents_and_mp4_bytes(apps):
 
 @pytest.mark.parametrize("stages", STAGES)
 def test_serve_timings_nest_each_hop_in_the_one_around_it(apps, stages):
-    """ingress >= worker >= its stage calls + the response's encoding; each stage call >= the work the stage
-    reported. Split: the TextEncoder and Decoder calls are timed; fused: the engine ran them (None)."""
+    """ingress >= its stage calls + the response's encoding; each stage call >= the work the stage reported.
+    Split: the ingress called the TextEncoder and the Decoder itself; fused: the worker's engine ran them (None)."""
     r = requests.post(f"{apps[stages]}/v1/generations", json=GENERATION, timeout=300)
     assert r.status_code == 200, r.text
     timings, serve = r.json()["timings"], r.json()["serve_timings"]
@@ -103,25 +103,28 @@ def test_serve_timings_nest_each_hop_in_the_one_around_it(apps, stages):
         engine_work += timings["encode_s"] + timings["decode_s"] + timings["mux_s"]
     assert serve["engine_call_s"] >= engine_work > 0
     calls = serve["engine_call_s"] + (serve["encode_call_s"] or 0) + (serve["decode_call_s"] or 0)
-    assert serve["worker_s"] >= calls + serve["respond_s"] and serve["respond_s"] > 0
-    assert serve["ingress_s"] >= serve["worker_s"]
+    assert serve["ingress_s"] >= calls + serve["respond_s"] and serve["respond_s"] > 0
 
 
-@pytest.mark.parametrize("return_latents", [False, True])
-def test_the_worker_answers_with_the_encoded_response(apps, return_latents):
-    """The worker encodes the response: latents leave its process only when the client asked for them."""
+def test_the_split_worker_is_a_pure_denoiser_answering_latents_for_the_text_encoders_embedding(apps):
+    """The pipeline's middle step, called as the ingress calls it: the TextEncoder's embedding in, progress per
+    forward, then latents and no MP4 (the Decoder makes it): the worker's slot covers denoising only."""
     from ray import serve
 
-    from deployments.schemas import GenerationRequest, GenerationResponse
+    from deployments.schemas import GenerationRequest, ProgressEvent
+    from engine.api import GenerationResult
 
-    request = GenerationRequest(**{**GENERATION, "return_video": False, "return_latents": return_latents})
-    worker = serve.get_deployment_handle("Worker", "split")
-    response = worker.generate.remote(request, "gen-test", schedule_key=request.schedule_key).result(timeout_s=300)
-    assert isinstance(response, GenerationResponse) and response.id == "gen-test"
-    assert (response.latents is not None) == return_latents and response.video_mp4 is None
-    if return_latents:
-        assert list(decode_latents(response.latents)["video"].shape) == response.video_shape
-    assert response.serve_timings is not None and response.serve_timings.ingress_s == 0.0  # no ingress on this path
+    request = GenerationRequest(**GENERATION)
+    embedding = serve.get_deployment_handle("TextEncoder", "split").encode.remote(request).result(timeout_s=300)
+    stream = serve.get_deployment_handle("Worker", "split").options(stream=True).denoise_stream.remote(
+        request, embedding, schedule_key=request.schedule_key)
+    events = list(stream)
+    steps = [event.step for event in events if isinstance(event, ProgressEvent)]
+    assert steps == list(range(request.steps))  # accepted (0), then one per forward
+    result = events[-1]
+    assert isinstance(result, GenerationResult) and result.mp4 is None and result.clip is None
+    assert result.video.ndim == 4 and result.audio.ndim == 2
+    assert result.timings.encode_s == 0.0 and result.timings.denoise_s > 0
 
 
 def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
@@ -140,10 +143,10 @@ def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
     timings = jobs["split"]["timings"]
     for key in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"):
         assert timings[key] > 0, (key, timings)
-    # what the job took beyond its stages is what it waited for (nothing else ran): the waits are that gap
+    # the job's run holds its stages' work and what each call waited beyond it (and the backend's own few steps)
     waits = timings["encode_wait_s"] + timings["denoise_wait_s"] + timings["decode_wait_s"]
     stage_sum = sum(timings[k] for k in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"))
-    assert timings["total_s"] == pytest.approx(stage_sum + waits, rel=1e-6, abs=1e-6)
+    assert timings["total_s"] >= stage_sum + waits - 1e-6 and min(waits, timings["denoise_wait_s"]) > 0
     assert jobs["split"]["progress"] == 100
 
 

@@ -42,7 +42,8 @@ from deployments.videos import VideoApi, build_videos_app
 from engine.config import EngineConfig
 from engine.engine import H3_HIDDEN_SIZE, model_limits
 from engine.errors import ClientError
-from engine.api import AdalnStats, CacheDitStats, GenerationResult, GenerationStats, GenerationTimings
+from engine.api import AdalnStats, CacheDitStats, ClipFacts, GenerationResult, GenerationStats, GenerationTimings
+from engine.pipeline import PipelineResult, StageCallTimes
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import InvalidVideoRequest
@@ -192,8 +193,8 @@ def test_a_job_is_checked_at_creation_by_one_call_to_what_holds_the_tokenizer(sp
     the fused Worker or (split) the TextEncoder, never both."""
     import asyncio
 
-    from deployments.video_backend import StagedVideoBackend, WorkerVideoBackend
-    from deployments.worker import StageHandles
+    from deployments.generation import runner_for
+    from deployments.video_backend import PipelineVideoBackend
 
     calls: list = []
     refusal = ClientError("prompt", "3000 tokens exceeds this server's max_prompt_tokens=2048; shorten the prompt")
@@ -202,9 +203,9 @@ def test_a_job_is_checked_at_creation_by_one_call_to_what_holds_the_tokenizer(sp
         worker = CheckingHandle(calls, "worker", None if split else error)
         text_encoder = CheckingHandle(calls, "text_encoder", error if split else None)
         the_card = card(short_edge=None, max_pixels=128 * 128, min_seconds=0.2, max_seconds=5.0)
-        backend = (StagedVideoBackend(worker, StageHandles(text_encoder, CheckingHandle(calls, "decoder")), the_card,
-                                      LOSSLESS_CACHE_DIT, 5.0) if split
-                   else WorkerVideoBackend(worker, the_card, LOSSLESS_CACHE_DIT, 5.0))
+        runner = (runner_for(worker, text_encoder, CheckingHandle(calls, "decoder")) if split
+                  else runner_for(worker, None, None))
+        backend = PipelineVideoBackend(runner, the_card, LOSSLESS_CACHE_DIT, 5.0)
         if error is None:
             asyncio.run(backend.validate(spec()))
         else:
@@ -214,7 +215,10 @@ def test_a_job_is_checked_at_creation_by_one_call_to_what_holds_the_tokenizer(sp
         assert [name for name, _ in calls] == ["text_encoder.validate" if split else "worker.validate"]
 
 
-def test_a_video_output_reads_the_engines_typed_timings_and_stats():
+@pytest.mark.parametrize("split", [False, True])
+def test_a_video_output_reads_the_engines_typed_timings_stats_and_clip(split):
+    """The clip's facts come from the decoder (no MP4 re-opened); each call's wait is what it took beyond the
+    stage work it ran (a fused worker call ran every stage)."""
     frames = np.zeros((24, 32, 32, 3), dtype=np.uint8)
     mp4 = io.BytesIO()
     write_mp4(mp4, frames, 24, np.zeros((2, 32000), dtype=np.float32), 32000)
@@ -224,15 +228,20 @@ def test_a_video_output_reads_the_engines_typed_timings_and_stats():
                             cache_dit=CacheDitStats(config="F1B0", num_inference_steps=10, cached_steps=[5, 7]))
     timings = GenerationTimings(plan_s=1.0, encode_s=2.0, denoise_s=3.0, decode_s=4.0, mux_s=5.0, total_s=15.0)
     result = GenerationResult(video=torch.zeros(1), audio=torch.zeros(1), seed=1, model="m", timings=timings,
-                              stats=stats, mp4=mp4.getvalue(), thumbnail_png=thumbnail_png(frames[0]))
-    output = video_output(result)
+                              stats=stats, mp4=mp4.getvalue(), thumbnail_png=thumbnail_png(frames[0]),
+                              clip=ClipFacts(num_frames=24, fps=24.0, sample_rate=32000))
+    calls = (StageCallTimes(encode_call_s=2.5, denoise_call_s=4.25, decode_call_s=9.5) if split
+             else StageCallTimes(encode_call_s=None, denoise_call_s=15.75, decode_call_s=None))
+    output = video_output(PipelineResult(result, calls), total_s=16.5)
+    waits = {"encode_wait_s": 0.5, "denoise_wait_s": 0.25, "decode_wait_s": 0.5} if split else \
+        {"encode_wait_s": 0.0, "denoise_wait_s": 0.75, "decode_wait_s": 0.0}
     assert output.timings == VideoTimings(plan_s=1.0, encode_s=2.0, denoise_s=3.0, decode_s=4.0, mux_s=5.0,
-                                          total_s=15.0)
+                                          total_s=16.5, **waits)
     assert output.stats == VideoStats(num_steps=10, num_frames=24, fps=24.0, audio_sample_rate=32000,
                                       plan_cache_hits=6, plan_cache_misses=4, cached_steps=2)
     # Resident AdaLN (no plan cache) and Cache-DiT off: nothing cached, nothing rebuilt.
     result.stats = stats.model_copy(update={"adaln": None, "cache_dit": None})
-    resident = video_output(result).stats
+    resident = video_output(PipelineResult(result, calls), total_s=16.5).stats
     assert (resident.plan_cache_hits, resident.plan_cache_misses, resident.cached_steps) == (0, 0, 0)
 
 
