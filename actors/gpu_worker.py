@@ -205,7 +205,10 @@ class GpuWorkerActor:
         def cancelled() -> bool:
             return request_id <= self._cancelled_through
 
-        result = self.engine.generate(request, progress, cancelled)
+        return self.answer(self.engine.generate(request, progress, cancelled))
+
+    def answer(self, result: GenerationResult) -> GenerationResult | RankReport:
+        """What this rank sends the coordinator for `result`: all of it from rank 0, a RankReport otherwise."""
         if self.rank == 0:
             return result
         return RankReport(latents_digest=latents_digest(result), stats=result.stats)

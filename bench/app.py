@@ -579,7 +579,7 @@ def sp_rows(sp: int, tiers: Dict[str, Dict[str, Any]], before: Dict[str, dict],
                                + f", one device {bench.get('bytes', 'n/a')}; rebuild_s per rank "
                                + "/".join(f"{a['rebuild_s']:.4f}" for a in by_rank)})
     for name in ("handle, 1 client", "HTTP, 1 client"):
-        hops = [r["hops"]["engine call outside its phases"] for r in runs[name] if r.get("hops")]
+        hops = [r["hops"]["worker call outside its phases"] for r in runs[name] if r.get("hops")]
         if hops:
             rows.append({"metric": f"SP{sp}: coordinator <-> ranks ({name})", "app_s": percentile(hops, 50),
                          "detail": f"the engine call beyond rank 0's phases: p50 {1e3 * percentile(hops, 50):.1f} "

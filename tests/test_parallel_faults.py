@@ -83,7 +83,7 @@ class FaultyRank(GpuWorkerActor):
         def cancelled() -> bool:
             return request_id <= self._cancelled_through
 
-        return self.engine.generate(request, progress, cancelled)
+        return self.answer(self.engine.generate(request, progress, cancelled))
 
     def pid(self) -> int:
         return os.getpid()
