@@ -6,7 +6,7 @@ The arithmetic is the diffusers modular pipeline's (`modular_pipelines/minimax_h
 - `17 n + 5` frames become `5 n + 2` latent frames; latent height and width are the pixel sizes / 16;
 - audio has `round(frames / 24 * 40)` latents per stereo channel, packed channel-major as `2 * that` rows.
 
-Limits are parameters (`GeometryLimits`) so a tiny test model can serve tiny canvases; `H3_LIMITS` are the released
+Limits are parameters (`GeometryLimits`) so a tiny test model can serve tiny canvases; `RELEASED_GEOMETRY` are the released
 model's. Duration bounds are the diffusers pipeline's, 5 to 15 s, applied like the pipeline applies them: to the
 duration of the *snapped* frame count (so a 15 s request, 361 -> 362 frames = 15.08 s, is rejected; the longest
 accepted request snaps to 345 frames = 14.375 s). vllm-omni and sglang accept 4 s; pass `min_seconds=4` for that.
@@ -65,7 +65,7 @@ class GeometryLimits:
 
 
 H3_LATENTS = LatentSpec()
-H3_LIMITS = GeometryLimits()
+RELEASED_GEOMETRY = GeometryLimits()
 
 
 def snap_num_frames(num_frames: int, spec: LatentSpec = H3_LATENTS) -> int:
@@ -102,7 +102,7 @@ class VideoGeometry:
         width: int,
         height: int,
         num_frames: int,
-        limits: GeometryLimits = H3_LIMITS,
+        limits: GeometryLimits = RELEASED_GEOMETRY,
         spec: LatentSpec = H3_LATENTS,
     ) -> VideoGeometry:
         """Validate the canvas, snap the frame count up, check the snapped duration, derive latent sizes."""
@@ -135,7 +135,7 @@ class VideoGeometry:
         width: int,
         height: int,
         seconds: float,
-        limits: GeometryLimits = H3_LIMITS,
+        limits: GeometryLimits = RELEASED_GEOMETRY,
         spec: LatentSpec = H3_LATENTS,
     ) -> VideoGeometry:
         """`from_frames(round(seconds * fps) + 1)`: 5 s -> 121 -> 124 frames. A duration out of range is

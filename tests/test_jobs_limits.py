@@ -14,7 +14,7 @@ from jobs.limits import resolve_spec
 from jobs.schemas import VideoCreateRequest
 
 #: What the engine serves for the released model with its default config.
-H3_LIMITS = model_limits(EngineConfig(), H3_HIDDEN_SIZE)
+RELEASED_LIMITS = model_limits(EngineConfig(), H3_HIDDEN_SIZE)
 
 
 def request(**fields) -> VideoCreateRequest:
@@ -22,7 +22,7 @@ def request(**fields) -> VideoCreateRequest:
 
 
 def test_h3_defaults_fill_every_field():
-    spec = resolve_spec(request(seed=3), H3_LIMITS)
+    spec = resolve_spec(request(seed=3), RELEASED_LIMITS)
     assert spec.model_dump() == {
         "model": "minimax-h3", "prompt": "a lighthouse at dusk", "seconds": 5.0, "width": 1344, "height": 768,
         "num_inference_steps": 50, "seed": 3, "flow_shift": 12.0, "audio_flow_shift": 3.0, "quality": "lossless",
@@ -30,8 +30,8 @@ def test_h3_defaults_fill_every_field():
 
 
 def test_a_missing_seed_is_drawn():
-    assert resolve_spec(request(), H3_LIMITS, seed=11).seed == 11
-    drawn = {resolve_spec(request(), H3_LIMITS).seed for _ in range(8)}
+    assert resolve_spec(request(), RELEASED_LIMITS, seed=11).seed == 11
+    drawn = {resolve_spec(request(), RELEASED_LIMITS).seed for _ in range(8)}
     assert len(drawn) == 8 and all(0 <= s < 2**63 for s in drawn)
 
 
@@ -46,7 +46,7 @@ def test_a_missing_seed_is_drawn():
     ],
 )
 def test_sizes_from_size_or_aspect_ratio(fields, size):
-    spec = resolve_spec(request(**fields), H3_LIMITS)
+    spec = resolve_spec(request(**fields), RELEASED_LIMITS)
     assert (spec.width, spec.height) == size
 
 
@@ -58,7 +58,7 @@ def test_a_model_without_a_fixed_short_edge_takes_the_requested_one():
 
 
 def test_seconds_as_a_numeric_string_like_openai_clients_send():
-    assert resolve_spec(request(seconds="8"), H3_LIMITS).seconds == 8.0
+    assert resolve_spec(request(seconds="8"), RELEASED_LIMITS).seconds == 8.0
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_seconds_as_a_numeric_string_like_openai_clients_send():
 )
 def test_out_of_limits_requests_name_field_value_and_limit(fields, message):
     with pytest.raises(InvalidVideoRequest) as refused:
-        resolve_spec(request(**fields), H3_LIMITS)
+        resolve_spec(request(**fields), RELEASED_LIMITS)
     assert str(refused.value) == message
     assert refused.value.field == message.split(":")[0]
 
@@ -121,6 +121,6 @@ def test_a_tiny_model_allows_what_h3_refuses():
 
 def test_limits_with_defaults_outside_their_bounds_are_refused():
     with pytest.raises(ValidationError, match="default_seconds=20 snaps to 20.0417 s, outside 5..15"):
-        H3_LIMITS.model_validate({**H3_LIMITS.model_dump(), "default_seconds": 20})
+        RELEASED_LIMITS.model_validate({**RELEASED_LIMITS.model_dump(), "default_seconds": 20})
     with pytest.raises(ValidationError, match="default_size: 100x100: 100 is not a multiple"):
-        H3_LIMITS.model_validate({**H3_LIMITS.model_dump(), "default_size": "100x100"})
+        RELEASED_LIMITS.model_validate({**RELEASED_LIMITS.model_dump(), "default_size": "100x100"})
