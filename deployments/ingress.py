@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,7 +40,7 @@ from deployments.generation import runner_for
 from deployments.errors import (RequestError, install_client_error_log_filter, install_error_handlers,
                                validation_error, worker_error)
 from deployments.json_body import JsonBodyError, loads_body, read_body
-from deployments.metrics import RoutingMetrics
+from deployments.metrics import PendingGenerationsGauge, RetryAfterResponses, RoutingMetrics
 from deployments.moving_mean import moving_mean
 from deployments.playground import playground_response
 from deployments.schemas import (
@@ -70,6 +70,7 @@ api = FastAPI(
 VIDEO_API = VideoApiSlot()
 api.include_router(videos_router(VIDEO_API.get))
 install_error_handlers(api)  # every route's errors (and 404 / 405) in the one error shape, not {"detail"}
+api.add_middleware(RetryAfterResponses)  # counts every 429 / 503 sent with Retry-After, whoever answered it
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},
@@ -98,10 +99,12 @@ class PendingGenerations:
     """`http.max_pending_generations`: the generations this ingress replica holds, running or waiting for a
     worker. One over the bound is refused at once (503 + Retry-After) rather than queued behind work that would
     outlast its timeout. Retry-After: the mean time of recent generations here (a slot frees about that often or
-    sooner), at least 1 s. Touched only from the replica's event loop."""
+    sooner), at least 1 s. Touched only from the replica's event loop. `on_count`: told the count each time it
+    changes (the replica's gauge)."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, on_count: Callable[[int], None] = lambda count: None) -> None:
         self.limit, self.count = limit, 0
+        self._on_count = on_count
         self._mean_s: float | None = None
 
     @contextlib.contextmanager
@@ -111,6 +114,7 @@ class PendingGenerations:
                                f"(http.max_pending_generations={self.limit}); retry later",
                                retry_after_s=self.retry_after_s())
         self.count += 1
+        self._on_count(self.count)
         start = time.perf_counter()
         try:
             yield
@@ -118,6 +122,7 @@ class PendingGenerations:
             self._mean_s = moving_mean(self._mean_s, seconds)
         finally:
             self.count -= 1
+            self._on_count(self.count)
 
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self._mean_s or 0.0))
@@ -150,7 +155,7 @@ class Ingress:
         self._worker = worker
         self._runner = runner_for(worker, text_encoder, decoder)
         self._http = HttpOptions.model_validate(http or {})
-        self._pending = PendingGenerations(self._http.max_pending_generations)
+        self._pending = PendingGenerations(self._http.max_pending_generations, PendingGenerationsGauge().set)
         context = serve.get_replica_context()
         self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
         self._routing_metrics = RoutingMetrics()

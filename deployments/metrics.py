@@ -1,4 +1,5 @@
-"""Worker replica metrics through `ray.serve.metrics` (exported on each node's Prometheus port).
+"""The app's metrics through `ray.serve.metrics` (exported on each node's Prometheus port): the worker replicas'
+engine stats, the ingress's load and refusals, the video job service's jobs.
 
 Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deployment`, `replica`,
 `application` tags):
@@ -19,19 +20,33 @@ Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deploy
 | `ray_ditserve_stage_seconds` | histogram | `stage`: plan, encode, denoise, decode, mux | seconds per stage of a finished request, as the worker's engine timed it (a split app's worker runs plan and denoise only: its encode and decode run in the TextEncoder and Decoder) |
 | `ray_ditserve_offload_copied_bytes_total` | counter | | block weight bytes layerwise offload copied host -> GPU |
 
-Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live), from
-`deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica started:
+Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live); the
+router's decisions from `deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica
+started:
 
 | `ray_ditserve_router_requests` | gauge | `route`: affinity_hit, spill, unkeyed | requests the router sent to the key's first choice, spilled, or routed without a key |
+| `ray_ditserve_pending_generations` | gauge | | generations the replica holds against `http.max_pending_generations` (running or waiting for a worker) |
+| `ray_ditserve_retry_after_responses_total` | counter | `route` (the route's path template), `status` | responses sent with a `Retry-After` header: 429 (a full job queue), 503 (the ingress full, the job database down) |
 
-Recorded here, in the Serve layer, from the engine's per-request stats: the engine stays free of Ray.
+and by its `JobService` (`jobs.metrics.JobMetrics`), per served model:
+
+| `ray_ditserve_video_jobs_created_total` | counter | `model` | video jobs queued |
+| `ray_ditserve_video_jobs_finished_total` | counter | `model`, `outcome`: succeeded, failed, cancelled, expired | video jobs settled, each counted once by the replica that settled it |
+| `ray_ditserve_video_jobs_queued` | gauge | `model` | jobs queued and not started, as the shared job store counts them (every replica reports the same number: `max`, not `sum`) |
+
+Recorded here, in the Serve layer, from the engine's per-request stats and the job layer's reports: the engine
+and jobs/ stay free of Ray.
 """
 
 from __future__ import annotations
 
 import threading
 
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from engine.api import GenerationStats, GenerationTimings
+from jobs.metrics import JobOutcome
 
 OUTCOMES = ("ok", "cancelled", "invalid", "error")
 
@@ -175,3 +190,94 @@ class RoutingMetrics:
             return
         for route, key in (("affinity_hit", "hits"), ("spill", "spills"), ("unkeyed", "unkeyed")):
             self.requests.set(float(stats.get(key, 0)), tags={"route": route})
+
+
+class PendingGenerationsGauge:
+    """The ingress's `http.max_pending_generations` count (`deployments.ingress.PendingGenerations`)."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.pending = metrics.Gauge(
+            "ditserve_pending_generations", description="Generations this ingress replica holds (running or "
+            "waiting for a worker), bounded by http.max_pending_generations.",
+        )
+        self.pending.set(0)
+
+    def set(self, count: int) -> None:
+        self.pending.set(float(count))
+
+
+class VideoJobMetrics:
+    """`jobs.metrics.JobMetrics` on Serve metrics: the ingress replica's `JobService` reports here."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.created = metrics.Counter(
+            "ditserve_video_jobs_created", description="Video jobs queued.", tag_keys=("model",)
+        )
+        self.finished = metrics.Counter(
+            "ditserve_video_jobs_finished", description="Video jobs settled by this replica, by outcome "
+            "(succeeded, failed, cancelled, expired).", tag_keys=("model", "outcome"),
+        )
+        self.queued = metrics.Gauge(
+            "ditserve_video_jobs_queued", description="Video jobs queued and not started, as the job store counts "
+            "them (the same on every replica).", tag_keys=("model",),
+        )
+
+    def job_created(self, model: str) -> None:
+        self.created.inc(1, tags={"model": model})
+
+    def job_finished(self, model: str, outcome: JobOutcome) -> None:
+        self.finished.inc(1, tags={"model": model, "outcome": outcome.value})
+
+    def queue_depth(self, model: str, num_queued: int) -> None:
+        self.queued.set(float(num_queued), tags={"model": model})
+
+
+class RetryAfterCounter:
+    """Responses sent with a `Retry-After` header, by route and status."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.responses = metrics.Counter(
+            "ditserve_retry_after_responses", description="Responses sent with a Retry-After header (429: a full "
+            "job queue; 503: the ingress or the job database), by route template and status.",
+            tag_keys=("route", "status"),
+        )
+
+    def record(self, route: str, status: int) -> None:
+        self.responses.inc(1, tags={"route": route, "status": str(status)})
+
+
+#: The `route` tag of a response no route matched.
+UNMATCHED_ROUTE = "unmatched"
+
+
+class RetryAfterResponses:
+    """ASGI middleware counting every response that carries `Retry-After` (`app.add_middleware`). A middleware,
+    not the error handlers, because routes also answer refusals themselves (`RequestError.response()`); the
+    route's path template (`/v1/videos/{video_id}`), not the path, keeps the tag's values few."""
+
+    def __init__(self, app: ASGIApp, counter: RetryAfterCounter | None = None) -> None:
+        self.app = app
+        # Built with the middleware stack, on the app's first request: inside the replica, where Serve tags it.
+        self.counter = counter or RetryAfterCounter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_counting(message: Message) -> None:
+            if message["type"] == "http.response.start" and any(
+                name.lower() == b"retry-after" for name, _ in message.get("headers", ())
+            ):
+                # The router wrote the matched route into this same scope before any response started.
+                route = scope.get("route")
+                self.counter.record(route.path if isinstance(route, Route) else UNMATCHED_ROUTE, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_counting)

@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.schemas import VideoOptions
 from deployments.generation import GenerationRunner
+from deployments.metrics import VideoJobMetrics
 from deployments.video_backend import ModelCard, PipelineVideoBackend
 from deployments.videos import VideoApi, VideoApiSlot
 from jobs.config import AuthConfig, JobsConfig
@@ -90,7 +91,7 @@ class VideoJobs:
                                self._jobs.resolved_output_url, exc)
                 await asyncio.sleep(RETRY_S)
         service = JobService(store=store, outputs=outputs, backend=backend, models=[limits], config=self._jobs,
-                             replica_id=self._replica_id)
+                             replica_id=self._replica_id, metrics=VideoJobMetrics())
         await service.start()
         self._service, self._store = service, store
         self._slot.set(VideoApi(service=service, auth=self._auth))

@@ -11,5 +11,6 @@ deployments/videos.py puts the HTTP API on top.
 - `outputs.py`  MP4s and thumbnails under a directory or fsspec URL, ranged reads
 - `events.py`   in-process change notifications (SSE fast path)
 - `service.py`  JobService: admission, runners, leases, cancellation, reaper, retention
+- `metrics.py`  JobMetrics, what the service reports (jobs created, JobOutcome, queue depth); a no-op default
 - `config.py`   JobsConfig, AuthConfig
 """

@@ -19,6 +19,9 @@ only through the store's atomic operations:
   between leaves an orphan file, never a record pointing at nothing).
 - **Watching**: `watch` yields a job each time it changes (status, progress), woken at once by this
   replica's runners and by polling for the others.
+- **Metrics** (`jobs.metrics.JobMetrics`): jobs created, each job's outcome reported by the replica whose store
+  write settled it, and the queue depth of a model read from the store after each change seen here and at
+  every reap.
 
 Blocking store and output calls run in threads (`asyncio.to_thread`); the event loop never waits on I/O.
 """
@@ -33,7 +36,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from jobs.backend import (
@@ -51,6 +54,7 @@ from jobs.config import JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.events import ChangeFeed
 from jobs.limits import resolve_spec
+from jobs.metrics import NO_JOB_METRICS, JobMetrics, JobOutcome
 from jobs.outputs import OutputBlob, OutputMissing, OutputStore, VideoVariant
 from jobs.records import JobError, JobPage, JobRecord, JobStatus, LeaseStatus, QueueStats, ReapReport
 from jobs.schemas import VideoCreateRequest
@@ -123,6 +127,7 @@ class JobService:
         models: Sequence[ModelLimits],
         config: JobsConfig,
         replica_id: str | None = None,
+        metrics: JobMetrics = NO_JOB_METRICS,
     ) -> None:
         if not models:
             raise ValueError("models must name at least one served model")
@@ -131,12 +136,15 @@ class JobService:
             raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
         self._default_model = models[0].name
         self._store, self._outputs, self._backend, self._config = store, outputs, backend, config
+        self._metrics = metrics
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._feed = ChangeFeed()
         self._wake = asyncio.Event()  # set when a job may be claimable (created or retried here)
         self._running: dict[str, _Run] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._runs: set[asyncio.Task[None]] = set()  # every run in flight (denoising or decoding)
+        self._depth_wanted: set[str] = set()  # models whose queue depth read is scheduled, not started yet
+        self._depth_reads: set[asyncio.Task[None]] = set()
 
     @property
     def config(self) -> JobsConfig:
@@ -164,7 +172,7 @@ class JobService:
     async def stop(self) -> None:
         """Cancel the runners (a running job is released: requeued if no step ran, else failed) and the reaper."""
         tasks, self._tasks = self._tasks, []
-        tasks += list(self._runs)
+        tasks += [*self._runs, *self._depth_reads]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -187,8 +195,11 @@ class JobService:
             record = await asyncio.to_thread(self._store.create, spec, owner, self._config.max_queued_per_model)
         except QueueFull as full:
             stats = await asyncio.to_thread(self._store.queue_stats, spec.model)
+            self._metrics.queue_depth(spec.model, stats.num_queued)
             raise QueueFull(full.model, full.num_queued, full.limit, self.retry_after_s(stats)) from None
         self._wake.set()
+        self._metrics.job_created(spec.model)
+        self._queue_changed(spec.model)
         return record
 
     def retry_after_s(self, stats: QueueStats) -> int:
@@ -215,6 +226,9 @@ class JobService:
         if run is not None:  # fast path: running here, no need to wait for the next lease write
             run.stop(LeaseStatus.CANCEL_REQUESTED)
         self._feed.notify(job_id)
+        if record.status is JobStatus.CANCELLED:  # it was queued; a running one is settled by its runner
+            self._metrics.job_finished(record.model, JobOutcome.CANCELLED)
+            self._queue_changed(record.model)
         return record
 
     async def delete(self, job_id: str, owner: str | None) -> JobRecord:
@@ -223,6 +237,10 @@ class JobService:
         record = await asyncio.to_thread(self._store.delete, job_id)
         if record is None:
             raise JobNotFound(job_id)
+        if not record.status.is_finished:  # its runner (if any) lost the job and writes nothing: settled here
+            self._metrics.job_finished(record.model, JobOutcome.CANCELLED)
+            if record.status is JobStatus.QUEUED:
+                self._queue_changed(record.model)
         run = self._running.get(job_id)
         if run is not None:
             run.stop(LeaseStatus.LOST)
@@ -288,6 +306,7 @@ class JobService:
                 await _wait_event(self._wake, self._config.poll_s)
                 continue
             self._wake.set()  # another runner of this replica may take the next queued job now
+            self._queue_changed(job.model)
             run = _Run(job, lease_owner, asyncio.get_running_loop())
             task = asyncio.create_task(self._run_logged(run), name=f"video-run-{job.id}")
             self._runs.add(task)
@@ -344,7 +363,7 @@ class JobService:
             async with asyncio.timeout_at(deadline_at) as deadline:
                 output = await self._backend.run(job.spec, run.backend_run())
         except VideoCancelled:
-            await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
+            await self._cancelled(run)
         except VideoWorkerLost as exc:
             await self._worker_lost(run, str(exc))
         except VideoRequestError as exc:
@@ -374,7 +393,7 @@ class JobService:
     async def _give_back(self, run: _Run) -> None:
         """This replica is stopping: give the job back now rather than after its lease expires."""
         release = asyncio.to_thread(self._store.release, run.job.id, run.lease_owner, self._config.max_attempts)
-        await asyncio.shield(release)
+        self._released(run.job.model, await asyncio.shield(release))
 
     async def _worker_lost(self, run: _Run, cause: str) -> None:
         """The backend's worker died: run the job again if no denoising step had run (runs left), else fail it."""
@@ -383,16 +402,18 @@ class JobService:
         if run.max_step > 0:
             _, num_steps = run.latest
             message = f"lost at step {run.max_step}/{num_steps} of run {job.attempts}: {cause}"
-            await self._write(self._store.fail, job.id, run.lease_owner, JobError(code="worker_lost", message=message))
+            await self._fail(run, "worker_lost", message)
             return
         outcome = await self._write(self._store.release, job.id, run.lease_owner, self._config.max_attempts, cause)
+        self._released(job.model, outcome)
         if outcome is JobStatus.QUEUED:
             self._wake.set()
+            self._queue_changed(job.model)
 
     async def _finish(self, run: _Run, output: VideoOutput, deadline_at: float) -> None:
         job = run.job
         if run.stop_reason is not None:  # cancelled or lost after the last step: keep nothing
-            await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
+            await self._cancelled(run)
             return
         timings = output.timings.model_copy(
             update={"queued_s": max(0.0, (job.started_at or job.created_at) - job.created_at)}
@@ -423,10 +444,51 @@ class JobService:
             return  # not, the reaper fails it and they are an orphan: never a completed job without its MP4)
         if not completed:  # cancelled, deleted or reaped meanwhile: the outputs belong to no job
             await asyncio.to_thread(self._outputs.delete, run.output_key)
-            await self._write(self._store.finish_cancelled, job.id, run.lease_owner)
+            await self._cancelled(run)
+            return
+        self._metrics.job_finished(job.model, JobOutcome.SUCCEEDED)
 
     async def _fail(self, run: _Run, code: str, message: str) -> None:
-        await self._write(self._store.fail, run.job.id, run.lease_owner, JobError(code=code, message=message))
+        error = JobError(code=code, message=message)
+        if await self._write(self._store.fail, run.job.id, run.lease_owner, error):
+            self._metrics.job_finished(run.job.model, JobOutcome.FAILED)
+
+    async def _cancelled(self, run: _Run) -> None:
+        """The run stopped for a cancel (or lost its job): settled as cancelled if the job is still ours."""
+        if await self._write(self._store.finish_cancelled, run.job.id, run.lease_owner):
+            self._metrics.job_finished(run.job.model, JobOutcome.CANCELLED)
+
+    def _released(self, model: str, status: JobStatus | None) -> None:
+        """A job given back by its runner ended (cancel requested, or no runs left) or went back to the queue."""
+        if status is JobStatus.FAILED:
+            self._metrics.job_finished(model, JobOutcome.FAILED)
+        elif status is JobStatus.CANCELLED:
+            self._metrics.job_finished(model, JobOutcome.CANCELLED)
+
+    def _queue_changed(self, model: str) -> None:
+        """Read and report the model's queue depth soon, off the caller's path (a claim must not wait on it, nor
+        be left unrun if the service stops meanwhile). Changes seen before the read starts share one read."""
+        if model in self._depth_wanted:
+            return
+        self._depth_wanted.add(model)
+
+        async def report() -> None:
+            self._depth_wanted.discard(model)  # from here on, a new change needs a new read
+            await self._report_queue_depth([model])
+
+        task = asyncio.create_task(report(), name=f"queue-depth-{model}")
+        self._depth_reads.add(task)
+        task.add_done_callback(self._depth_reads.discard)
+
+    async def _report_queue_depth(self, models: Iterable[str]) -> None:
+        """The store's queue depth of each model to the metrics; a store that cannot answer skips a sample."""
+        for model in models:
+            try:
+                stats = await asyncio.to_thread(self._store.queue_stats, model)
+            except Exception as exc:  # noqa: BLE001 - a metric never fails the operation that reports it
+                logger.warning("reading the queue depth of model %r failed: %s", model, exc)
+                return
+            self._metrics.queue_depth(model, stats.num_queued)
 
     async def _write(self, operation: Callable[..., T], *args: object) -> T | None:
         """A runner's final write; if the store is down, the lease expires and the reaper decides."""
@@ -481,6 +543,8 @@ class JobService:
             self._wake.set()
         if report.failed:
             logger.warning("video jobs lost by their replica, failed: %s", report.failed)
+        await self._report_finished(report.failed, JobOutcome.FAILED)
+        await self._report_finished(report.cancelled, JobOutcome.CANCELLED)
         if self._config.max_queued_s is not None:
             expired = await asyncio.to_thread(self._store.expire_queued, self._config.max_queued_s)
             for job_id in expired:
@@ -488,6 +552,8 @@ class JobService:
             if expired:
                 logger.warning("video jobs queued past jobs.max_queued_s=%g s, failed: %s", self._config.max_queued_s,
                                expired)
+            await self._report_finished(expired, JobOutcome.EXPIRED)
+        await self._report_queue_depth(self._models)  # also catches what other replicas changed
         for key in await asyncio.to_thread(self._store.expire_outputs):
             try:
                 await asyncio.to_thread(self._outputs.delete, key)
@@ -495,9 +561,17 @@ class JobService:
                 logger.exception("deleting expired video output %s from %s failed", key, self._outputs.url)
         return report
 
+    async def _report_finished(self, job_ids: list[str], outcome: JobOutcome) -> None:
+        """Jobs the reaper settled, by their model (the store's answer names only ids; reaping is rare)."""
+        for job_id in job_ids:
+            record = await asyncio.to_thread(self._store.get, job_id)
+            if record is not None:  # deleted since (its delete saw it finished): the sample is lost, rarely
+                self._metrics.job_finished(record.model, outcome)
+
 
 def open_job_service(
-    config: JobsConfig, backend: VideoBackend, models: Sequence[ModelLimits], replica_id: str | None = None
+    config: JobsConfig, backend: VideoBackend, models: Sequence[ModelLimits], replica_id: str | None = None,
+    metrics: JobMetrics = NO_JOB_METRICS,
 ) -> JobService:
     """A service on the configured database and output store (created if missing; SQLite and the outputs under
     `state_dir` unless URLs are given). Not started: `await service.start()` inside the serving event loop."""
@@ -508,6 +582,7 @@ def open_job_service(
         models=models,
         config=config,
         replica_id=replica_id,
+        metrics=metrics,
     )
 
 

@@ -96,15 +96,36 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return queries
 
 
-def test_every_metric_the_dashboard_queries_is_exported():
-    exported = app_metrics() | ray_metrics()
+def unexported(queries: list[tuple[str, str]], exported: set[str]) -> dict[str, list[str]]:
+    """where -> the metrics its query selects that nobody exports."""
     missing = {}
-    for where, expr in dashboard_queries():
+    for where, expr in queries:
         names = promql_metrics(expr)
         assert names, f"{where}: {expr!r} selects no metric"
         if unknown := sorted(names - exported):
             missing[where] = unknown
+    return missing
+
+
+def test_every_metric_the_dashboard_queries_is_exported():
+    missing = unexported(dashboard_queries(), app_metrics() | ray_metrics())
     assert not missing, f"queried but exported by neither the app nor Ray: {missing}"
+
+
+def test_a_panel_querying_a_metric_nobody_exports_is_found(tmp_path):
+    """The check above can fail: a misspelt name, or a histogram queried as a counter, is reported by panel."""
+    source = tmp_path / "metrics.py"
+    source.write_text('Counter("ditserve_video_jobs_finished", tag_keys=("outcome",))\n'
+                      'Histogram(name="ditserve_stage_seconds", boundaries=[1.0])\n')
+    exported = defined_metrics(source)
+    assert exported == {"ray_ditserve_video_jobs_finished_total", "ray_ditserve_stage_seconds_bucket",
+                        "ray_ditserve_stage_seconds_sum", "ray_ditserve_stage_seconds_count"}
+    queries = [("panel 'outcomes'", 'sum by (outcome) (rate(ray_ditserve_video_jobs_finished_total[5m]))'),
+               ("panel 'typo'", 'rate(ray_ditserve_video_job_finished_total[5m])'),
+               ("panel 'stage'",
+                'rate(ray_ditserve_stage_seconds_total[5m]) / rate(ray_ditserve_stage_seconds_count[5m])')]
+    assert unexported(queries, exported) == {"panel 'typo'": ["ray_ditserve_video_job_finished_total"],
+                                             "panel 'stage'": ["ray_ditserve_stage_seconds_total"]}
 
 
 @pytest.mark.parametrize("series", [
@@ -116,7 +137,12 @@ def test_every_metric_the_dashboard_queries_is_exported():
     "ray_serve_deployment_queued_queries",
     "ray_ditserve_requests_total",  # outcomes
     "ray_ditserve_offload_copied_bytes_total",
-    "ray_node_gpus_utilization",
+    "ray_node_gpus_utilization",  # Ray's own, from the dashboard agent of each node
+    "ray_ditserve_video_jobs_queued",  # the video job queue's length
+    "ray_ditserve_pending_generations",  # the ingress's admission bound
+    "ray_ditserve_retry_after_responses_total",
+    "ray_ditserve_video_jobs_finished_total",  # job outcomes
+    "ray_ditserve_video_jobs_created_total",
 ])
 def test_the_dashboard_shows_what_an_operator_opens_it_for(series):
     queried = set().union(*(promql_metrics(expr) for _, expr in dashboard_queries()))

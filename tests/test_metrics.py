@@ -124,3 +124,99 @@ def test_offload_bytes_count_the_growth_of_the_engines_cumulative_counter(worker
     for cumulative in (100, 250, 40):  # 40: the engine's counter restarted (offload applied again)
         finish(worker_metrics, with_offload(cumulative))
     assert worker_metrics.offload_copied_bytes.values[()] == [100, 150, 40]
+
+
+# --- The ingress: pending generations, Retry-After responses, video jobs --------------------------------
+
+
+@pytest.fixture
+def recorded_metrics(monkeypatch) -> None:
+    """Serve's metric classes replaced by `RecordedMetric` for whatever the test builds next."""
+    for kind in ("Counter", "Histogram", "Gauge"):
+        monkeypatch.setattr(serve_metrics, kind, RecordedMetric)
+
+
+def test_the_pending_generations_gauge_follows_admissions_and_refusals(recorded_metrics):
+    from deployments.ingress import PendingGenerations
+    from deployments.metrics import PendingGenerationsGauge
+    from deployments.errors import RequestError
+
+    gauge = PendingGenerationsGauge()
+    pending = PendingGenerations(limit=2, on_count=gauge.set)
+    with pending.admit(), pending.admit():
+        with pytest.raises(RequestError), pending.admit():  # refused: the count does not move
+            pass
+    with pytest.raises(RuntimeError), pending.admit():  # a failed generation gives its slot back too
+        raise RuntimeError("worker fault")
+    assert gauge.pending.values[()] == [0, 1, 2, 1, 0, 1, 0]
+
+
+def test_video_job_metrics_tag_each_report_with_its_model_and_outcome(recorded_metrics):
+    from deployments.metrics import VideoJobMetrics
+    from jobs.metrics import JobOutcome
+
+    metrics = VideoJobMetrics()
+    metrics.job_created("tiny")
+    metrics.job_created("tiny-b")
+    for outcome in JobOutcome:
+        metrics.job_finished("tiny", outcome)
+    metrics.queue_depth("tiny", 3)
+    metrics.queue_depth("tiny", 2)
+    assert (metrics.created.total(model="tiny"), metrics.created.total(model="tiny-b")) == (1, 1)
+    assert dict(metrics.finished.values) == {
+        (("model", "tiny"), ("outcome", outcome)): [1] for outcome in ("succeeded", "failed", "cancelled", "expired")
+    }
+    assert metrics.queued.values[(("model", "tiny"),)] == [3, 2]  # a gauge: the last value is the depth
+
+
+def test_a_429_from_a_full_job_queue_is_counted_once_by_route_and_status(recorded_metrics, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from deployments.metrics import RetryAfterCounter, RetryAfterResponses
+    from deployments.videos import VideoApi, build_videos_app
+    from jobs.config import AuthConfig, JobsConfig
+    from jobs.outputs import OutputStore
+    from jobs.service import JobService
+    from jobs.sqlite_store import SqliteJobStore
+    from tests.jobs_support import FakeVideoBackend
+    from tests.test_videos_api import TINY, VALID, wait_for
+
+    service = JobService(
+        store=SqliteJobStore(tmp_path / "jobs.sqlite3"), outputs=OutputStore(str(tmp_path / "outputs")),
+        backend=FakeVideoBackend(hold_before_step=1), models=[TINY],
+        config=JobsConfig(state_dir=str(tmp_path), max_queued_per_model=1, poll_s=0.02, events_poll_s=0.05),
+    )
+    app = build_videos_app(VideoApi(service=service, auth=AuthConfig()))
+    counter = RetryAfterCounter()
+    app.add_middleware(RetryAfterResponses, counter=counter)
+    with TestClient(app) as client:
+        running = client.post("/v1/videos", json=VALID).json()["id"]
+        wait_for(client, running, lambda j: j["status"] == "in_progress", "the first job to start")
+        assert client.post("/v1/videos", json=VALID).status_code == 200  # queued: the queue is full now
+        refused = client.post("/v1/videos", json=VALID)
+        assert (refused.status_code, "retry-after" in refused.headers) == (429, True)
+        assert client.get("/v1/videos/video_" + "A" * 22).status_code == 404  # no Retry-After: not counted
+    assert counter.responses.values == {(("route", "/v1/videos"), ("status", "429")): [1]}
+
+
+@pytest.mark.parametrize(("path", "route"), [
+    ("/v1/videos", "/v1/videos"),
+    ("/v1/videos/video_" + "A" * 22, "/v1/videos/{video_id}"),  # the template: ids do not become tag values
+])
+def test_the_ingress_app_counts_its_503s_with_retry_after_by_route_template(recorded_metrics, monkeypatch, path,
+                                                                           route):
+    """The ingress's own app, before its replica set the video API: every video route answers 503 with
+    Retry-After, and the middleware installed on it counts each."""
+    from fastapi.testclient import TestClient
+
+    from deployments.ingress import api
+    from deployments.metrics import RetryAfterResponses
+
+    monkeypatch.setattr(api, "middleware_stack", None)  # rebuilt on the next request, with the recorded metrics
+    with TestClient(api) as client:
+        responses = [client.get(path) for _ in range(2)]
+        built = api.middleware_stack
+    assert [(r.status_code, r.headers["retry-after"]) for r in responses] == [(503, "5")] * 2
+    while not isinstance(built, RetryAfterResponses):  # the user middleware sits under Starlette's error handling
+        built = built.app
+    assert built.counter.responses.values == {(("route", route), ("status", "503")): [1, 1]}
