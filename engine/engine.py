@@ -124,7 +124,7 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
 MODEL_NAME = "minimax-h3"
 
 
-def model_limits(config: EngineConfig, hidden_size: int) -> ModelLimits:
+def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",)) -> ModelLimits:
     """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
     model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
     geometry = config.geometry
@@ -135,7 +135,7 @@ def model_limits(config: EngineConfig, hidden_size: int) -> ModelLimits:
         size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
-        default_audio_flow_shift=AUDIO_SHIFT,
+        default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
     )
 
 
@@ -286,7 +286,7 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
-        self.limits = model_limits(config, self.model_config.hidden_size)
+        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks)
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
