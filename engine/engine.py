@@ -74,7 +74,7 @@ from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
-from model.provisioning import SERVED_PARTITION, ensure_checkpoint
+from model.provisioning import ensure_checkpoint, served_partition
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
 from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
@@ -223,7 +223,7 @@ class Engine:
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()
-        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
         self.model_name = f"minimax-h3@{self.weights.fingerprint}"  # reads ~3 pages per tensor
@@ -364,6 +364,11 @@ class Engine:
         if request.steps > self.limits.max_steps:
             raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
                               f"max_steps={self.limits.max_steps}")
+        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks:
+            # The Ref2VA transformer is trained for references: a text-only request would run it silently.
+            raise ClientError("references", f"t2va is not served by this model (the "
+                              f"{self.checkpoint.partition.native_dir_name} partition serves "
+                              f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
         try:
             if request.task is Task.T2VA:
                 geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
@@ -532,7 +537,7 @@ class Engine:
 
     def _checked_weights(self, path: str | os.PathLike) -> TransformerWeights:
         try:
-            checkpoint = H3Checkpoint.open(path, SERVED_PARTITION)
+            checkpoint = H3Checkpoint.open(path, served_partition(self.config))
             weights = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
             weights.validate(expect=self.model_config, with_adaln=self.plan_cache is None)
             if self.plan_cache is not None:
@@ -738,12 +743,12 @@ def _translated(exc: BaseException) -> BaseException:
 
 def prompt_stage(config: EngineConfig) -> PromptStage:
     """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
     return PromptStage(config.text_encoder, checkpoint,
                        resolve_device(config.text_encoder.device, resolve_device(config.device)))
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:
     """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
     return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))

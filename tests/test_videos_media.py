@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
 import zlib
 from contextlib import ExitStack
@@ -14,10 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from deployments.errors import RequestError
+from deployments.ingress import parse_request
 from deployments.schemas import AppConfig
 from deployments.video_backend import generation_request, invalid_request
 from deployments.videos import VideoApi, build_videos_app
-from engine.api import Task
+from engine.api import KeyframeInput, Task
 from engine.errors import ClientError
 from jobs.backend import VideoServerError, VideoSpec
 from jobs.config import AuthConfig, JobsConfig
@@ -286,3 +289,31 @@ def test_a_job_whose_uploads_are_missing_fails_as_a_server_error():
 def test_an_engine_refusal_names_the_upload_as_the_client_sent_it(media, engine_field, api_field):
     error = invalid_request(ClientError(engine_field, "refused (fake)"), spec_with(media, False))
     assert error.field == api_field and str(error) == f"{api_field}: refused (fake)"
+
+
+# --- /v1/generations: the typed fields from a JSON body (deployments.ingress.parse_request) ---------------
+
+def test_a_json_body_carries_keyframes_and_references_as_arrays_of_base64():
+    keyframes = {"prompt": PROMPT, "keyframes": [{"image": base64.b64encode(RED).decode(), "anchor": "first"},
+                                                 {"image": base64.b64encode(BLUE).decode(), "frame_index": -1}]}
+    request = parse_request(json.loads(json.dumps(keyframes)))
+    assert [(k.image, k.anchor, k.frame_index) for k in request.keyframes] == [(RED, "first", None), (BLUE, None, -1)]
+    references = parse_request({"prompt": PROMPT, "references": [{"kind": "image", "data": base64.b64encode(RED).decode()}]})
+    assert request.task is Task.FL2VA and references.task is Task.REF2VA and references.references[0].data == RED
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": PROMPT, "steps": "4"}, "steps: Input should be a valid integer"),  # still strictly typed
+    ({"prompt": PROMPT, "keyframes": [{"image": "@@not base64@@", "anchor": "first"}]}, "keyframes.0.image"),
+    ({"prompt": PROMPT, "keyframes": [{"image": base64.b64encode(RED).decode()}]}, "give exactly one of anchor"),
+    ({"prompt": PROMPT, "seconds": float("nan")}, "seconds: Input should be a finite number"),
+])
+def test_a_bad_json_body_is_a_422_naming_the_field(body, message):
+    with pytest.raises(RequestError) as error:
+        parse_request(body)
+    assert error.value.status == 422 and message in error.value.message, error.value.message
+
+
+def test_a_handle_callers_python_objects_validate_as_they_are():
+    request = parse_request({"prompt": PROMPT, "keyframes": (KeyframeInput(image=RED, anchor="last"),)})
+    assert request.keyframes[0].image == RED
