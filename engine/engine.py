@@ -124,6 +124,12 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
 MODEL_NAME = "minimax-h3"
 
 
+def served_model_name(config: EngineConfig) -> str:
+    """`minimax-h3` for the FL2VA partition, `minimax-h3-ref2va` for Ref2VA: two apps serving both partitions
+    (README) name their models apart, so one job database could hold both queues."""
+    return MODEL_NAME if config.partition == "fl2va" else f"{MODEL_NAME}-{config.partition}"
+
+
 def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",)) -> ModelLimits:
     """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
     model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
@@ -131,7 +137,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
     if geometry is None:
         geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
     return served_limits(
-        MODEL_NAME, max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
+        served_model_name(config), max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
         size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
@@ -226,7 +232,7 @@ class Engine:
         self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
-        self.model_name = f"minimax-h3@{self.weights.fingerprint}"  # reads ~3 pages per tensor
+        self.model_name = f"{served_model_name(config)}@{self.weights.fingerprint}"  # reads ~3 pages per tensor
         checkpoint_s = time.perf_counter() - t
         online = config.adaln.mode == "online"
         offload = config.offload.enabled
@@ -526,7 +532,7 @@ class Engine:
             if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
                 self.pool_tier.invalidate(old_version)
         self.weights = weights
-        self.model_name = f"minimax-h3@{weights.fingerprint}"
+        self.model_name = f"{served_model_name(self.config)}@{weights.fingerprint}"
 
     def validate_weight_update(self, path: str | os.PathLike) -> str:
         """Check the checkpoint at `path` against the served model without writing anything: config, names,
