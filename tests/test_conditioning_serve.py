@@ -3,7 +3,8 @@ lists each app's tasks and limits, `/v1/generations` takes typed keyframes, `/v1
 answers a playable MP4 (H.264 + AAC, the snapped length) with the bytes `/v1/generations` gives for the same
 request, bad uploads are 4xx naming the field and leave `/healthz` at 200, and a split app refuses fl2va clearly.
 
-One cluster for the module; a fused and a split app side by side on the same checkpoint.
+And references (ref2va) through a third app serving the Ref2VA partition (`engine.partition: ref2va`). One
+cluster for the module; the apps side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import av
+import numpy as np
 import pytest
 import requests
 from PIL import Image
@@ -27,7 +29,8 @@ GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "ma
 PROMPT = "a red fox runs across a snowy field at dawn"
 #: 1 s at 24 fps: 25 frames snapped up to 17n + 5 = 39.
 SECONDS, NUM_FRAMES, STEPS, SEED = 1.0, 39, 3, 4
-STAGES = ("fused", "split")
+#: app name -> (stages, engine.partition)
+APPS = {"fused": ("fused", "fl2va"), "split": ("split", "fl2va"), "ref2va": ("fused", "ref2va")}
 WAIT_S = 300.0
 
 
@@ -47,16 +50,15 @@ GIF = _GIF.getvalue()
 @pytest.fixture(scope="module")
 def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("fl2va-serve")
-    with serve_cluster(num_cpus=6) as url:
+    with serve_cluster(num_cpus=8) as url:
         urls = {}
-        for stages in STAGES:
+        for name, (stages, partition) in APPS.items():
             args = serve_config_args(root / "checkpoints")
             args["stages"] = stages
-            args["engine"]["device"] = "cpu"
-            args["engine"]["geometry"] = GEOMETRY
-            args["jobs"].update({"state_dir": str(root / f"state-{stages}"), "poll_s": 0.2, "events_poll_s": 0.2})
-            run_app(url, args, name=stages, route_prefix=f"/{stages}")
-            urls[stages] = f"{url}/{stages}"
+            args["engine"].update({"device": "cpu", "geometry": GEOMETRY, "partition": partition})
+            args["jobs"].update({"state_dir": str(root / f"state-{name}"), "poll_s": 0.2, "events_poll_s": 0.2})
+            run_app(url, args, name=name, route_prefix=f"/{name}")
+            urls[name] = f"{url}/{name}"
         yield urls
 
 
@@ -88,9 +90,11 @@ def completed_job(base_url: str, video_id: str) -> dict:
 
 
 def test_models_lists_the_tasks_each_app_runs_and_its_limits(apps):
-    for stages, tasks in (("fused", ["t2va", "fl2va"]), ("split", ["t2va"])):
-        (card,) = requests.get(f"{apps[stages]}/v1/models", timeout=30).json()["data"]
-        assert card["tasks"] == tasks and card["limits"]["tasks"] == tasks, (stages, card["tasks"])
+    for name, model, tasks in (("fused", "minimax-h3", ["t2va", "fl2va"]), ("split", "minimax-h3", ["t2va"]),
+                               ("ref2va", "minimax-h3-ref2va", ["ref2va"])):
+        (card,) = requests.get(f"{apps[name]}/v1/models", timeout=30).json()["data"]
+        assert card["tasks"] == tasks and card["limits"]["tasks"] == tasks, (name, card["tasks"])
+        assert card["id"].startswith(model + "@") and card["limits"]["name"] == model
         assert card["limits"]["max_pixels"] == GEOMETRY["max_pixels"]
 
 
@@ -171,4 +175,43 @@ def test_a_split_app_refuses_keyframes_naming_stages_fused(apps):
                         files={"input_reference": ("f.png", FIRST, "image/png")})
     assert job.status_code == 422, job.text
     assert "input_reference: fl2va is not served by minimax-h3 (it serves t2va)" in job.json()["error"]["message"]
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV (a sine), resampled to 32 kHz by the server."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        samples = (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]
+        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("case, files", [
+    ("images", [("image_references", ("a.png", FIRST, "image/png")), ("image_references", ("b.png", LAST, "image/png"))]),
+    ("image-and-soundtrack", [("image_references", ("a.png", FIRST, "image/png")),
+                              ("audio_reference", ("s.wav", wav(1.0), "audio/wav"))]),
+])
+def test_references_make_a_ref2va_job_on_the_ref2va_app(apps, case, files):
+    base_url = apps["ref2va"]
+    created = requests.post(f"{base_url}/v1/videos", timeout=60, files=files, data={
+        "prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS), "seed": str(SEED)})
+    assert created.status_code == 200, created.text
+    job = completed_job(base_url, created.json()["id"])
+    assert job["task"] == "ref2va" and job["model"] == "minimax-h3-ref2va"
+    mp4 = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
+    assert mp4_facts(mp4)[:3] == ("h264", "aac", NUM_FRAMES)
+
+
+def test_the_ref2va_app_refuses_text_alone_and_keyframes_naming_what_it_serves(apps):
+    base_url = apps["ref2va"]
+    text = requests.post(f"{base_url}/v1/videos", json={"prompt": PROMPT}, timeout=60)
+    assert text.status_code == 422 and "minimax-h3-ref2va serves ref2va, not text alone" in text.text, text.text
+    keyframes = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, anchor="first")]),
+                              timeout=60)
+    assert keyframes.status_code == 422 and "fl2va is not served" in keyframes.text, keyframes.text
     assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
