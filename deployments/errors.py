@@ -45,7 +45,8 @@ from starlette.exceptions import HTTPException
 
 from deployments.schemas import ErrorBody, ErrorResponse, FieldError
 from engine.errors import ClientError, EngineError, ErrorKind, ServerFault, Unavailable
-from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
+from jobs.errors import (InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable,
+                         UploadTooLarge)
 
 logger = logging.getLogger("ray.serve")
 
@@ -164,6 +165,9 @@ JOB_ERRORS = (InvalidVideoRequest, JobNotFound, JobConflict, OutputExpired, Queu
 
 def job_error(exc: Exception) -> RequestError:
     """A job-layer error's HTTP status and body."""
+    if isinstance(exc, UploadTooLarge):  # before its base class: a 413 naming the field
+        return RequestError(413, "payload_too_large", str(exc),
+                            [FieldError(loc=[exc.field], msg=str(exc), type="too_large")])
     if isinstance(exc, InvalidVideoRequest):
         return invalid_field(exc.field, str(exc))
     if isinstance(exc, JobNotFound):

@@ -76,8 +76,17 @@ async def follow(stream: Any, on_progress: ProgressFn, cancelled: CancelledFn) -
             await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
 
 
+#: What a split app runs: a keyframe's or reference's VAE encode and vision prompt run beside a fused engine's
+#: denoiser (`deployments.stages` refuses the rest with a 422 naming `stages: fused`).
+SPLIT_TASKS = ("t2va",)
+
+
 class GenerationRunner(Protocol):
     """A generation as the ingress runs it (split or fused)."""
+
+    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the tasks the engine's partition serves, those this app runs (what `GET /v1/models` lists and the
+        video API admits)."""
 
     async def check(self, request: GenerationRequest) -> None:
         """ClientError if what holds the tokenizer refuses the request's prompt (cheap; one call)."""
@@ -138,6 +147,9 @@ class SplitRunner:
         self._pipeline = Pipeline(TextEncoderStep(stages.text_encoder), WorkerDenoiseStep(stages.worker),
                                   DecoderStep(stages.decoder))
 
+    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(task for task in partition_tasks if task in SPLIT_TASKS)
+
     async def check(self, request: GenerationRequest) -> None:
         await self._text_encoder.validate.remote(request)  # the TextEncoder holds the tokenizer
 
@@ -157,6 +169,9 @@ class FusedRunner:
 
     def __init__(self, worker: DeploymentHandle) -> None:
         self._worker = worker
+
+    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
+        return partition_tasks
 
     async def check(self, request: GenerationRequest) -> None:
         await self._worker.validate.remote(request)  # the fused engine holds the tokenizer

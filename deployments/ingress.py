@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.admin import WeightAdmin
-from deployments.generation import runner_for
+from deployments.generation import GenerationRunner, runner_for
 from deployments.errors import (RequestError, install_client_error_log_filter, install_error_handlers,
                                validation_error, worker_error)
 from deployments.json_body import JsonBodyError, loads_body, read_body
@@ -83,12 +83,19 @@ _ERRORS = {
 
 
 def parse_request(payload: Any) -> GenerationRequest:
-    """dict | GenerationRequest -> GenerationRequest, or RequestError(422) naming the bad fields."""
+    """dict | GenerationRequest -> GenerationRequest, or RequestError(422) naming the bad fields. A dict of JSON's
+    types (an HTTP body) is validated as JSON: arrays for the keyframes and references, base64 for their bytes."""
     if isinstance(payload, GenerationRequest):
         # Re-checked: an object made with model_construct() (or mutated) skipped validation.
         payload = payload.model_dump()
     if not isinstance(payload, dict):
         raise RequestError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
+    try:
+        return GenerationRequest.model_validate_json(json.dumps(payload, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            raise validation_error(exc) from None
+        # Not JSON's types (a handle caller's bytes, tuples or NaN): validated as the Python objects they are.
     try:
         return GenerationRequest.model_validate(payload)
     except ValidationError as exc:
@@ -139,6 +146,14 @@ def _sse_event(name: str, item: Any) -> str:
 
 def _new_id() -> str:
     return f"gen-{uuid.uuid4().hex[:24]}"
+
+
+def served_model(card: dict[str, Any], runner: GenerationRunner) -> dict[str, Any]:
+    """A `GET /v1/models` entry: the worker's `describe()` with the tasks this app runs (`tasks`, and in
+    `limits.tasks`): the partition's, less what a split app refuses."""
+    limits = card.get("limits") or {}
+    tasks = list(runner.served_tasks(tuple(limits.get("tasks", ("t2va",)))))
+    return {**card, "tasks": tasks, "limits": {**limits, "tasks": tasks}}
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -394,5 +409,5 @@ class Ingress:
                 )
             except Exception as exc:  # noqa: BLE001
                 return RequestError(503, "unavailable", f"worker describe failed: {type(exc).__name__}").response()
-        return JSONResponse(content={"object": "list", "data": [self._model_card]})
+        return JSONResponse(content={"object": "list", "data": [served_model(self._model_card, self._runner)]})
 

@@ -417,3 +417,11 @@ class AppConfig(BaseModel):
     )
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Optional API keys of the video routes.")
     videos: VideoOptions = Field(default_factory=VideoOptions, description="What video jobs ask the engine for.")
+
+    @model_validator(mode="after")
+    def _split_serves_t2va(self) -> AppConfig:
+        # A split app runs t2va only (deployments.generation.SPLIT_TASKS): the Ref2VA partition would serve nothing.
+        if self.engine.partition == "ref2va" and self.stages == "split" and self.engine.parallel.sp == 1:
+            raise ValueError("engine.partition: ref2va serves references, which need stages: fused (a split app "
+                             "runs t2va only)")
+        return self

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Any
 
@@ -32,7 +33,8 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments.errors import engine_error, fault_summary, unwrap
 from deployments.generation import GenerationRunner
-from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationStats
+from engine.api import (AdalnStats, CacheDitOverrides, GenerationRequest, GenerationStats, KeyframeInput,
+                        ReferenceInput)
 from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
 from engine.limits import ModelLimits
 from engine.pipeline import PipelineResult
@@ -96,19 +98,27 @@ class ModelCard(BaseModel):
 
 
 def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> GenerationRequest:
-    """The engine request of a video job (an MP4, no latents)."""
+    """The engine request of a video job (an MP4, no latents): its keyframes (fl2va) or references (ref2va) from
+    the job's media; without a size the canvas is the model's for the first image (width and height left out)."""
+    if spec.task != "t2va" and spec.media is None:
+        raise VideoServerError(f"the job's {spec.task} uploads are missing from the job store")
+    media = spec.media
+    size = {"width": spec.width, "height": spec.height} if spec.size_given else {}
     return GenerationRequest(
         prompt=spec.prompt,
         steps=spec.num_inference_steps,
         seconds=spec.seconds,
-        width=spec.width,
-        height=spec.height,
+        **size,
         flow_shift=spec.flow_shift,
         audio_flow_shift=spec.audio_flow_shift,
         seed=spec.seed,
         return_video=True,
         return_latents=False,
         cache_dit=high_quality if spec.quality == "high" else LOSSLESS_CACHE_DIT,
+        keyframes=tuple(KeyframeInput(image=k.image, frame_index=k.frame_index) for k in media.keyframes)
+        if media is not None and media.keyframes else None,
+        references=tuple(ReferenceInput(kind=r.kind, data=r.data) for r in media.references)
+        if media is not None and media.references else None,
     )
 
 
@@ -163,12 +173,32 @@ VIDEO_FIELDS = {
 }
 
 
-def invalid_request(error: ClientError) -> InvalidVideoRequest:
-    """An engine refusal as the video API's 422, under the video API's name of its field."""
-    return InvalidVideoRequest(VIDEO_FIELDS.get(error.field, "request"), error.detail)
+def invalid_request(error: ClientError, spec: VideoSpec | None = None) -> InvalidVideoRequest:
+    """An engine refusal as the video API's 422, under the video API's name of its field: `keyframes[i]...` and
+    `references[i]` are the job's uploads in order, named as the client sent them (`input_references[1]`)."""
+    return InvalidVideoRequest(video_field(error.field, spec), error.detail)
 
 
-def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
+def video_field(engine_field: str, spec: VideoSpec | None) -> str:
+    field = VIDEO_FIELDS.get(engine_field)
+    if field is not None:
+        return field
+    match = _UPLOAD_FIELD.match(engine_field)
+    if match is None:
+        return "request"
+    uploads = () if spec is None or spec.media is None else (
+        spec.media.keyframes if match["kind"] == "keyframes" else spec.media.references)
+    index = int(match["index"]) if match["index"] is not None else None
+    if index is not None and index < len(uploads):
+        return uploads[index].field
+    return "input_reference" if match["kind"] == "keyframes" else "references"
+
+
+#: The engine's names of a request's uploads: `keyframes[0].image`, `keyframes[1].frame_index`, `references[2]`.
+_UPLOAD_FIELD = re.compile(r"^(?P<kind>keyframes|references)(?:\[(?P<index>\d+)\])?")
+
+
+def backend_error(exc: BaseException, cancel_asked: bool, spec: VideoSpec | None = None) -> Exception:
     """A failed worker call as the job layer's error type (messages fit for the job record)."""
     if isinstance(unwrap(exc), (RequestCancelledError, asyncio.CancelledError)):
         error: EngineError | None = GenerationCancelled("the call was cancelled")
@@ -178,7 +208,7 @@ def backend_error(exc: BaseException, cancel_asked: bool) -> Exception:
         logger.error("video generation failed", exc_info=exc)
         return VideoServerError(f"generation failed: {type(unwrap(exc)).__name__}")
     if isinstance(error, ClientError):
-        return VideoRequestError(str(invalid_request(error)))
+        return VideoRequestError(str(invalid_request(error, spec)))
     if isinstance(error, GenerationCancelled):
         if cancel_asked:
             return VideoCancelled("cancelled")
@@ -227,7 +257,7 @@ class PipelineVideoBackend:
         except Exception as exc:  # noqa: BLE001 - sorted below
             cause = unwrap(exc)
             if isinstance(cause, ClientError):
-                raise invalid_request(cause) from None
+                raise invalid_request(cause, spec) from None
             logger.warning("video request check skipped (the worker did not answer): %s", type(exc).__name__)
 
     async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
@@ -240,5 +270,5 @@ class PipelineVideoBackend:
             # `run.denoised`: the worker is free (split: while the Decoder decodes) and the next job may start.
             finished = await self._runner.run(request, run.on_progress, run.cancelled, run.denoised)
         except Exception as exc:  # noqa: BLE001 - sorted by backend_error
-            raise backend_error(exc, run.cancelled()) from exc
+            raise backend_error(exc, run.cancelled(), spec) from exc
         return video_output(finished, time.perf_counter() - start)

@@ -75,7 +75,8 @@ class VideoJobs:
         card = await self._describe()
         if card is None:
             return
-        limits = card.limits  # the engine's own: what the video API resolves and checks jobs against
+        # The engine's own limits (what the video API resolves and checks jobs against), with the tasks this app runs.
+        limits = card.limits.model_copy(update={"tasks": self._runner.served_tasks(card.limits.tasks)})
         backend = PipelineVideoBackend(self._runner, card, self._videos.high_quality, self._videos.validate_timeout_s)
         while True:
             try:

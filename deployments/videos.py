@@ -51,8 +51,10 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from deployments.errors import RequestError, install_error_handlers, invalid_field, job_error, validation_error
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.schemas import ErrorResponse
+from engine.media import MediaError, MediaLimits, decode_image
 from jobs.config import AuthConfig, JobsConfig
 from jobs.errors import JobConflict, JobNotFound
+from jobs.media import LIST_FIELDS, MEDIA_FIELDS, Upload, VideoMedia, check_upload_size, data_url_bytes, video_media
 from jobs.outputs import OutputBlob, OutputMissing, VideoVariant
 from jobs.records import JobRecord, JobStatus
 from jobs.schemas import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
@@ -74,6 +76,8 @@ VIDEO_ID = re.compile(r"^video_[A-Za-z0-9_-]{22}$")
 READ_CHUNK_BYTES = 1 << 20
 DISCONNECT_POLL_S = 0.5
 FORM_MAX_FIELDS = 32
+#: Files one form may carry: two keyframes, or the model's 12 references.
+FORM_MAX_FILES = 12
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,56 +161,116 @@ def _checked_id(video_id: str) -> str:
     return video_id
 
 
-async def _create_request(request: Request, max_body_bytes: int) -> VideoCreateRequest:
-    """The POST body (JSON strictly typed; form fields as strings, converted) as a VideoCreateRequest."""
+async def _create_request(request: Request, config: JobsConfig) -> tuple[VideoCreateRequest, VideoMedia | None]:
+    """The POST body (JSON strictly typed; form fields as strings, converted) as a VideoCreateRequest, and its
+    uploads (`jobs.media`): multipart files or `data:` URLs, each size-checked before it is decoded, images
+    decoded here (format, pixels, corruption: 413/422 naming the field) before the job is queued."""
     try:
-        body = await read_body(request, max_body_bytes, "jobs.max_body_bytes")
+        body = await read_body(request, config.max_upload_bytes, "jobs.max_upload_bytes")
     except JsonBodyError as exc:
         raise RequestError(exc.status, exc.kind, exc.message) from None
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    files: list[Upload] = []
     if content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        fields = await _form_fields(request.headers, body, content_type)
+        fields, files = await _form_fields(request.headers, body, content_type, config.max_file_bytes)
         try:
-            return VideoCreateRequest.model_validate(fields)
+            create = VideoCreateRequest.model_validate(fields)
         except ValidationError as exc:
             raise validation_error(exc) from None
-    if content_type != "application/json":
+    elif content_type != "application/json":
         raise RequestError(
             415, "unsupported_media_type",
             f"content-type {content_type!r}: send application/json, multipart/form-data or "
             "application/x-www-form-urlencoded",
         )
-    try:
-        payload = loads_body(body)
-    except JsonBodyError as exc:
-        raise RequestError(exc.status, exc.kind, exc.message) from None
-    if not isinstance(payload, dict):
-        raise RequestError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
-    try:
-        return VideoCreateRequest.model_validate(payload, strict=True)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    else:
+        try:
+            payload = loads_body(body)
+        except JsonBodyError as exc:
+            raise RequestError(exc.status, exc.kind, exc.message) from None
+        if not isinstance(payload, dict):
+            raise RequestError(422, "invalid_request", f"body must be a JSON object, got {type(payload).__name__}")
+        try:
+            create = VideoCreateRequest.model_validate(payload, strict=True)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+    uploads = files + _data_url_uploads(create, config.max_file_bytes)
+    if not uploads and len(body) > config.max_body_bytes:
+        raise RequestError(413, "payload_too_large", f"body of {len(body)} bytes (no uploads) exceeds "
+                                                     f"jobs.max_body_bytes={config.max_body_bytes}")
+    media = video_media(uploads, create.frame_indices)
+    if media is not None:
+        await asyncio.to_thread(_check_images, media, MediaLimits(max_bytes=config.max_file_bytes))
+    return create, media
 
 
-async def _form_fields(headers: Headers, body: bytes, content_type: str) -> dict[str, str]:
+def _data_url_uploads(create: VideoCreateRequest, max_file_bytes: int) -> list[Upload]:
+    """The request's media fields given as text: each must be a base64 `data:` URL (the server fetches no URL)."""
+    uploads = []
+    for name in MEDIA_FIELDS:
+        value = getattr(create, name)
+        if value is None:
+            continue
+        items = [(None, value)] if isinstance(value, str) else list(enumerate(value))
+        for index, item in items:
+            field = name if index is None else f"{name}[{index}]"
+            uploads.append(Upload(name, data_url_bytes(item, field, max_file_bytes), index))
+    return uploads
+
+
+def _check_images(media: VideoMedia, limits: MediaLimits) -> None:
+    """Every image upload decodes as PNG, JPEG or WebP within the pixel limit (the header is read first). Videos
+    and soundtracks are checked by the engine (`Worker.validate`, before the job is queued), which decodes them."""
+    images = [(k.field, k.image) for k in media.keyframes]
+    images += [(r.field, r.data) for r in media.references if r.kind == "image"]
+    for field, data in images:
+        try:
+            decode_image(data, field, limits)
+        except MediaError as exc:
+            raise invalid_field(exc.field, str(exc)) from None
+
+
+async def _form_fields(headers: Headers, body: bytes, content_type: str,
+                       max_file_bytes: int) -> tuple[dict[str, str | list[str]], list[Upload]]:
     if content_type == "application/x-www-form-urlencoded":
         items: list[tuple[str, str | UploadFile]] = list(_urlencoded_fields(body))
     else:
         try:
-            # The body already read (within jobs.max_body_bytes): what `Request.form()` would parse.
-            form = await MultiPartParser(headers, _once(body), max_files=1, max_fields=FORM_MAX_FIELDS).parse()
+            # The body already read (within jobs.max_upload_bytes): what `Request.form()` would parse. A text
+            # part may hold a data: URL, so its bound is a file's (base64: 4 characters per 3 bytes).
+            parser = MultiPartParser(headers, _once(body), max_files=FORM_MAX_FILES, max_fields=FORM_MAX_FIELDS,
+                                     max_part_size=max_file_bytes * 4 // 3 + 1024)
+            form = await parser.parse()
         except MultiPartException as exc:
             raise RequestError(422, "invalid_request", f"form body: {exc.message}") from None
         items = form.multi_items()
-        await form.close()  # an upload's spooled file (uploads are refused below)
-    fields: dict[str, str] = {}
-    for name, value in items:
-        if isinstance(value, UploadFile):
-            raise invalid_field(name, f"{name}: file uploads are not supported yet (input_reference)")
-        if name in fields:
-            raise invalid_field(name, f"{name}: given more than once")
-        fields[name] = value
-    return fields
+    fields: dict[str, str | list[str]] = {}
+    files: list[Upload] = []
+    counts: dict[str, int] = {}
+    try:
+        for name, value in items:
+            index = counts[name] = counts.get(name, -1) + 1
+            if index and name not in LIST_FIELDS:
+                raise invalid_field(name, f"{name}: given more than once")
+            if isinstance(value, UploadFile):
+                if name not in MEDIA_FIELDS:
+                    raise invalid_field(name, f"{name}: a file, where the field takes text (files go in "
+                                              f"{', '.join(MEDIA_FIELDS)})")
+                field = f"{name}[{index}]" if name in LIST_FIELDS else name
+                check_upload_size(field, value.size or 0, max_file_bytes)  # UploadTooLarge: 413
+                files.append(Upload(name, await value.read(), index if name in LIST_FIELDS else None))
+            elif name in LIST_FIELDS:
+                listed = fields.setdefault(name, [])
+                assert isinstance(listed, list)
+                listed.append(value)
+            else:
+                fields[name] = value
+    finally:
+        if content_type != "application/x-www-form-urlencoded":
+            await form.close()  # the uploads' spooled files
+    # A list field given once as text in a form: "0,-1" (frame_indices) or one data: URL.
+    return {k: v[0] if isinstance(v, list) and len(v) == 1 and k == "frame_indices" else v
+            for k, v in fields.items()}, files
 
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:
@@ -441,8 +505,8 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
     )
     async def create_video(request: Request, api: VideoApi = Depends(current_api),
                            owner: str | None = Depends(caller)) -> Response:
-        body = await _create_request(request, api.service.config.max_body_bytes)
-        record = await api.service.submit(api.service.resolve(body), owner)
+        body, media = await _create_request(request, api.service.config)
+        record = await api.service.submit(api.service.resolve(body, media), owner)
         return JSONResponse(content=_job_json(record))
 
     @router.post(
@@ -464,8 +528,8 @@ def videos_router(get_api: Callable[[], VideoApi]) -> APIRouter:
     )
     async def create_video_sync(request: Request, api: VideoApi = Depends(current_api),
                                 owner: str | None = Depends(caller)) -> Response:
-        body = await _create_request(request, api.service.config.max_body_bytes)
-        record = await api.service.submit(api.service.resolve(body), owner)
+        body, media = await _create_request(request, api.service.config)
+        record = await api.service.submit(api.service.resolve(body, media), owner)
         final = await _wait_or_cancel(api.service, record.id, owner, request)
         if final.status is JobStatus.COMPLETED:
             blob = await api.service.open_output(final.id, owner, VideoVariant.VIDEO)

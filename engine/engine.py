@@ -74,7 +74,7 @@ from model.denoise import Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
-from model.provisioning import SERVED_PARTITION, ensure_checkpoint
+from model.provisioning import ensure_checkpoint, served_partition
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
 from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
@@ -124,18 +124,24 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
 MODEL_NAME = "minimax-h3"
 
 
-def model_limits(config: EngineConfig, hidden_size: int) -> ModelLimits:
+def served_model_name(config: EngineConfig) -> str:
+    """`minimax-h3` for the FL2VA partition, `minimax-h3-ref2va` for Ref2VA: two apps serving both partitions
+    (README) name their models apart, so one job database could hold both queues."""
+    return MODEL_NAME if config.partition == "fl2va" else f"{MODEL_NAME}-{config.partition}"
+
+
+def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",)) -> ModelLimits:
     """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
     model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
     geometry = config.geometry
     if geometry is None:
         geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
     return served_limits(
-        MODEL_NAME, max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
+        served_model_name(config), max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
         size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
-        default_audio_flow_shift=AUDIO_SHIFT,
+        default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
     )
 
 
@@ -223,10 +229,10 @@ class Engine:
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()
-        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
-        self.model_name = f"minimax-h3@{self.weights.fingerprint}"  # reads ~3 pages per tensor
+        self.model_name = f"{served_model_name(config)}@{self.weights.fingerprint}"  # reads ~3 pages per tensor
         checkpoint_s = time.perf_counter() - t
         online = config.adaln.mode == "online"
         offload = config.offload.enabled
@@ -286,7 +292,7 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
-        self.limits = model_limits(config, self.model_config.hidden_size)
+        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks)
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
@@ -364,6 +370,11 @@ class Engine:
         if request.steps > self.limits.max_steps:
             raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
                               f"max_steps={self.limits.max_steps}")
+        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks:
+            # The Ref2VA transformer is trained for references: a text-only request would run it silently.
+            raise ClientError("references", f"t2va is not served by this model (the "
+                              f"{self.checkpoint.partition.native_dir_name} partition serves "
+                              f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
         try:
             if request.task is Task.T2VA:
                 geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
@@ -521,7 +532,7 @@ class Engine:
             if self.pool_tier is not None:  # the node-shared plan pool: drop plans of the old weights there too
                 self.pool_tier.invalidate(old_version)
         self.weights = weights
-        self.model_name = f"minimax-h3@{weights.fingerprint}"
+        self.model_name = f"{served_model_name(self.config)}@{weights.fingerprint}"
 
     def validate_weight_update(self, path: str | os.PathLike) -> str:
         """Check the checkpoint at `path` against the served model without writing anything: config, names,
@@ -532,7 +543,7 @@ class Engine:
 
     def _checked_weights(self, path: str | os.PathLike) -> TransformerWeights:
         try:
-            checkpoint = H3Checkpoint.open(path, SERVED_PARTITION)
+            checkpoint = H3Checkpoint.open(path, served_partition(self.config))
             weights = TransformerWeights(checkpoint.transformer_dir, checkpoint.layout)
             weights.validate(expect=self.model_config, with_adaln=self.plan_cache is None)
             if self.plan_cache is not None:
@@ -738,12 +749,12 @@ def _translated(exc: BaseException) -> BaseException:
 
 def prompt_stage(config: EngineConfig) -> PromptStage:
     """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
     return PromptStage(config.text_encoder, checkpoint,
                        resolve_device(config.text_encoder.device, resolve_device(config.device)))
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:
     """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), SERVED_PARTITION, require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
     return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))

@@ -60,6 +60,8 @@ class ModelLimits(BaseModel):
     max_flow_shift: float = Field(100.0, gt=0, description="Largest video or audio shift.")
     max_prompt_chars: int = Field(MAX_PROMPT_CHARS, ge=1, description="Longest prompt in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens (checked by the text encoder).")
+    tasks: tuple[str, ...] = Field(("t2va",), min_length=1, description="What the served partition takes: t2va and "
+                                   "fl2va (FL2VA), ref2va (Ref2VA); fewer where the app cannot run one (stages).")
 
     @model_validator(mode="after")
     def _defaults_within_bounds(self) -> ModelLimits:
@@ -106,7 +108,7 @@ class ModelLimits(BaseModel):
 def served_limits(
     name: str, *, max_steps: int, short_edge: int | None, max_pixels: int, size_multiple: int, min_seconds: float,
     max_seconds: float, fps: int, frames_per_chunk: int, frame_offset: int, max_prompt_tokens: int,
-    default_flow_shift: float, default_audio_flow_shift: float,
+    default_flow_shift: float, default_audio_flow_shift: float, tasks: tuple[str, ...] = ("t2va",),
 ) -> ModelLimits:
     """The limits of a model serving these bounds, with the defaults a request gets: 5 s (within the bounds),
     50 steps (at most max_steps), and a 16:9 frame: the model's short edge, else the largest short edge <= 768
@@ -131,7 +133,7 @@ def served_limits(
         short_edge=short_edge, min_edge=min_edge, max_edge=max(max_edge, min_edge), max_pixels=max_pixels,
         default_size=f"{long_edge}x{default_short}", default_short_edge=default_short, max_steps=max_steps,
         default_steps=min(DEFAULT_STEPS, max_steps), default_flow_shift=default_flow_shift,
-        default_audio_flow_shift=default_audio_flow_shift, max_prompt_tokens=max_prompt_tokens,
+        default_audio_flow_shift=default_audio_flow_shift, max_prompt_tokens=max_prompt_tokens, tasks=tasks,
     )
 
 

@@ -29,6 +29,8 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.media import VideoMedia, VideoTask
+
 __all__ = [
     "CancelCheck",
     "ProgressCallback",
@@ -65,11 +67,17 @@ class VideoSpec(BaseModel):
     flow_shift: float = Field(..., gt=0, description="Video timestep shift of the flow-matching schedule.")
     audio_flow_shift: float = Field(..., gt=0, description="Audio timestep shift of the flow-matching schedule.")
     quality: Quality = Field(..., description="lossless: exact sampling; high: the measured Cache-DiT profile.")
+    task: VideoTask = Field("t2va", description="t2va, fl2va (keyframes) or ref2va (references): what `media` holds.")
+    size_given: bool = Field(True, description="False: a keyframe or reference job without a size, whose canvas "
+                             "the model derives from its first image (width and height are then the default's).")
+    # Not in the spec's JSON (the store keeps it in its own row, read only by the claim that runs the job).
+    media: VideoMedia | None = Field(None, exclude=True, description="The uploads; None for t2va, and on records "
+                                     "read for display (only a claimed job carries them).")
 
     @property
     def size(self) -> str:
-        """`WIDTHxHEIGHT`, as the API writes sizes."""
-        return f"{self.width}x{self.height}"
+        """`WIDTHxHEIGHT`, as the API writes sizes; `auto` for a canvas the model takes from the keyframe."""
+        return f"{self.width}x{self.height}" if self.size_given else "auto"
 
 
 class VideoTimings(BaseModel):

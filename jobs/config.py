@@ -82,7 +82,13 @@ class JobsConfig(BaseModel):
         15.0, gt=0, description="SSE: a comment line is sent after this long without an event, so proxies keep a "
         "quiet stream (a job waiting in the queue) open.",
     )
-    max_body_bytes: int = Field(64 * 1024, ge=1024, description="POST bodies above this get 413.")
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="POST bodies without uploads above this get 413.")
+    max_upload_bytes: int = Field(
+        48 * 2**20, ge=1024, description="POST bodies carrying keyframes or references (multipart files, data: "
+        "URLs) above this get 413; read whole before parsing, so keep it what an ingress may hold per request.")
+    max_file_bytes: int = Field(
+        16 * 2**20, ge=1024, description="One uploaded file above this gets 413 naming its field, before any "
+        "decode (a job stores its uploads with its record until it finishes).")
     max_list_limit: int = Field(100, ge=1, description="Largest `limit` GET /v1/videos accepts (more: 422).")
 
     @field_validator("database_url")
@@ -97,6 +103,9 @@ class JobsConfig(BaseModel):
     def _heartbeat_within_lease(self) -> JobsConfig:
         if self.heartbeat_s is not None and self.heartbeat_s >= self.lease_s:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be below lease_s={self.lease_s}")
+        if self.max_upload_bytes < self.max_body_bytes:
+            raise ValueError(f"max_upload_bytes={self.max_upload_bytes} must be at least "
+                             f"max_body_bytes={self.max_body_bytes}")
         return self
 
     @property

@@ -9,6 +9,7 @@ __all__ = [
     "OutputExpired",
     "QueueFull",
     "StoreUnavailable",
+    "UploadTooLarge",
 ]
 
 
@@ -18,6 +19,10 @@ class InvalidVideoRequest(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class UploadTooLarge(InvalidVideoRequest):
+    """An uploaded file over the per-file limit (413), refused before anything decodes it."""
 
 
 class JobNotFound(LookupError):

@@ -12,6 +12,7 @@ import secrets
 from engine.limits import ModelLimits
 from jobs.backend import VideoSpec
 from jobs.errors import InvalidVideoRequest
+from jobs.media import VideoMedia, check_frame_indices
 from jobs.schemas import MAX_SEED, VideoCreateRequest
 
 __all__ = ["parse_size", "resolve_spec"]
@@ -47,9 +48,11 @@ def size_from_aspect(limits: ModelLimits, aspect_ratio: str, short_edge: int) ->
     return (long_edge, short_edge) if ratio_w >= ratio_h else (short_edge, long_edge)
 
 
-def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | None = None) -> VideoSpec:
+def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | None = None,
+                 media: VideoMedia | None = None) -> VideoSpec:
     """The request with every default filled in, checked against the model. InvalidVideoRequest names the
-    field, the value and the limit. `seed`: used when the request has none (None: drawn at random)."""
+    field, the value and the limit. `seed`: used when the request has none (None: drawn at random). `media`:
+    the request's uploads (`jobs.media.video_media`); a job with media and no size takes the model's canvas."""
     prompt = request.prompt
     if not prompt.strip():
         raise InvalidVideoRequest("prompt", "must not be blank")
@@ -76,6 +79,16 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
         check_size(limits, width, height, "aspect_ratio")
     else:
         width, height = parse_size(limits.default_size, "default_size")
+    task = "t2va" if media is None else media.task
+    if task == "t2va" and "t2va" not in limits.tasks:
+        raise InvalidVideoRequest("prompt", f"{limits.name} serves {', '.join(limits.tasks)}, not text alone: send "
+                                            "references (image_reference, video_reference, audio_reference)")
+    if media is not None:
+        if media.task not in limits.tasks:
+            field = media.keyframes[0].field if media.keyframes else media.references[0].field
+            raise InvalidVideoRequest(field, f"{media.task} is not served by {limits.name} (it serves "
+                                             f"{', '.join(limits.tasks)})")
+        check_frame_indices(media, limits.snapped_frames(seconds))
 
     steps = limits.default_steps if request.num_inference_steps is None else request.num_inference_steps
     if steps < limits.min_steps:
@@ -100,5 +113,6 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
     return VideoSpec(
         model=limits.name, prompt=prompt, seconds=seconds, width=width, height=height, num_inference_steps=steps,
         seed=seed, flow_shift=shifts["flow_shift"], audio_flow_shift=shifts["audio_flow_shift"],
-        quality=request.quality,
+        quality=request.quality, task="t2va" if media is None else media.task, media=media,
+        size_given=media is None or request.size is not None or request.aspect_ratio is not None,
     )

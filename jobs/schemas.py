@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jobs.backend import Quality, VideoStats, VideoTimings
+from jobs.media import VideoTask
 from jobs.records import JobRecord, JobStatus
 
 __all__ = ["MAX_PROMPT_CHARS", "VideoCreateRequest", "VideoDeleted", "VideoJob", "VideoJobError", "VideoList"]
@@ -61,6 +62,30 @@ class VideoCreateRequest(BaseModel):
     quality: Quality = Field(
         "lossless", description="lossless: exact sampling; high: the measured Cache-DiT profile (faster, not exact).",
     )
+    # Media (jobs.media): in JSON each a base64 `data:` URL; in a multipart form a file (or a data: URL field).
+    input_reference: str | None = Field(
+        None, description="fl2va keyframe image (PNG/JPEG/WebP): the first frame, or where frame_indices says.")
+    input_references: list[str] | None = Field(
+        None, max_length=2, description="fl2va keyframe images: first and last (or as frame_indices says).")
+    frame_indices: list[int] | None = Field(
+        None, max_length=2, description="Frame of each keyframe, in order: 0 first, -1 last (a form may send "
+        "\"0,-1\"). Default: one keyframe [0], two [0, -1].")
+    image_reference: str | None = Field(None, description="ref2va reference image (PNG/JPEG/WebP).")
+    image_references: list[str] | None = Field(None, max_length=9, description="ref2va reference images.")
+    video_reference: str | None = Field(None, description="ref2va reference video (its soundtrack too, if any).")
+    audio_reference: str | None = Field(None, description="ref2va reference soundtrack (with an image or video).")
+
+    @field_validator("frame_indices", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        # Forms send "0,-1" (or the field repeated: a list of strings).
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list) and all(isinstance(item, str) for item in items):
+            try:
+                return [int(item.strip()) for item in items]
+            except ValueError:
+                raise ValueError(f"frame_indices={value!r}: integers, e.g. 0,-1") from None
+        return value
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -111,6 +136,7 @@ class VideoJob(BaseModel):
     flow_shift: float = Field(..., description="Video timestep shift.")
     audio_flow_shift: float = Field(..., description="Audio timestep shift.")
     quality: Quality = Field(..., description="lossless or high.")
+    task: VideoTask = Field("t2va", description="t2va, fl2va (keyframes) or ref2va (references).")
     queue_position: int | None = Field(
         None, description="While queued: jobs of the same model ahead of this one (0: it starts next)."
     )
@@ -140,6 +166,7 @@ class VideoJob(BaseModel):
             flow_shift=spec.flow_shift,
             audio_flow_shift=spec.audio_flow_shift,
             quality=spec.quality,
+            task=spec.task,
             queue_position=record.jobs_ahead,
             cancel_requested=record.cancel_requested,
             attempts=record.attempts,

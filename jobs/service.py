@@ -54,6 +54,7 @@ from jobs.config import JobsConfig
 from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.events import ChangeFeed
 from jobs.limits import resolve_spec
+from jobs.media import VideoMedia
 from jobs.metrics import NO_JOB_METRICS, JobMetrics, JobOutcome
 from jobs.outputs import OutputBlob, OutputMissing, OutputStore, VideoVariant
 from jobs.records import JobError, JobPage, JobRecord, JobStatus, LeaseStatus, QueueStats, ReapReport
@@ -179,13 +180,14 @@ class JobService:
 
     # --- Client operations (the API) --------------------------------------------------------------------
 
-    def resolve(self, request: VideoCreateRequest) -> VideoSpec:
-        """The request checked against its model's limits (InvalidVideoRequest names field and limit)."""
+    def resolve(self, request: VideoCreateRequest, media: VideoMedia | None = None) -> VideoSpec:
+        """The request (and its uploads) checked against its model's limits (InvalidVideoRequest names field and
+        limit)."""
         name = request.model or self._default_model
         limits = self._models.get(name)
         if limits is None:
             raise InvalidVideoRequest("model", f"{name!r} is not served here; served: {sorted(self._models)}")
-        return resolve_spec(request, limits)
+        return resolve_spec(request, limits, media=media)
 
     async def submit(self, spec: VideoSpec, owner: str | None) -> JobRecord:
         """Queue a job once the backend accepts it (InvalidVideoRequest otherwise); QueueFull (with
@@ -554,6 +556,7 @@ class JobService:
                                expired)
             await self._report_finished(expired, JobOutcome.EXPIRED)
         await self._report_queue_depth(self._models)  # also catches what other replicas changed
+        await asyncio.to_thread(self._store.purge_media)  # finished jobs' uploads
         for key in await asyncio.to_thread(self._store.expire_outputs):
             try:
                 await asyncio.to_thread(self._outputs.delete, key)

@@ -15,6 +15,7 @@ All times come from the store's `clock`, so tests can move time instead of sleep
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.errors import JobConflict, JobNotFound, QueueFull
+from jobs.media import VideoMedia
 from jobs.records import JobError, JobPage, JobRecord, JobStatus, LeaseStatus, QueueStats, ReapReport, new_job_id
 
 __all__ = ["Clock", "JobStore", "SqlJobStore", "Transaction", "open_job_store"]
@@ -101,6 +103,11 @@ class JobStore(Protocol):
         """Fail (`queue_timeout`) the jobs still queued `max_queued_s` after they were created; their ids."""
         ...
 
+    def purge_media(self) -> int:
+        """Drop the uploads of jobs that are finished or deleted (a queued or running job keeps its own: a retry
+        runs from them); how many were dropped."""
+        ...
+
     def queue_stats(self, model: str) -> QueueStats: ...
 
     def close(self) -> None: ...
@@ -157,6 +164,10 @@ def _schema(seq_column: str) -> list[str]:
         "CREATE INDEX IF NOT EXISTS video_jobs_queue ON video_jobs (model, status, seq)",
         "CREATE INDEX IF NOT EXISTS video_jobs_owner ON video_jobs (owner, seq)",
         "CREATE INDEX IF NOT EXISTS video_jobs_lease ON video_jobs (status, lease_expires_at)",
+        # A job's uploads (`jobs.media.VideoMedia` as JSON, bytes base64), apart from the record so reading and
+        # listing jobs never loads them; only the claim that runs the job reads them (`purge_media` drops them
+        # once the job is finished).
+        "CREATE TABLE IF NOT EXISTS video_job_media (job_id TEXT PRIMARY KEY, media TEXT NOT NULL)",
     ]
 
 
@@ -297,6 +308,9 @@ class SqlJobStore(ABC):
                 (job_id, owner, spec.model, spec.num_inference_steps, spec.seconds, spec.size,
                  spec.model_dump_json(), self._clock()),
             )
+            if spec.media is not None:
+                tx.fetch("INSERT INTO video_job_media (job_id, media) VALUES (?, ?)",
+                         (job_id, spec.media.model_dump_json()))
             record = self._get(tx, job_id)
         assert record is not None  # inserted in this transaction
         return record
@@ -328,6 +342,7 @@ class SqlJobStore(ABC):
             record = self._get(tx, job_id)
             if record is not None:
                 tx.fetch("DELETE FROM video_jobs WHERE id = ?", (job_id,))
+                tx.fetch("DELETE FROM video_job_media WHERE job_id = ?", (job_id,))
         return record
 
     # --- Runner operations ------------------------------------------------------------------------------
@@ -345,7 +360,22 @@ class SqlJobStore(ABC):
                 f"ORDER BY seq LIMIT 1{self.SKIP_LOCKED}) AND status = 'queued' RETURNING id",
                 (now, lease_owner, now + lease_s, *models),
             )
-            return self._get(tx, str(rows[0]["id"])) if rows else None
+            if not rows:
+                return None
+            record = self._get(tx, str(rows[0]["id"]))
+            assert record is not None  # claimed in this transaction
+            media = tx.fetch("SELECT media FROM video_job_media WHERE job_id = ?", (record.id,))
+        if media:
+            spec = record.spec.model_copy(update={"media": VideoMedia.model_validate_json(str(media[0]["media"]))})
+            record = dataclasses.replace(record, spec=spec)
+        return record
+
+    def purge_media(self) -> int:
+        with self._transaction(write=True) as tx:
+            rows = tx.fetch(
+                "DELETE FROM video_job_media WHERE job_id NOT IN "
+                "(SELECT id FROM video_jobs WHERE status IN ('queued', 'in_progress')) RETURNING job_id")
+        return len(rows)
 
     def renew_lease(self, job_id: str, lease_owner: str, lease_s: float) -> LeaseStatus:
         with self._transaction(write=True) as tx:

@@ -2,7 +2,7 @@
 
 `ensure_checkpoint(settings)` is the configured `checkpoint`, or a seeded tiny random MiniMax-H3 made on first
 start under `checkpoint_root` (`model.tiny.make_tiny_checkpoint`) and reused afterwards. `checkpoint_num_heads` and
-`text_encoder_shape` read the served transformer's and text encoder's sizes from their config.json alone (no
+`text_encoder_shape` read the served (`served_partition`) transformer's and text encoder's sizes from their config.json alone (no
 weights), which the app builder needs to check a parallel degree before any process starts; an auto-made checkpoint
 answers with the tiny model's constants without being made.
 
@@ -24,9 +24,6 @@ from model.weights import CONFIG_FILE, H3TransformerConfig
 
 logger = logging.getLogger(__name__)
 
-#: The partition whose transformer serves t2va, the one task the engine runs: a Ref2VA directory (its own
-#: transformer, trained for reference conditioning) has the same shapes and would otherwise load silently.
-SERVED_PARTITION = Partition.FL2VA
 
 
 class CheckpointSettings(Protocol):
@@ -47,12 +44,25 @@ class CheckpointSettings(Protocol):
     @property
     def checkpoint_seed(self) -> int: ...
 
+    @property
+    def partition(self) -> Literal["fl2va", "ref2va"]: ...
+
+
+def served_partition(settings: CheckpointSettings) -> Partition:
+    """The partition `settings` serves: FL2VA (t2va, fl2va) or Ref2VA (ref2va). Named, never guessed: the two
+    transformers have the same shapes, so the wrong one would load silently."""
+    return Partition(settings.partition)
+
 
 def auto_checkpoint_dir(settings: CheckpointSettings) -> Path:
-    """Where the auto-made checkpoint of `settings` lives: `{root}/{preset}-{layout}[-seed{n}]`."""
+    """Where the auto-made checkpoint of `settings` lives: `{root}/{preset}-{layout}[-seed{n}][-ref2va]`. One
+    serving ref2va holds both partitions (as released); its FL2VA transformer has the same bytes as the
+    FL2VA-only one's."""
     name = f"{settings.preset}-{settings.checkpoint_layout}"
     if settings.checkpoint_seed:
         name += f"-seed{settings.checkpoint_seed}"
+    if served_partition(settings) is Partition.REF2VA:
+        name += "-ref2va"
     return Path(settings.checkpoint_root) / name
 
 
@@ -75,7 +85,8 @@ def ensure_checkpoint(settings: CheckpointSettings) -> Path:
     logger.info("making a tiny %s-layout MiniMax-H3 checkpoint (seed %d) at %s", settings.checkpoint_layout,
                 settings.checkpoint_seed, target)
     try:
-        make_tiny_checkpoint(target, settings.checkpoint_layout, seed=settings.checkpoint_seed)
+        make_tiny_checkpoint(target, settings.checkpoint_layout, seed=settings.checkpoint_seed,
+                             ref2va=served_partition(settings) is Partition.REF2VA)
     except (FileExistsError, OSError):
         if not _is_made(target):
             raise  # not a lost race: a real error
@@ -88,7 +99,7 @@ def checkpoint_num_heads(settings: CheckpointSettings) -> int:
     an auto-made checkpoint has its preset's."""
     if not settings.checkpoint:
         return TINY_TRANSFORMER.num_attention_heads
-    checkpoint = H3Checkpoint.open(settings.checkpoint, SERVED_PARTITION)
+    checkpoint = H3Checkpoint.open(settings.checkpoint, served_partition(settings))
     path = checkpoint.transformer_dir / CONFIG_FILE
     return H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).num_attention_heads
 
@@ -98,5 +109,5 @@ def text_encoder_shape(settings: CheckpointSettings) -> tuple[int, int, int]:
     an auto-made checkpoint has the tiny components'."""
     if not settings.checkpoint:
         return TINY_TEXT_HEADS, TINY_TEXT_KV_HEADS, TINY_TEXT_MLP
-    text = language_model_config(H3Checkpoint.open(settings.checkpoint, SERVED_PARTITION).text_encoder_dir)
+    text = language_model_config(H3Checkpoint.open(settings.checkpoint, served_partition(settings)).text_encoder_dir)
     return text.num_attention_heads, text.num_key_value_heads, text.intermediate_size

@@ -82,6 +82,7 @@ class FakeVideoBackend:
         self.started: list[str] = []  # job ids, in the order their runs started
         self.steps_done: dict[str, int] = {}
         self.runs: list[tuple[str, str]] = []  # (job id, output key) of every run started
+        self.specs: dict[str, VideoSpec] = {}  # job id -> the spec its (last) run got, media included
         #: (job id, event, time.monotonic()): "denoise_start", "denoise_end", "decode_end" of every run
         self.events: list[tuple[str, str, float]] = []
 
@@ -99,6 +100,7 @@ class FakeVideoBackend:
         with self._lock:
             self.started.append(job_id)
             self.runs.append((job_id, run.output_key))
+            self.specs[job_id] = spec
             self.steps_done[job_id] = 0
         if spec.prompt.startswith("fail:request"):
             raise VideoRequestError(f"prompt: {len(spec.prompt)} tokens exceed the text encoder's 8 (fake)")

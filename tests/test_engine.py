@@ -489,6 +489,8 @@ def test_auto_checkpoint_is_made_once_then_reused(checkpoint_root, engine):
     assert ensure_checkpoint(config) == path and (path / "model_index.json").stat().st_mtime_ns == mtime
     assert auto_checkpoint_dir(EngineConfig(checkpoint_root="r", checkpoint_layout="native",
                                             checkpoint_seed=3)) == Path("r/tiny-native-seed3")
+    # One serving ref2va holds both partitions, apart from the FL2VA-only one.
+    assert auto_checkpoint_dir(EngineConfig(checkpoint_root="r", partition="ref2va")) == Path("r/tiny-diffusers-ref2va")
 
 
 def _make_checkpoint_after(barrier, config: EngineConfig) -> str:

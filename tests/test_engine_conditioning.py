@@ -14,7 +14,7 @@ from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ClientError
-from model.conditioning import Conditioning, Keyframe, KeyframeAnchor
+from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor
 from model.layout import Partition
 from model.tiny import make_tiny_checkpoint
 from tests.conditioning_support import PROMPT, STEPS, Ours, random_image
@@ -102,3 +102,42 @@ def test_a_text_only_engine_refuses_keyframes(checkpoint):
     assert not engine.prompt_encoder.has_vision
     with pytest.raises(ClientError, match="keyframes: fl2va is not served"):
         engine.validate(fl2va_request())
+
+
+# --- engine.partition: ref2va ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def both_partitions(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("engine-ref2va") / "tiny", "diffusers", seed=0, ref2va=True)
+
+
+@pytest.fixture(scope="module")
+def ref2va_engine(both_partitions):
+    return make_engine(both_partitions, "resident", partition="ref2va")
+
+
+def test_the_ref2va_partition_serves_references_with_its_own_transformer(both_partitions, ref2va_engine):
+    assert ref2va_engine.limits.tasks == ("ref2va",) and ref2va_engine.describe()["limits"]["tasks"] == ["ref2va"]
+    assert ref2va_engine.checkpoint.transformer_dir.name == "transformer_ref"
+    request = GenerationRequest(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False,
+                                references=(ReferenceInput(kind="image", data=png(FIRST)),))
+    result = ref2va_engine.generate(request)
+    video, _, _ = Ours.load(both_partitions, Partition.REF2VA).generate(Conditioning(
+        references=(ImageReference(FIRST),)), seed=4)
+    assert torch.equal(result.video, video)
+
+
+@pytest.mark.parametrize("request_fields, field, served", [
+    ({}, "references", "t2va is not served by this model (the Ref2VA partition serves ref2va)"),
+    ({"keyframes": (KeyframeInput(image=png(FIRST), anchor="first"),)}, "keyframes", "fl2va is not served"),
+])
+def test_the_ref2va_partition_refuses_text_only_and_keyframes(ref2va_engine, request_fields, field, served):
+    with pytest.raises(ClientError) as error:
+        ref2va_engine.validate(GenerationRequest(prompt=PROMPT, steps=STEPS, **request_fields))
+    assert error.value.field == field and served in str(error.value)
+
+
+def test_the_fl2va_partition_of_a_checkpoint_with_both_is_the_fl2va_transformer(both_partitions, online):
+    engine = make_engine(both_partitions, "resident")  # engine.partition defaults to fl2va
+    assert engine.limits.tasks == ("t2va", "fl2va") and engine.checkpoint.transformer_dir.name == "transformer"
+    assert engine.weights.fingerprint == online.weights.fingerprint  # same seed: the FL2VA-only checkpoint's bits

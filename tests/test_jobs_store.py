@@ -18,6 +18,7 @@ import pytest
 
 from jobs.backend import VideoSpec, VideoStats, VideoTimings
 from jobs.errors import JobConflict, JobNotFound, QueueFull
+from jobs.media import KeyframeMedia, ReferenceMedia, VideoMedia
 from jobs.postgres_store import PostgresJobStore
 from jobs.records import JobError, JobStatus, LeaseStatus
 from jobs.sqlite_store import SqliteJobStore
@@ -73,6 +74,49 @@ def test_open_job_store_picks_the_implementation(database_url, store):
 def test_open_job_store_rejects_other_urls():
     with pytest.raises(ValueError, match="expected sqlite:///PATH or postgresql://"):
         open_job_store("mysql://localhost/jobs")
+
+
+# --- Uploads (keyframes, references) -------------------------------------------------------------------
+
+MEDIA = VideoMedia(keyframes=(KeyframeMedia(field="input_references[0]", image=b"\x89PNG first", frame_index=0),
+                              KeyframeMedia(field="input_references[1]", image=bytes(range(256)), frame_index=-1)))
+
+
+def media_spec(media: VideoMedia = MEDIA, **fields) -> VideoSpec:
+    return make_spec(**fields).model_copy(update={"media": media, "task": media.task, "size_given": False})
+
+
+def test_a_jobs_uploads_are_kept_apart_and_only_its_claim_reads_them(store):
+    job = store.create(media_spec(), None, BIG_QUEUE)
+    assert job.spec.media is None and store.get(job.id).spec.media is None  # reads and lists stay small
+    assert store.list_jobs(None, 10).jobs[0].spec.media is None
+    claimed = store.claim(["m1"], "runner-a", LEASE_S)
+    assert claimed.spec.media == MEDIA and claimed.spec.task == "fl2va" and claimed.spec.size == "auto"
+
+
+def test_uploads_survive_a_restart_and_a_retry(open_store, clock):
+    """Accepted is never lost: a new store on the same database claims the job with its bytes, and a job whose
+    replica died before its first step runs again from them."""
+    job = open_store().create(media_spec(), None, BIG_QUEUE)
+    restarted = open_store()
+    assert restarted.claim(["m1"], "runner-a", LEASE_S).spec.media == MEDIA
+    clock.advance(LEASE_S + 1)
+    assert restarted.reap(max_attempts=2).retried == [job.id]
+    assert restarted.purge_media() == 0  # queued again: it keeps its uploads
+    assert restarted.claim(["m1"], "runner-b", LEASE_S).spec.media == MEDIA
+
+
+def test_finished_and_deleted_jobs_drop_their_uploads(store):
+    references = VideoMedia(references=(ReferenceMedia(field="image_reference", kind="image", data=b"img"),))
+    done, waiting, deleted = (store.create(media_spec(m), None, BIG_QUEUE) for m in (MEDIA, references, MEDIA))
+    running = store.claim(["m1"], "runner-a", LEASE_S)
+    assert running.id == done.id
+    assert store.purge_media() == 0  # one running, two queued
+    store.fail(done.id, "runner-a", JobError("server_error", "boom"))
+    store.delete(deleted.id)
+    assert store.purge_media() == 1  # the failed job's (the deleted one's went with its record)
+    assert store.claim(["m1"], "runner-b", LEASE_S).spec.media == references  # the queued one kept its own
+    assert waiting.id != done.id
 
 
 # --- Creation, admission, queue position -------------------------------------------------------------

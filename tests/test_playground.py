@@ -10,6 +10,7 @@ from pathlib import Path
 
 from deployments.playground import PLAYGROUND_FILE, playground_page, playground_response
 from deployments.schemas import HttpOptions
+from jobs.media import MEDIA_FIELDS
 from jobs.schemas import VideoCreateRequest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +41,15 @@ def test_the_page_fetches_nothing_from_elsewhere():
 def test_every_field_the_form_posts_is_a_field_of_the_create_body():
     names = set(re.findall(r'<(?:input|select|textarea)[^>]*\bname="([a-z_]+)"', playground_page()))
     assert {"prompt", "size", "aspect_ratio", "seconds", "num_inference_steps", "seed", "quality"} <= names
-    # task and adapter appear only when GET /v1/models lists them: the fields of an API still to come.
-    assert names - {"task", "adapter"} <= set(VideoCreateRequest.model_fields)
+    # adapter appears only when GET /v1/models lists adapters: the field of an API still to come.
+    assert names - {"adapter"} <= set(VideoCreateRequest.model_fields)
+
+
+def test_every_upload_a_task_shows_is_a_media_field_of_the_create_body():
+    block = re.search(r"const TASK_INPUTS = \{(.*?)\n\};", playground_page(), re.S).group(1)
+    fields = set(re.findall(r'\["([a-z_]+)", "', block))
+    assert fields == {"input_references", "image_references", "video_reference", "audio_reference"}
+    assert fields <= set(MEDIA_FIELDS) and fields <= set(VideoCreateRequest.model_fields)
 
 
 def test_the_page_calls_only_routes_of_the_public_api():

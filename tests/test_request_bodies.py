@@ -74,11 +74,13 @@ def test_the_ingress_reads_a_chunked_body_within_the_limit():
         "prompt": "a fox"}
 
 
-def test_the_video_routes_stop_reading_a_chunked_body_past_jobs_max_body_bytes(tmp_path):
+def test_the_video_routes_stop_reading_a_chunked_body_past_jobs_max_upload_bytes(tmp_path):
+    """A body may carry uploads (keyframes, references), so it is read up to jobs.max_upload_bytes, no further."""
     service = JobService(
         store=SqliteJobStore(tmp_path / "jobs.sqlite3"), outputs=OutputStore(str(tmp_path / "outputs")),
         backend=FakeVideoBackend(), models=[TINY],
-        config=JobsConfig.model_validate({"state_dir": str(tmp_path), "max_body_bytes": LIMIT}),
+        config=JobsConfig.model_validate({"state_dir": str(tmp_path), "max_body_bytes": LIMIT // 2,
+                                          "max_upload_bytes": LIMIT}),
     )
     app = build_videos_app(VideoApi(service=service, auth=AuthConfig()))
     upload = ChunkedUpload(first=b'{"prompt": "')
@@ -91,4 +93,4 @@ def test_the_video_routes_stop_reading_a_chunked_body_past_jobs_max_body_bytes(t
     assert upload.pulled <= LIMIT // len(CHUNK) + 1
     assert sent[0]["status"] == 413
     error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]
-    assert error["message"] == f"body of more than {LIMIT} bytes exceeds jobs.max_body_bytes={LIMIT}"
+    assert error["message"] == f"body of more than {LIMIT} bytes exceeds jobs.max_upload_bytes={LIMIT}"

@@ -1,0 +1,217 @@
+"""Keyframes (fl2va) through Ray Serve on CPU with the tiny real checkpoint, over both APIs: `GET /v1/models`
+lists each app's tasks and limits, `/v1/generations` takes typed keyframes, `/v1/videos` takes a PNG upload and
+answers a playable MP4 (H.264 + AAC, the snapped length) with the bytes `/v1/generations` gives for the same
+request, bad uploads are 4xx naming the field and leave `/healthz` at 200, and a split app refuses fl2va clearly.
+
+And references (ref2va) through a third app serving the Ref2VA partition (`engine.partition: ref2va`). One
+cluster for the module; the apps side by side.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from collections.abc import Iterator
+
+import av
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from deployments.schemas import decode_latents
+from tests.serve_helpers import run_app, serve_cluster, serve_config_args
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: keyframes over HTTP
+
+GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
+PROMPT = "a red fox runs across a snowy field at dawn"
+#: 1 s at 24 fps: 25 frames snapped up to 17n + 5 = 39.
+SECONDS, NUM_FRAMES, STEPS, SEED = 1.0, 39, 3, 4
+#: app name -> (stages, engine.partition)
+APPS = {"fused": ("fused", "fl2va"), "split": ("split", "fl2va"), "ref2va": ("fused", "ref2va")}
+WAIT_S = 300.0
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = bytes((i * 7919 + seed * 104729) % 251 for i in range(width * height * 3))
+    out = io.BytesIO()
+    Image.frombytes("RGB", (width, height), pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+FIRST, LAST = png(48, 27, seed=1), png(40, 40, seed=2)
+_GIF = io.BytesIO()
+Image.new("RGB", (8, 8)).save(_GIF, format="GIF")
+GIF = _GIF.getvalue()
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("fl2va-serve")
+    with serve_cluster(num_cpus=8) as url:
+        urls = {}
+        for name, (stages, partition) in APPS.items():
+            args = serve_config_args(root / "checkpoints")
+            args["stages"] = stages
+            args["engine"].update({"device": "cpu", "geometry": GEOMETRY, "partition": partition})
+            args["jobs"].update({"state_dir": str(root / f"state-{name}"), "poll_s": 0.2, "events_poll_s": 0.2})
+            run_app(url, args, name=name, route_prefix=f"/{name}")
+            urls[name] = f"{url}/{name}"
+        yield urls
+
+
+def generation(keyframes: list[dict], **fields) -> dict:
+    return {"prompt": PROMPT, "steps": STEPS, "seconds": SECONDS, "seed": SEED, "return_video": True,
+            "return_latents": True, "keyframes": keyframes, **fields}
+
+
+def keyframe(image: bytes, **position) -> dict:
+    return {"image": base64.b64encode(image).decode(), **position}
+
+
+def mp4_facts(data: bytes) -> tuple[str, str, int, tuple[int, int]]:
+    with av.open(io.BytesIO(data)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        frames = sum(1 for _ in container.decode(video=0))
+        return video.codec_context.name, audio.codec_context.name, frames, (video.width, video.height)
+
+
+def completed_job(base_url: str, video_id: str) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        job = requests.get(f"{base_url}/v1/videos/{video_id}", timeout=30).json()
+        if job["status"] in ("completed", "failed", "cancelled"):
+            assert job["status"] == "completed", job
+            return job
+        assert time.monotonic() < deadline, f"gave up waiting for {video_id}: {job}"
+        time.sleep(0.2)
+
+
+def test_models_lists_the_tasks_each_app_runs_and_its_limits(apps):
+    for name, model, tasks in (("fused", "minimax-h3", ["t2va", "fl2va"]), ("split", "minimax-h3", ["t2va"]),
+                               ("ref2va", "minimax-h3-ref2va", ["ref2va"])):
+        (card,) = requests.get(f"{apps[name]}/v1/models", timeout=30).json()["data"]
+        assert card["tasks"] == tasks and card["limits"]["tasks"] == tasks, (name, card["tasks"])
+        assert card["id"].startswith(model + "@") and card["limits"]["name"] == model
+        assert card["limits"]["max_pixels"] == GEOMETRY["max_pixels"]
+
+
+@pytest.mark.parametrize("case, keyframes", [
+    ("first", [keyframe(FIRST, anchor="first")]),
+    ("last", [keyframe(FIRST, frame_index=-1)]),
+    ("first-and-last", [keyframe(FIRST, anchor="first"), keyframe(LAST, anchor="last")]),
+])
+def test_generations_take_typed_keyframes(apps, case, keyframes):
+    response = requests.post(f"{apps['fused']}/v1/generations", json=generation(keyframes), timeout=300)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    video_codec, audio_codec, frames, size = mp4_facts(base64.b64decode(body["video_mp4"]))
+    assert (video_codec, audio_codec, frames) == ("h264", "aac", NUM_FRAMES)
+    assert min(size) == 32  # the tiny checkpoint's canvas_short_edge, from the first keyframe's aspect ratio
+    assert decode_latents(body["latents"])["video"].shape[1] == (NUM_FRAMES - 5) // 17 * 5 + 2
+
+
+def test_a_keyframe_changes_the_clip(apps):
+    """The same seed and prompt with and without a first keyframe: the keyframe conditions the latents."""
+    url = f"{apps['fused']}/v1/generations"
+    with_keyframe = requests.post(url, json=generation([keyframe(FIRST, anchor="first")], width=64, height=32),
+                                  timeout=300).json()
+    text_only = requests.post(url, json={k: v for k, v in generation([], width=64, height=32).items()
+                                         if k != "keyframes"}, timeout=300).json()
+    assert not (decode_latents(with_keyframe["latents"])["video"] == decode_latents(text_only["latents"])["video"]).all()
+
+
+def test_a_png_upload_makes_a_video_job_whose_mp4_is_the_generations_mp4(apps):
+    base_url = apps["fused"]
+    created = requests.post(f"{base_url}/v1/videos", timeout=60, files={"input_reference": ("f.png", FIRST, "image/png")},
+                            data={"prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS),
+                                  "seed": str(SEED), "frame_indices": "0"})
+    assert created.status_code == 200, created.text
+    job = completed_job(base_url, created.json()["id"])
+    assert (job["task"], job["size"]) == ("fl2va", "auto")
+    mp4 = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
+    assert mp4_facts(mp4)[:3] == ("h264", "aac", NUM_FRAMES)
+    direct = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, frame_index=0)]),
+                           timeout=300).json()
+    assert base64.b64decode(direct["video_mp4"]) == mp4  # both APIs ran the same engine request
+
+
+def test_first_and_last_keyframes_as_data_urls_on_the_sync_route(apps):
+    urls = [f"data:image/png;base64,{base64.b64encode(image).decode()}" for image in (FIRST, LAST)]
+    response = requests.post(f"{apps['fused']}/v1/videos/sync", timeout=300, json={
+        "prompt": PROMPT, "seconds": SECONDS, "num_inference_steps": STEPS, "seed": SEED,
+        "input_references": urls, "frame_indices": [0, -1]})
+    assert response.status_code == 200, response.text
+    assert mp4_facts(response.content)[:3] == ("h264", "aac", NUM_FRAMES)
+
+
+@pytest.mark.parametrize("case, send, status, message", [
+    ("corrupt-png", {"files": {"input_reference": ("f.png", FIRST[: len(FIRST) // 2], "image/png")}}, 422,
+     "input_reference: truncated or corrupt image"),
+    ("gif", {"files": {"input_reference": ("f.gif", GIF, "image/gif")}}, 422,
+     "input_reference: GIF images are not accepted"),
+    ("url", {"json": {"prompt": PROMPT, "input_reference": "http://127.0.0.1:8265/api/jobs"}}, 422,
+     "input_reference: 'http://127.0.0.1:8265/api/jobs' is not a data: URL"),
+    ("references-on-fl2va", {"files": {"image_reference": ("f.png", FIRST, "image/png")}}, 422,
+     "image_reference: ref2va is not served by minimax-h3 (it serves t2va, fl2va)"),
+])
+def test_bad_uploads_are_4xx_naming_the_field_and_the_replica_stays_healthy(apps, case, send, status, message):
+    base_url = apps["fused"]
+    if "files" in send:
+        send = {**send, "data": {"prompt": PROMPT}}
+    response = requests.post(f"{base_url}/v1/videos", timeout=60, **send)
+    assert response.status_code == status and message in response.json()["error"]["message"], response.text
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+
+
+def test_a_split_app_refuses_keyframes_naming_stages_fused(apps):
+    base_url = apps["split"]
+    response = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, anchor="first")]),
+                             timeout=60)
+    assert response.status_code == 422 and "stages: fused" in response.json()["error"]["message"], response.text
+    job = requests.post(f"{base_url}/v1/videos", timeout=60, data={"prompt": PROMPT},
+                        files={"input_reference": ("f.png", FIRST, "image/png")})
+    assert job.status_code == 422, job.text
+    assert "input_reference: fl2va is not served by minimax-h3 (it serves t2va)" in job.json()["error"]["message"]
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV (a sine), resampled to 32 kHz by the server."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        samples = (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]
+        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("case, files", [
+    ("images", [("image_references", ("a.png", FIRST, "image/png")), ("image_references", ("b.png", LAST, "image/png"))]),
+    ("image-and-soundtrack", [("image_references", ("a.png", FIRST, "image/png")),
+                              ("audio_reference", ("s.wav", wav(1.0), "audio/wav"))]),
+])
+def test_references_make_a_ref2va_job_on_the_ref2va_app(apps, case, files):
+    base_url = apps["ref2va"]
+    created = requests.post(f"{base_url}/v1/videos", timeout=60, files=files, data={
+        "prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS), "seed": str(SEED)})
+    assert created.status_code == 200, created.text
+    job = completed_job(base_url, created.json()["id"])
+    assert job["task"] == "ref2va" and job["model"] == "minimax-h3-ref2va"
+    mp4 = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
+    assert mp4_facts(mp4)[:3] == ("h264", "aac", NUM_FRAMES)
+
+
+def test_the_ref2va_app_refuses_text_alone_and_keyframes_naming_what_it_serves(apps):
+    base_url = apps["ref2va"]
+    text = requests.post(f"{base_url}/v1/videos", json={"prompt": PROMPT}, timeout=60)
+    assert text.status_code == 422 and "minimax-h3-ref2va serves ref2va, not text alone" in text.text, text.text
+    keyframes = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, anchor="first")]),
+                              timeout=60)
+    assert keyframes.status_code == 422 and "fl2va is not served" in keyframes.text, keyframes.text
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
