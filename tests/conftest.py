@@ -52,7 +52,8 @@ def two_partition_roots(tmp_path_factory) -> dict[str, Path]:
     """The seed-0 tiny checkpoint with both partitions (FL2VA and Ref2VA), in each layout: the fl2va and ref2va
     oracle tests read the same files (tests/conditioning_support.py). Shared: tests must not modify them."""
     base = tmp_path_factory.mktemp("two-partitions")
-    return {layout: make_tiny_checkpoint(base / layout, layout, seed=0, ref2va=True) for layout in ("diffusers", "native")}
+    return {layout: make_tiny_checkpoint(base / layout, layout, seed=0, ref2va=True)
+            for layout in ("diffusers", "native")}
 
 
 @pytest.fixture
