@@ -47,6 +47,15 @@ def _tiny_checkpoint_master(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", Layout.DIFFUSERS, seed=0)
 
 
+@pytest.fixture(scope="session")
+def two_partition_roots(tmp_path_factory) -> dict[str, Path]:
+    """The seed-0 tiny checkpoint with both partitions (FL2VA and Ref2VA), in each layout: the fl2va and ref2va
+    oracle tests read the same files (tests/conditioning_support.py). Shared: tests must not modify them."""
+    base = tmp_path_factory.mktemp("two-partitions")
+    return {layout: make_tiny_checkpoint(base / layout, layout, seed=0, ref2va=True)
+            for layout in ("diffusers", "native")}
+
+
 @pytest.fixture
 def tiny_checkpoint(_tiny_checkpoint_master, tmp_path) -> Path:
     """A private copy of the complete seed-0 tiny checkpoint (diffusers layout: transformer, text encoder,

@@ -150,11 +150,13 @@ def test_weight_update_during_traffic_gives_all_old_or_all_new_never_a_mix(two_c
     old_ckpt, new_ckpt = two_checkpoints
     requests = [request(seed=s, steps=2 + s % 2) for s in range(4)]
     make = (lambda c: online_engine(c)) if mode == "online" else resident_engine
-    old_ref = {r.seed: make(old_ckpt).generate(r) for r in requests}
+    # The engine under test answers the old references itself: its caches then hold old plans, which each
+    # update must drop (a stale plan would show as a mix).
+    engine = make(old_ckpt)
+    old_ref = {r.seed: engine.generate(r) for r in requests}
     new_engine = make(new_ckpt)
     new_ref = {r.seed: new_engine.generate(r) for r in requests}
-
-    engine = make(old_ckpt)
+    del new_engine
     results, errors = [], []
     stop = threading.Event()
 

@@ -357,6 +357,19 @@ def video_decoders(roots) -> dict[tuple[str, torch.dtype], VideoDecoder]:
             for layout in LAYOUTS for dtype in (torch.float32, torch.bfloat16)}
 
 
+@pytest.fixture(scope="module")
+def reference_video(reference_vaes):
+    """(latents, diffusers' frames) per (dtype, shape), decoded once: both layouts compare with the same oracle."""
+    cases = {}
+
+    def reference(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+        if (dtype, shape) not in cases:
+            latents = torch.randn(24, *shape, generator=torch.Generator().manual_seed(sum(shape)))
+            cases[dtype, shape] = latents, _reference_video_u8(reference_vaes[dtype], latents)
+        return cases[dtype, shape]
+    return reference
+
+
 # (latent frames, height, width): one clip; two clips over two spatial tiles (288 px > the 256 px tile);
 # a count that is not 5n + 2 (the last clip padded and trimmed); the shortest the VAE decodes.
 VIDEO_SHAPES = [(7, 2, 3), (12, 2, 18), (9, 3, 2), (3, 2, 2)]
@@ -365,10 +378,9 @@ VIDEO_SHAPES = [(7, 2, 3), (12, 2, 18), (9, 3, 2), (3, 2, 2)]
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, shape) for shape in VIDEO_SHAPES]
                          + [(torch.bfloat16, (12, 2, 18))])
-def test_video_decode_equals_diffusers_decode_step(reference_vaes, video_decoders, layout, dtype, shape):
-    latents = torch.randn(24, *shape, generator=torch.Generator().manual_seed(sum(shape)))
+def test_video_decode_equals_diffusers_decode_step(reference_video, video_decoders, layout, dtype, shape):
+    latents, expected = reference_video(dtype, shape)
     frames = video_decoders[layout, dtype].decode(latents)
-    expected = _reference_video_u8(reference_vaes[dtype], latents)
     assert frames.dtype == np.uint8 and frames.shape == expected.shape
     assert np.array_equal(frames, expected)
     assert np.unique(frames).size > 200  # not saturated: the comparison sees real pixel values
@@ -453,13 +465,25 @@ def audio_decoders(roots) -> dict[str, AudioDecoder]:
     return {layout: AudioDecoder(roots[layout] / "audio_vae", "cpu") for layout in LAYOUTS}
 
 
+@pytest.fixture(scope="module")
+def reference_audio(reference_audio_vae):
+    """(rows, diffusers' waveform) per latent count, decoded once: both layouts compare with the same oracle."""
+    cases = {}
+
+    def reference(num_latents: int) -> tuple[torch.Tensor, np.ndarray]:
+        if num_latents not in cases:
+            rows = torch.randn(2 * num_latents, 32, generator=torch.Generator().manual_seed(num_latents))
+            cases[num_latents] = rows, _reference_audio(reference_audio_vae, rows).numpy()
+        return cases[num_latents]
+    return reference
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("num_latents", [1, 40])
-def test_audio_decode_equals_diffusers_decode_step(audio_decoders, reference_audio_vae, layout, num_latents):
+def test_audio_decode_equals_diffusers_decode_step(audio_decoders, reference_audio, layout, num_latents):
     decoder = audio_decoders[layout]
-    rows = torch.randn(2 * num_latents, 32, generator=torch.Generator().manual_seed(num_latents))
+    rows, expected = reference_audio(num_latents)
     waveform = decoder.decode(rows)
-    expected = _reference_audio(reference_audio_vae, rows).numpy()
     assert decoder.sample_rate == 32000
     assert waveform.dtype == np.float32 and waveform.shape == (2, num_latents * 800) == expected.shape
     assert np.array_equal(waveform, expected)
