@@ -214,16 +214,18 @@ def remove_adapter(model: nn.Module, name: str) -> None:
 
 def activate(model: nn.Module, scales: dict[str, float]) -> None:
     """Make exactly the adapters in `scales` active, each at its scale (a multiplier of alpha / rank); none:
-    adapters off, the base model's forward (diffusers' `set_adapters` / `disable_lora`)."""
-    if not getattr(model, "_hf_peft_config_loaded", False):
-        if scales:
-            raise ValueError(f"no adapters installed, cannot activate {sorted(scales)}")
-        return
+    adapters off, the base model's forward (diffusers' `set_adapters` / `disable_lora`). At least one adapter
+    must be installed (diffusers refuses both calls on a model without one)."""
     if not scales:
         model.disable_lora()
         return
     model.enable_lora()
     model.set_adapters(list(scales), list(scales.values()))
+
+
+def installed_adapters(model: nn.Module) -> set[str]:
+    """Names of the adapters whose factors `model` holds."""
+    return {name for m in model.modules() if isinstance(m, LoraLayer) for name in m.lora_A}
 
 
 def lora_layers(model: nn.Module, name: str) -> dict[str, LoraLayer]:
