@@ -32,7 +32,7 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments.errors import engine_error, fault_summary, unwrap
 from deployments.generation import GenerationRunner
-from engine.api import AdalnStats, CacheDitOverrides, GenerationRequest, GenerationStats
+from engine.api import AdalnStats, AdapterChoice, CacheDitOverrides, GenerationRequest, GenerationStats
 from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
 from engine.limits import ModelLimits
 from engine.pipeline import PipelineResult
@@ -109,6 +109,7 @@ def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> Gene
         return_video=True,
         return_latents=False,
         cache_dit=high_quality if spec.quality == "high" else LOSSLESS_CACHE_DIT,
+        adapters=(AdapterChoice(name=spec.lora.name, scale=spec.lora.scale),) if spec.lora is not None else (),
     )
 
 

@@ -603,6 +603,9 @@ class Engine:
             "layout": self.checkpoint.layout.value,
             "fingerprint": self.weights.fingerprint,
             "limits": self.limits.model_dump(mode="json"),
+            # The adapters requests may name (also in limits), which of them are installed now, and the fused one.
+            "adapters": {"served": [adapter.name for adapter in self.limits.adapters],
+                         "held": list(self.adapters.held), "fused": self.adapters.fused},
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),

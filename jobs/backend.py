@@ -29,6 +29,8 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.limits import ADAPTER_NAME_PATTERN
+
 __all__ = [
     "CancelCheck",
     "ProgressCallback",
@@ -50,6 +52,16 @@ ProgressCallback = Callable[[int, int], None]  # (steps done, steps in the reque
 CancelCheck = Callable[[], bool]  # True: stop at the next step boundary, raise VideoCancelled
 
 
+class VideoLora(BaseModel):
+    """A configured LoRA adapter a video runs with (vllm-omni's `lora`), by name, optionally at its own scale."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., pattern=ADAPTER_NAME_PATTERN, description="An adapter `GET /v1/models` lists.")
+    scale: float | None = Field(None, ge=-8, le=8, allow_inf_nan=False,
+                                description="Strength (a multiplier of alpha / rank); null: the adapter's own.")
+
+
 class VideoSpec(BaseModel):
     """One video to generate, resolved against a model's limits (every default filled in)."""
 
@@ -65,6 +77,7 @@ class VideoSpec(BaseModel):
     flow_shift: float = Field(..., gt=0, description="Video timestep shift of the flow-matching schedule.")
     audio_flow_shift: float = Field(..., gt=0, description="Audio timestep shift of the flow-matching schedule.")
     quality: Quality = Field(..., description="lossless: exact sampling; high: the measured Cache-DiT profile.")
+    lora: VideoLora | None = Field(None, description="The LoRA adapter it runs with; null: none.")
 
     @property
     def size(self) -> str:
