@@ -161,6 +161,7 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
 VIDEO_FIELDS = {
     "prompt": "prompt", "steps": "num_inference_steps", "seconds": "seconds", "width": "size", "height": "size",
     "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality",
+    "adapters": "lora",
 }
 
 

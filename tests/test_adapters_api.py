@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.errors import http_error, job_error
-from deployments.video_backend import generation_request
+from deployments.video_backend import generation_request, invalid_request
 from engine.api import AdapterChoice, CacheDitOverrides, GenerationRequest, with_adapter_defaults
 from engine.errors import ClientError
 from engine.limits import ServedAdapter, served_limits
@@ -75,3 +75,11 @@ def test_the_models_card_lists_the_adapters_with_their_defaults():
     card = LIMITS.model_dump(mode="json")
     assert [a["name"] for a in card["adapters"]] == ["turbo", "style"]
     assert card["adapters"][0]["steps"] == 9 and card["adapters"][1]["scale"] == 0.5
+
+
+def test_an_engine_refusal_of_a_videos_adapter_is_a_422_on_lora():
+    # e.g. a replica whose config lost the adapter after the job was admitted against another's limits
+    with pytest.raises(ClientError) as info:
+        with_adapter_defaults(GenerationRequest(prompt="a fox", adapters=({"name": "gone"},)), LIMITS)
+    refusal = invalid_request(info.value)
+    assert refusal.field == "lora" and "'gone' is not an adapter of this server" in str(refusal)
