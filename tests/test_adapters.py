@@ -412,3 +412,13 @@ def test_a_weight_update_keeps_the_adapters_installed(resident, adapter_dir, tmp
     resident.update_weights(resident.checkpoint.root)
     assert same_bits(resident.generate(small_request(adapters=({"name": "turbo", "scale": 1.0},))), before)
     resident.adapters.check()
+
+
+def test_cache_dit_wrapping_the_blocks_serves_adapters_as_the_plain_engine_does(checkpoint_root, adapter_dir, resident):
+    cache_dit = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 1,
+                 "residual_diff_threshold": 0.15, "max_continuous_cached_steps": 2}
+    cached = make_engine(checkpoint_root, adapter_dir, adaln={"mode": "resident"}, cache_dit=cache_dit)
+    request = small_request(adapters=({"name": "turbo", "scale": 1.0},))
+    off = cached.generate(small_request(adapters=({"name": "turbo", "scale": 1.0},), cache_dit={"enabled": False}))
+    assert same_bits(off, resident.generate(request))
+    assert cached.generate(small_request(adapters=({"name": "turbo"},), steps=9)).stats.cache_dit.cached_steps
