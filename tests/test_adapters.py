@@ -1,8 +1,8 @@
 """LoRA adapters (issue 24): files read and installed with diffusers' and peft's own code, served per request.
 
-Adapters are tiny random LoRAs of the tiny transformer made as peft makes them (`inject_adapter_in_model` with
-random factors, `get_peft_model_state_dict`, saved with safetensors under diffusers' `transformer.` prefix), so
-every file here is what a peft/diffusers trainer would write. The oracle is diffusers' own: the modular
+Adapters are tiny random LoRAs of the tiny transformer made as peft makes them (`model.tiny_adapter`:
+`inject_adapter_in_model` with random factors, `get_peft_model_state_dict`, saved with safetensors under
+diffusers' `transformer.` prefix), so every file here is what a peft/diffusers trainer would write. The oracle is diffusers' own: the modular
 pipeline's denoise side with the same file loaded by `load_lora_weights` on its transformer, same embedding,
 seed and steps, compared bit for bit with the engine's latents.
 """
@@ -15,7 +15,6 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
@@ -28,31 +27,16 @@ from model.adapters import (FALLBACK_ALPHA, AdapterError, AlphaSource, activate,
                             installed_adapters, read_lora_file)
 from model.packing import TEXT_TAG, audio_rows_to_channels
 from model.tiny import tiny_transformer
+from model.tiny_adapter import TURBO_TARGETS, save_adapter, tiny_lora_factors
 from model.weights import Transform, TransformerWeights, native_source
 
 pytestmark = pytest.mark.timeout(300)
 
-#: The H3 Turbo files' targets (h3.md section 9), in every block and refiner block.
-TURBO_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"]
 RANK = 4
 
 
 def lora_factors(seed: int, targets=TURBO_TARGETS, rank: int = RANK) -> dict[str, torch.Tensor]:
-    """A random LoRA of the tiny transformer as peft makes and dumps it (diffusers module names, bf16)."""
-    model = tiny_transformer(0)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        # init_lora_weights=False: random A and B (peft's default B = 0 would be an adapter that changes nothing)
-        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False),
-                                model, adapter_name="trained")
-    return {k: v.contiguous() for k, v in get_peft_model_state_dict(model, adapter_name="trained").items()}
-
-
-def save_adapter(path: Path, factors: dict[str, torch.Tensor], alpha: float | None = 8.0,
-                 prefix: str = "transformer.") -> Path:
-    metadata = {"alpha": str(alpha)} if alpha is not None else None
-    save_file({prefix + k: v for k, v in factors.items()}, str(path), metadata=metadata)
-    return path
+    return tiny_lora_factors(seed, targets=tuple(targets), rank=rank)
 
 
 def native_factors(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -422,3 +406,10 @@ def test_cache_dit_wrapping_the_blocks_serves_adapters_as_the_plain_engine_does(
     off = cached.generate(small_request(adapters=({"name": "turbo", "scale": 1.0},), cache_dit={"enabled": False}))
     assert same_bits(off, resident.generate(request))
     assert cached.generate(small_request(adapters=({"name": "turbo"},), steps=9)).stats.cache_dit.cached_steps
+
+
+def test_the_tiny_adapter_cli_writes_a_file_the_server_reads(tmp_path, model):
+    from model.tiny_adapter import main
+    assert main(["--out", str(tmp_path / "tiny.safetensors"), "--seed", "5", "--rank", "2", "--alpha", "4"]) == 0
+    lora = read_lora_file(tmp_path / "tiny.safetensors", model)
+    assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (4.0, {2}, 30)
