@@ -101,7 +101,10 @@ class AdapterSet:
             self._restore_base()
         if fuse is not None and self._fused is None:
             name, scale = fuse
-            self._fused = _Fused(name, scale, tuple(fuse_into_base_(self._transformer, name, scale)))
+            # Recorded before writing: a fuse that fails half-way still has every weight it may have touched
+            # restored by the next request (or `_restore_base`), never served as if it were the base.
+            self._fused = _Fused(name, scale, tuple(f"{m}.weight" for m in lora_layers(self._transformer, name)))
+            fuse_into_base_(self._transformer, name, scale)
         active = {n: s for n, s in scales.items() if self.fused != n}
         if self._held:  # with nothing installed the transformer holds no LoRA layer: its base forward already
             activate(self._transformer, active)
