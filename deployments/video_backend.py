@@ -33,8 +33,8 @@ from ray.serve.exceptions import RequestCancelledError
 
 from deployments.errors import engine_error, fault_summary, unwrap
 from deployments.generation import GenerationRunner
-from engine.api import (AdalnStats, CacheDitOverrides, GenerationRequest, GenerationStats, KeyframeInput,
-                        ReferenceInput)
+from engine.api import (AdalnStats, AdapterChoice, CacheDitOverrides, GenerationRequest, GenerationStats,
+                        KeyframeInput, ReferenceInput)
 from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
 from engine.limits import ModelLimits
 from engine.pipeline import PipelineResult
@@ -119,6 +119,7 @@ def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> Gene
         if media is not None and media.keyframes else None,
         references=tuple(ReferenceInput(kind=r.kind, data=r.data) for r in media.references)
         if media is not None and media.references else None,
+        adapters=(AdapterChoice(name=spec.lora.name, scale=spec.lora.scale),) if spec.lora is not None else (),
     )
 
 
@@ -170,6 +171,7 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
 VIDEO_FIELDS = {
     "prompt": "prompt", "steps": "num_inference_steps", "seconds": "seconds", "width": "size", "height": "size",
     "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality",
+    "adapters": "lora",
 }
 
 

@@ -11,6 +11,7 @@ grid and the audio length, `model.geometry`); `steps` counts sampling grid point
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, Callable, Literal, Protocol
 
 import torch
@@ -21,7 +22,7 @@ from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
 from engine.config import MAX_STEPS
 from engine.errors import ClientError
-from engine.limits import MAX_PROMPT_CHARS
+from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, ModelLimits
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.geometry import GeometryError
@@ -30,7 +31,7 @@ from model.text_encoder import PromptCacheStats
 from offload.layerwise import OffloadStats
 
 __all__ = [
-    "AdalnStats", "CacheDitStats", "CancelledFn", "ClipFacts", "EngineProtocol", "GenerationRequest", "GenerationResult",
+    "AdalnStats", "AdapterChoice", "CacheDitStats", "CancelledFn", "ClipFacts", "EngineProtocol", "GenerationRequest", "GenerationResult",
     "GenerationStats", "GenerationTimings", "KeyframeInput", "OffloadStats", "ParallelStats", "ProgressFn",
     "PromptCacheStats", "RankStats", "ReferenceInput", "Task", "request_schedule_key",
 ]
@@ -79,6 +80,21 @@ class ReferenceInput(BaseModel):
     data: bytes = Field(..., min_length=1, description="The file bytes: PNG/JPEG/WebP, a video, or audio.")
 
 
+#: Most adapters one request composes (e.g. a distilled-step adapter and a style one).
+MAX_ADAPTERS = 2
+
+
+class AdapterChoice(BaseModel):
+    """One configured LoRA adapter a request runs with (`engine.adapters`), by name, optionally at its own scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(..., pattern=ADAPTER_NAME_PATTERN, description="A name `GET /v1/models` lists under adapters.")
+    scale: float | None = Field(None, ge=-8, le=8, allow_inf_nan=False,
+                                description="Strength, a multiplier of the file's alpha / rank; null: the "
+                                "adapter's configured scale.")
+
+
 class GenerationRequest(BaseModel):
     """One generation of MiniMax-H3: t2va (text only), fl2va (`keyframes`) or ref2va (`references`).
 
@@ -121,6 +137,10 @@ class GenerationRequest(BaseModel):
         None, max_length=MAX_REFERENCES,
         description="ref2va, in the order the model reads them: up to 9 images, 3 videos, 3 soundtracks (never "
         "soundtracks alone). Served by the Ref2VA partition.")
+    adapters: tuple[AdapterChoice, ...] = Field(
+        (), max_length=MAX_ADAPTERS,
+        description="LoRA adapters to run with (at most 2, composed). Fields left out (steps, flow_shift, "
+        "audio_flow_shift) take the first adapter naming a default, else the model's.")
 
     @field_validator("prompt")
     @classmethod
@@ -129,6 +149,14 @@ class GenerationRequest(BaseModel):
         if not prompt.strip():
             raise ValueError("must not be blank")
         return prompt
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, adapters: tuple[AdapterChoice, ...]) -> tuple[AdapterChoice, ...]:
+        names = [adapter.name for adapter in adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names} names an adapter twice: give each adapter once, with its scale")
+        return adapters
 
     @model_validator(mode="after")
     def _one_task(self) -> GenerationRequest:
@@ -195,6 +223,16 @@ class ParallelStats:
     adaln_by_rank: list[AdalnStats] | None = None  # online AdaLN: each rank's plan cache counters
 
 
+@dataclass
+class AdapterStats:
+    """The LoRA adapters a request ran with (`engine.adapters.AdapterSet`)."""
+
+    scales: dict[str, float]  # adapter -> scale it ran at (fused ones included)
+    fused: str | None = None  # the adapter added into the base weights for this request
+    loaded: list[str] = dataclass_field(default_factory=list)  # adapters read from their files for this request (not held)
+    load_s: float = 0.0  # seconds reading, installing, fusing or restoring weights for this request
+
+
 class GenerationStats(BaseModel):
     """One generation's counters, each section typed by the module that counts it. Serialized (`model_dump`)
     it is the response's `stats` object, whose shape clients parse: `adaln` is `{}` without a plan cache
@@ -214,6 +252,7 @@ class GenerationStats(BaseModel):
     offload: OffloadStats | None = Field(
         None, description="Layerwise offload counters since it was applied (cumulative); None: offload off.")
     parallel: RankStats | ParallelStats | None = Field(None, description="Multi-device replicas only.")
+    adapters: AdapterStats | None = Field(None, description="The LoRA adapters it ran with; None: none.")
 
     @model_serializer(mode="wrap")
     def _response_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -314,6 +353,23 @@ class EngineProtocol(Protocol):
 
     #: How the engine's constructor spent its time (None for an engine that does not measure it, e.g. a fake).
     startup: EngineStartup | None
+
+
+def with_adapter_defaults(request: GenerationRequest, limits: ModelLimits) -> GenerationRequest:
+    """`request` with its adapters' defaults in the fields it did not set (`model_fields_set`): steps, flow_shift,
+    audio_flow_shift, each from the first of its adapters naming one. ClientError on `adapters` naming an adapter
+    this server does not hold (the message lists the ones it does). Idempotent."""
+    defaults: dict[str, object] = {}
+    for choice in request.adapters:
+        served = limits.adapter(choice.name)
+        if served is None:
+            raise ClientError("adapters", limits.unknown_adapter(choice.name),
+                              "served: " + ", ".join(a.name for a in limits.adapters))
+        for name, value in (("steps", served.steps), ("flow_shift", served.flow_shift),
+                            ("audio_flow_shift", served.audio_flow_shift)):
+            if value is not None and name not in request.model_fields_set:
+                defaults.setdefault(name, value)
+    return request.model_copy(update=defaults) if defaults else request
 
 
 #: model/ names of request fields, as the request spells them.

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
+from engine.limits import ADAPTER_NAME_PATTERN, ServedAdapter
 from model.geometry import H3_LATENTS, snap_num_frames
 from offload.layerwise import OffloadConfig
 
@@ -163,6 +165,29 @@ class ParallelConfig(BaseModel):
     )
 
 
+class AdapterConfig(BaseModel):
+    """One LoRA adapter the engine serves (`engine.adapters.<name>`): its file and what a request naming it gets
+    by default. The file is opened and checked at engine start (`model.adapters.read_lora_file`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    path: str = Field(..., min_length=1, description="A .safetensors LoRA file (diffusers/peft layout, or the "
+                      "native layout without fused QKV) for the served transformer.")
+    steps: int | None = Field(None, ge=2, le=MAX_STEPS, description="Grid points a request naming it gets when it "
+                              "sets none (H3 Turbo 4-step files: 5; 8-step: 9). null: the model's default.")
+    flow_shift: float | None = Field(None, gt=0, le=1e4, description="Video shift by default (Turbo 768p: 6).")
+    audio_flow_shift: float | None = Field(None, gt=0, le=1e4, description="Audio shift by default (Turbo: 3).")
+    scale: float = Field(1.0, ge=-8, le=8, description="Strength when a request gives none: a multiplier of the "
+                         "file's alpha / rank (alpha from its metadata, else 8).")
+    fuse: bool = Field(False, description="Add it into the base weights while consecutive requests use it at one "
+                       "scale (no per-forward cost); a request without it first gets the checkpoint's own weights "
+                       "back (read again from the checkpoint). Not with offload.")
+
+    def served(self, name: str) -> ServedAdapter:
+        return ServedAdapter(name=name, steps=self.steps, flow_shift=self.flow_shift,
+                             audio_flow_shift=self.audio_flow_shift, scale=self.scale, fuse=self.fuse)
+
+
 class EngineConfig(BaseModel):
     """One GPU worker's engine: which checkpoint, which device, which memory/caching features."""
 
@@ -212,6 +237,30 @@ class EngineConfig(BaseModel):
         default_factory=ParallelConfig,
         description="Devices per replica (sequence parallel); sp: 1 is one device inside the Serve replica.",
     )
+    adapters: dict[str, AdapterConfig] = Field(
+        default_factory=dict, description="LoRA adapters requests may name (name -> file and defaults); every file "
+        "is checked at start. Empty: none.")
+    adapters_cache_mb: float = Field(
+        4096.0, ge=0, description="Adapter factors held installed in the transformer (MB, LRU by bytes); an adapter "
+        "outside it is read from its file again when a request names it. Each file must fit on its own.")
+
+    @model_validator(mode="after")
+    def _adapters_servable(self) -> EngineConfig:
+        bad = [name for name in self.adapters if not re.match(ADAPTER_NAME_PATTERN, name)]
+        if bad:
+            raise ValueError(f"adapters: names {bad} must match {ADAPTER_NAME_PATTERN} (what requests send)")
+        fused = [name for name, adapter in self.adapters.items() if adapter.fuse]
+        # A fused delta would have to be written into the offloader's host buffers and read back from the checkpoint
+        # on every switch; and the ranks of a replica would each have to fuse alike.
+        if fused and self.offload.enabled:
+            raise ValueError(f"adapters {fused}: fuse: true is not served with offload.enabled (the streamed blocks' "
+                             "weights live in the offloader's host buffers); set fuse: false")
+        if fused and self.parallel.sp > 1:
+            raise ValueError(f"adapters {fused}: fuse: true is not served with parallel.sp > 1; set fuse: false")
+        for name, adapter in self.adapters.items():
+            if adapter.steps is not None and adapter.steps > self.max_steps:
+                raise ValueError(f"adapters.{name}.steps={adapter.steps} exceeds max_steps={self.max_steps}")
+        return self
 
     @model_validator(mode="after")
     def _resident_projects_as_diffusers(self) -> EngineConfig:

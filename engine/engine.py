@@ -55,7 +55,8 @@ import torch
 from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
 from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
-from engine.api import field_error
+from engine.adapters import AdapterSet
+from engine.api import field_error, with_adapter_defaults
 from engine.api import (
     CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
     SlabState,
@@ -68,6 +69,7 @@ from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.conditioning import checked_conditioning, conditioning_stage
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
+from model.adapters import AdapterError
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VideoDecoder
 from model.denoise import Denoiser
@@ -142,6 +144,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
         default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
+        adapters=tuple(adapter.served(name) for name, adapter in config.adapters.items()),
     )
 
 
@@ -268,6 +271,10 @@ class Engine:
             if self.sequence_parallel is not None:  # a rank that skips while another computes would deadlock
                 install_rank_consistent_similarity(self.transformer._context_manager, self.group,
                                                    self._num_local_real_rows)
+        # LoRA adapters after the offloader: their factors are made on the device and stay resident
+        # (engine.adapters); every configured file is checked here (AdapterError names it: no start).
+        self.adapters = AdapterSet(config.adapters, int(config.adapters_cache_mb * 1e6), self.transformer,
+                                   self.weights)
         hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
@@ -358,7 +365,7 @@ class Engine:
 
     def validate(self, request: GenerationRequest) -> None:
         """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`."""
-        self._checked(request)
+        self._checked(with_adapter_defaults(request, self.limits))
 
     def _checked(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
         """The request's geometry, schedule and Cache-DiT config; its prompt is checked by the prompt stage
@@ -434,6 +441,7 @@ class Engine:
         vision blocks), after the request's checks: nothing is encoded for a request the denoiser would refuse."""
         assert self.prompt_stage is not None
         self._check_cancelled(cancelled)
+        request = with_adapter_defaults(request, self.limits)
         self._checked(request)
         try:
             if request.task is Task.T2VA:
@@ -454,6 +462,7 @@ class Engine:
         """The denoiser stage: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
         (`encode` of it, in any process). Returns the latents (no MP4: the decode stage decodes them); timings
         `plan_s`, `denoise_s`. Errors as `generate`."""
+        request = with_adapter_defaults(request, self.limits)  # its adapters' steps and shifts, where it set none
         geometry, schedule, cache_dit = self._checked(request)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
             raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
@@ -511,7 +520,10 @@ class Engine:
         # Streamed block tensors go through the offloader (its host buffers are their source of truth);
         # every other parameter (device-resident ones included) is overwritten in place. Online AdaLN has
         # no projection parameters left in the model: their plans are rebuilt from the new files.
-        params = dict(self.transformer.named_parameters())
+        # Under LoRA layers a base weight is `{module}.base_layer.weight`; the adapters' factors are not the
+        # checkpoint's (a fused adapter's delta is overwritten here: `weights_updated`).
+        params = {name.replace(".base_layer.", "."): p for name, p in self.transformer.named_parameters()
+                  if ".lora_" not in name}
         stored = set(weights.names())
         for index in range(self.model_config.num_blocks if self.offloader is not None else 0):
             prefix = f"transformer_blocks.{index}."
@@ -526,6 +538,7 @@ class Engine:
         for name, param in params.items():
             param.copy_(weights.tensor(name, param.device))
         self.refined_text.clear()  # rows refined by the old weights
+        self.adapters.weights_updated(weights)
         if self.plan_cache is not None:
             old_version = self.plan_cache.weights_version
             self.plan_cache.refresh_weight_derived_caches(path)
@@ -601,6 +614,9 @@ class Engine:
             "layout": self.checkpoint.layout.value,
             "fingerprint": self.weights.fingerprint,
             "limits": self.limits.model_dump(mode="json"),
+            # The adapters requests may name (also in limits), which of them are installed now, and the fused one.
+            "adapters": {"served": [adapter.name for adapter in self.limits.adapters],
+                         "held": list(self.adapters.held), "fused": self.adapters.fused},
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),
@@ -652,6 +668,7 @@ class Engine:
             self.served_schedules.served(request.schedule_key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)
+            adapter_stats = self.adapters.apply(request.adapters)  # this request's adapters, each at its scale
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
             denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, None if request.task is Task.T2VA
@@ -691,6 +708,7 @@ class Engine:
             cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
             parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,
+            adapters=adapter_stats,
         )
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=self.model_name,
@@ -736,7 +754,7 @@ def _translated(exc: BaseException) -> BaseException:
     """
     if isinstance(exc, AdmissionError):  # e.g. more plans than adaln.gpu_plans: the request's size, not a fault
         return AdmissionRejected(str(exc))
-    if isinstance(exc, (RebuildError, CheckpointError)):  # the server's checkpoint broke, not the request
+    if isinstance(exc, (RebuildError, CheckpointError, AdapterError)):  # a server file broke, not the request
         return ServerFault(str(exc), FaultCause.CHECKPOINT_UNREADABLE)
     if isinstance(exc, RankFailure):  # a rank could not do its part of the request's plans
         return ServerFault(str(exc), FaultCause.RANK_FAILURE)

@@ -19,7 +19,10 @@ from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["DEFAULT_SECONDS", "DEFAULT_SHORT_EDGE", "DEFAULT_STEPS", "MAX_PROMPT_CHARS", "ModelLimits", "served_limits"]
+__all__ = [
+    "DEFAULT_SECONDS", "DEFAULT_SHORT_EDGE", "DEFAULT_STEPS", "MAX_PROMPT_CHARS", "ModelLimits", "ServedAdapter",
+    "served_limits",
+]
 
 #: Longest prompt in characters any request may send (the schema's bound; tokens are the model's).
 MAX_PROMPT_CHARS = 20000
@@ -30,6 +33,25 @@ DEFAULT_SHORT_EDGE = 768
 DEFAULT_ASPECT = Fraction(16, 9)
 #: The largest edge a model without a fixed short edge is offered (the engine request's own bound).
 MAX_EDGE = 8192
+
+
+#: A configured adapter's name: what requests put in `adapters[].name` (`/v1/generations`) or `lora` (`/v1/videos`).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ServedAdapter(BaseModel):
+    """A LoRA adapter the server holds under `name` (`engine.adapters`), with what a request naming it gets
+    for the fields it leaves out (None: the model's default). Clients name it; they never pass a path."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    name: str = Field(..., pattern=ADAPTER_NAME_PATTERN, description="What a request names the adapter by.")
+    steps: int | None = Field(None, ge=2, description="Grid points a request naming it gets by default "
+                              "(a 4-step distilled adapter: 5; an 8-step one: 9).")
+    flow_shift: float | None = Field(None, gt=0, description="Video shift it gets by default.")
+    audio_flow_shift: float | None = Field(None, gt=0, description="Audio shift it gets by default.")
+    scale: float = Field(1.0, description="Strength when the request gives none: a multiplier of alpha / rank.")
+    fuse: bool = Field(False, description="Added into the base weights while requests use it (no per-forward cost).")
 
 
 class ModelLimits(BaseModel):
@@ -62,6 +84,7 @@ class ModelLimits(BaseModel):
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens (checked by the text encoder).")
     tasks: tuple[str, ...] = Field(("t2va",), min_length=1, description="What the served partition takes: t2va and "
                                    "fl2va (FL2VA), ref2va (Ref2VA); fewer where the app cannot run one (stages).")
+    adapters: tuple[ServedAdapter, ...] = Field((), description="The LoRA adapters a request may name.")
 
     @model_validator(mode="after")
     def _defaults_within_bounds(self) -> ModelLimits:
@@ -78,7 +101,20 @@ class ModelLimits(BaseModel):
         problem = self.size_problem(int(width), int(height))
         if problem is not None:
             raise ValueError(f"default_size: {problem}")
+        for adapter in self.adapters:
+            if adapter.steps is not None and not self.min_steps <= adapter.steps <= self.max_steps:
+                raise ValueError(f"adapter {adapter.name!r}: steps={adapter.steps} is outside "
+                                 f"{self.min_steps}..{self.max_steps}")
         return self
+
+    def adapter(self, name: str) -> ServedAdapter | None:
+        """The served adapter called `name` (None: no such adapter)."""
+        return next((a for a in self.adapters if a.name == name), None)
+
+    def unknown_adapter(self, name: str) -> str:
+        """What a request naming an adapter this server does not hold is told: the names it holds."""
+        served = ", ".join(repr(a.name) for a in self.adapters) or "none"
+        return f"{name!r} is not an adapter of this server (served: {served})"
 
     def snapped_frames(self, seconds: float) -> int:
         """The frames a clip of `seconds` gets: `round(seconds * fps) + 1`, snapped up (5 s at 24 fps -> 124)."""
@@ -109,6 +145,7 @@ def served_limits(
     name: str, *, max_steps: int, short_edge: int | None, max_pixels: int, size_multiple: int, min_seconds: float,
     max_seconds: float, fps: int, frames_per_chunk: int, frame_offset: int, max_prompt_tokens: int,
     default_flow_shift: float, default_audio_flow_shift: float, tasks: tuple[str, ...] = ("t2va",),
+    adapters: tuple[ServedAdapter, ...] = (),
 ) -> ModelLimits:
     """The limits of a model serving these bounds, with the defaults a request gets: 5 s (within the bounds),
     50 steps (at most max_steps), and a 16:9 frame: the model's short edge, else the largest short edge <= 768
@@ -134,6 +171,7 @@ def served_limits(
         default_size=f"{long_edge}x{default_short}", default_short_edge=default_short, max_steps=max_steps,
         default_steps=min(DEFAULT_STEPS, max_steps), default_flow_shift=default_flow_shift,
         default_audio_flow_shift=default_audio_flow_shift, max_prompt_tokens=max_prompt_tokens, tasks=tasks,
+        adapters=adapters,
     )
 
 

@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.media import VideoMedia, VideoTask
+from engine.limits import ADAPTER_NAME_PATTERN
 
 __all__ = [
     "CancelCheck",
@@ -50,6 +51,16 @@ __all__ = [
 Quality = Literal["lossless", "high"]
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps in the request)
 CancelCheck = Callable[[], bool]  # True: stop at the next step boundary, raise VideoCancelled
+
+
+class VideoLora(BaseModel):
+    """A configured LoRA adapter a video runs with (vllm-omni's `lora`), by name, optionally at its own scale."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(..., pattern=ADAPTER_NAME_PATTERN, description="An adapter `GET /v1/models` lists.")
+    scale: float | None = Field(None, ge=-8, le=8, allow_inf_nan=False,
+                                description="Strength (a multiplier of alpha / rank); null: the adapter's own.")
 
 
 class VideoSpec(BaseModel):
@@ -73,6 +84,7 @@ class VideoSpec(BaseModel):
     # Not in the spec's JSON (the store keeps it in its own row, read only by the claim that runs the job).
     media: VideoMedia | None = Field(None, exclude=True, description="The uploads; None for t2va, and on records "
                                      "read for display (only a claimed job carries them).")
+    lora: VideoLora | None = Field(None, description="The LoRA adapter it runs with; null: none.")
 
     @property
     def size(self) -> str:

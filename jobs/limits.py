@@ -90,17 +90,26 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
                                              f"{', '.join(limits.tasks)})")
         check_frame_indices(media, limits.snapped_frames(seconds))
 
-    steps = limits.default_steps if request.num_inference_steps is None else request.num_inference_steps
+    adapter = None
+    if request.lora is not None:
+        adapter = limits.adapter(request.lora.name)
+        if adapter is None:
+            raise InvalidVideoRequest("lora", limits.unknown_adapter(request.lora.name))
+    # What the request leaves out: the adapter's default where it names one, else the model's.
+    default_steps = adapter.steps if adapter is not None and adapter.steps is not None else limits.default_steps
+    default_shift = (adapter.flow_shift if adapter is not None and adapter.flow_shift is not None
+                     else limits.default_flow_shift)
+    default_audio_shift = (adapter.audio_flow_shift if adapter is not None and adapter.audio_flow_shift is not None
+                           else limits.default_audio_flow_shift)
+    steps = default_steps if request.num_inference_steps is None else request.num_inference_steps
     if steps < limits.min_steps:
         raise InvalidVideoRequest("num_inference_steps", f"{steps} is below the model's min_steps={limits.min_steps}")
     if steps > limits.max_steps:
         raise InvalidVideoRequest("num_inference_steps", f"{steps} exceeds the model's max_steps={limits.max_steps}")
 
     shifts = {
-        "flow_shift": limits.default_flow_shift if request.flow_shift is None else request.flow_shift,
-        "audio_flow_shift": (
-            limits.default_audio_flow_shift if request.audio_flow_shift is None else request.audio_flow_shift
-        ),
+        "flow_shift": default_shift if request.flow_shift is None else request.flow_shift,
+        "audio_flow_shift": default_audio_shift if request.audio_flow_shift is None else request.audio_flow_shift,
     }
     for field, shift in shifts.items():
         if shift > limits.max_flow_shift:
@@ -115,4 +124,5 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
         seed=seed, flow_shift=shifts["flow_shift"], audio_flow_shift=shifts["audio_flow_shift"],
         quality=request.quality, task="t2va" if media is None else media.task, media=media,
         size_given=media is None or request.size is not None or request.aspect_ratio is not None,
+        lora=request.lora,
     )

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jobs.backend import Quality, VideoStats, VideoTimings
+from jobs.backend import Quality, VideoLora, VideoStats, VideoTimings
 from jobs.media import VideoTask
 from jobs.records import JobRecord, JobStatus
 
@@ -86,6 +86,17 @@ class VideoCreateRequest(BaseModel):
             except ValueError:
                 raise ValueError(f"frame_indices={value!r}: integers, e.g. 0,-1") from None
         return value
+
+    lora: VideoLora | None = Field(
+        None, description="A configured LoRA adapter (GET /v1/models lists them): its name, or {name, scale}. The "
+        "fields left out (num_inference_steps, flow_shift, audio_flow_shift) take the adapter's defaults.",
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_by_name(cls, value: object) -> object:
+        # vllm-omni's form: `"lora": "turbo"`; the object form adds a scale.
+        return {"name": value} if isinstance(value, str) else value
 
     @field_validator("seconds", mode="before")
     @classmethod
