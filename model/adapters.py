@@ -109,7 +109,6 @@ def read_lora_file(path: str | os.PathLike, model: nn.Module) -> LoraFile:
     try:
         with safe_open(str(path), framework="pt") as handle:
             raw_keys = list(handle.keys())
-            file_metadata = handle.metadata() or {}
     except (SafetensorError, OSError) as exc:
         raise AdapterError(path, f"not a readable safetensors file ({exc})") from None
     if not raw_keys:

@@ -26,7 +26,7 @@ def test_h3_defaults_fill_every_field():
     assert spec.model_dump() == {
         "model": "minimax-h3", "prompt": "a lighthouse at dusk", "seconds": 5.0, "width": 1344, "height": 768,
         "num_inference_steps": 50, "seed": 3, "flow_shift": 12.0, "audio_flow_shift": 3.0, "quality": "lossless",
-        "task": "t2va", "size_given": True,
+        "task": "t2va", "size_given": True, "lora": None,
     }
 
 
