@@ -39,7 +39,7 @@ from torch import nn
 
 from bench.common import command_line, write_results
 from engine.attention import DEFAULT_BACKEND, choose_attention
-from engine.compiled import CompileConfig, CompiledBlocks
+from engine.compiled import CompiledBlocks, CompileOptions
 from engine.fp8 import QuantizationError, quantize_blocks_fp8
 
 GEMM_TFLOPS = 788.0
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     width = SMOKE if args.smoke else RELEASED
     token_counts = tuple(args.tokens) if args.tokens else (SMOKE_TOKENS if args.smoke else RELEASED_TOKENS)
-    compile_config = CompileConfig(mode="blocks", backend="eager" if device.type == "cpu" else "inductor")
+    compile_config = CompileOptions(backend="eager" if device.type == "cpu" else "inductor")
     rate = args.gemm_tflops * 1e12
     notes = [f"one MiniMaxH3TransformerBlock, hidden {width.hidden}, {width.heads} heads x {width.head_dim}, "
              f"ffn {width.ffn}, random bf16 weights; two timesteps; median of {args.repeats} after warm-up",

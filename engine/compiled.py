@@ -26,45 +26,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
+InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
 
 
-class WarmupCanvas(BaseModel):
-    """One request shape the engine runs at start so no request pays the compile."""
+@dataclass(frozen=True)
+class CompileOptions:
+    """How the blocks compile (`engine.config.CompileConfig` holds the served values and their meaning)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    width: int = Field(..., ge=32, description="Pixels.")
-    height: int = Field(..., ge=32, description="Pixels.")
-    seconds: float = Field(..., gt=0, description="Clip length (snapped as a request's is).")
-    steps: int = Field(..., ge=2, description="Sampling grid points (a whole schedule: steps - 1 forwards).")
-
-
-class CompileConfig(BaseModel):
-    """`engine.compile`: regional `torch.compile` of the transformer blocks."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    mode: Literal["off", "blocks"] = Field(
-        "off", description="blocks: compile each repeated transformer block (one shared graph); off: eager.")
-    backend: CompileBackend = Field(
-        "inductor", description="torch.compile backend: inductor (fused kernels, what serves); aot_eager / "
-        "eager trace without generating kernels (CPU tests of the capture, guards and recompiles).")
-    dynamic: bool = Field(
-        True, description="Symbolic sequence length: one graph for every canvas and prompt length. false: a "
-        "graph per token count (each new prompt length recompiles).")
-    inductor_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="Inductor's mode (max-autotune-no-cudagraphs: longer compile, tuned GEMMs; "
-        "CUDA graphs stay off: the offloader and the SP exchange run between blocks).")
-    cache_dir: str | None = Field(
-        None, description="Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) on local disk, so a restarted or "
-        "scaled-out replica loads its kernels instead of compiling them; null: inductor's default (/tmp/...).")
-    warmup: tuple[WarmupCanvas, ...] = Field(
-        (), description="Canvases the engine runs at start (a random prompt embedding, seed 0), so the first "
-        "request of these shapes pays no compile.")
+    backend: CompileBackend = "inductor"
+    dynamic: bool = True
+    inductor_mode: InductorMode = "default"
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,16 +68,14 @@ class CompiledBlocks:
     """The blocks of a `nn.ModuleList` run through one compiled forward. Invariant: while applied, every
     block's `forward` is the shared compiled function bound to that block; `remove()` restores the class's."""
 
-    def __init__(self, blocks: nn.ModuleList, config: CompileConfig):
-        if config.mode != "blocks":
-            raise ValueError(f"CompiledBlocks needs engine.compile.mode: blocks (got {config.mode})")
+    def __init__(self, blocks: nn.ModuleList, options: CompileOptions = CompileOptions()):
         if len(blocks) == 0:
             raise ValueError("no blocks to compile")
         kinds = {type(block) for block in blocks}
         if len(kinds) != 1:
             raise ValueError(f"the repeated blocks are of several classes: {sorted(k.__name__ for k in kinds)}")
         self.blocks = blocks
-        self.config = config
+        self.options = options
         self._forward = kinds.pop().forward
         self._applied = False
         self._frames_at_apply = 0
@@ -113,12 +86,12 @@ class CompiledBlocks:
     def apply(self) -> CompiledBlocks:
         if self._applied:
             raise RuntimeError("the blocks are already compiled")
-        if self.config.cache_dir is not None:
+        if self.options.cache_dir is not None:
             # Read by inductor whenever it resolves its cache (process-wide: one engine per process).
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.config.cache_dir)
-        options = {"backend": self.config.backend, "dynamic": self.config.dynamic}
-        if self.config.backend == "inductor" and self.config.inductor_mode != "default":
-            options["mode"] = self.config.inductor_mode
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.options.cache_dir)
+        options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
+        if self.options.backend == "inductor" and self.options.inductor_mode != "default":
+            options["mode"] = self.options.inductor_mode
         compiled = torch.compile(self._forward, **options)
         for block in self.blocks:
             block.forward = functools.partial(compiled, block)
