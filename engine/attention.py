@@ -13,7 +13,6 @@ so it honours the choice whether installed before or after.
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ import torch
 from diffusers import ModelMixin
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
-logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 #: diffusers' default when none is set: torch's scaled_dot_product_attention, which picks its own kernel.

@@ -25,7 +25,6 @@ from model.adaln import ExternalModulation, adaln_input, resident_modulation  # 
 from model.geometry import GeometryLimits, VideoGeometry  # noqa: E402
 from model.loading import load_transformer  # noqa: E402
 from model.packing import PackedLayout  # noqa: E402
-from model.schedule import H3Schedule  # noqa: E402
 from model.weights import is_adaln_param  # noqa: E402
 from tests.denoise_support import Request, assert_same_velocities, denoise, offload, t2va_request  # noqa: E402
 
