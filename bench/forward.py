@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Rotar
                                                                   MiniMaxH3TransformerBlock)
 from torch import nn
 
-from bench.common import command_line, write_results
+from bench.common import write_results
 from engine.attention import DEFAULT_BACKEND, choose_attention
 from engine.compiled import CompiledBlocks, CompileOptions
 from engine.fp8 import QuantizationError, quantize_blocks_fp8
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-tflops", type=float, default=GEMM_TFLOPS)
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
+    command = " ".join(["python -m bench.forward", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     width = SMOKE if args.smoke else RELEASED
     token_counts = tuple(args.tokens) if args.tokens else (SMOKE_TOKENS if args.smoke else RELEASED_TOKENS)
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # a torchao that does not fit this torch: the other rows still stand
                 notes.append(f"fp8 row at {tokens} tokens failed: {type(exc).__name__}: {exc}")
     tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
-    md, _ = write_results("forward", rows, f"smoke-{tag}" if args.smoke else tag, command_line(), notes=notes,
+    md, _ = write_results("forward", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
                           out_dir=args.out)
     print(md.read_text())
     return 0
