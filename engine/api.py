@@ -20,6 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
+from engine.compiled import CompileStats
 from engine.config import MAX_STEPS
 from engine.errors import ClientError
 from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, ModelLimits
@@ -253,6 +254,9 @@ class GenerationStats(BaseModel):
         None, description="Layerwise offload counters since it was applied (cumulative); None: offload off.")
     parallel: RankStats | ParallelStats | None = Field(None, description="Multi-device replicas only.")
     adapters: AdapterStats | None = Field(None, description="The LoRA adapters it ran with; None: none.")
+    compile: CompileStats | None = Field(
+        None, description="Compiled blocks' dynamo counters (cumulative; since_warmup: compiles after the start-up "
+        "warm-up, 0 when every shape was warmed); None: engine.compile.mode off.")
 
     @model_serializer(mode="wrap")
     def _response_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

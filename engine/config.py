@@ -9,11 +9,14 @@ import math
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
 from engine.limits import ADAPTER_NAME_PATTERN, ServedAdapter
+from engine.attention import AUTO, backend_names
+from engine.compiled import CompileBackend, CompileOptions, InductorMode
+from engine.fp8 import Quantization
 from model.geometry import H3_LATENTS, snap_num_frames
 from offload.layerwise import OffloadConfig
 
@@ -188,6 +191,46 @@ class AdapterConfig(BaseModel):
                              audio_flow_shift=self.audio_flow_shift, scale=self.scale, fuse=self.fuse)
 
 
+class WarmupCanvas(BaseModel):
+    """One request shape the engine runs at start so no request pays the compile."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    width: int = Field(..., ge=32, description="Pixels.")
+    height: int = Field(..., ge=32, description="Pixels.")
+    seconds: float = Field(..., gt=0, description="Clip length (snapped as a request's is).")
+    steps: int = Field(..., ge=2, description="Sampling grid points (a whole schedule: steps - 1 forwards).")
+
+
+class CompileConfig(BaseModel):
+    """`engine.compile`: regional `torch.compile` of the transformer blocks."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    mode: Literal["off", "blocks"] = Field(
+        "off", description="blocks: compile each repeated transformer block (one shared graph); off: eager.")
+    backend: CompileBackend = Field(
+        "inductor", description="torch.compile backend: inductor (fused kernels, what serves); aot_eager / "
+        "eager trace without generating kernels (CPU tests of the capture, guards and recompiles).")
+    dynamic: bool = Field(
+        True, description="Symbolic sequence length: one graph for every canvas and prompt length. false: a "
+        "graph per token count (each new prompt length recompiles).")
+    inductor_mode: InductorMode = Field(
+        "default", description="Inductor's mode (max-autotune-no-cudagraphs: longer compile, tuned GEMMs; "
+        "CUDA graphs stay off: the offloader and the SP exchange run between blocks).")
+    cache_dir: str | None = Field(
+        None, description="Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) on local disk, so a restarted or "
+        "scaled-out replica loads its kernels instead of compiling them; null: inductor's default (/tmp/...).")
+    warmup: tuple[WarmupCanvas, ...] = Field(
+        (), description="Canvases the engine runs at start (a random prompt embedding, seed 0), so the first "
+        "request of these shapes pays no compile.")
+
+
+    @property
+    def options(self) -> CompileOptions:
+        return CompileOptions(self.backend, self.dynamic, self.inductor_mode, self.cache_dir)
+
+
 class EngineConfig(BaseModel):
     """One GPU worker's engine: which checkpoint, which device, which memory/caching features."""
 
@@ -260,6 +303,41 @@ class EngineConfig(BaseModel):
         for name, adapter in self.adapters.items():
             if adapter.steps is not None and adapter.steps > self.max_steps:
                 raise ValueError(f"adapters.{name}.steps={adapter.steps} exceeds max_steps={self.max_steps}")
+        return self
+
+    attention: str = Field(
+        AUTO, description="Attention kernel: a diffusers backend name (`diffusers.models.attention_dispatch."
+        "AttentionBackendName`: native, _native_cudnn, _native_flash, _native_efficient, flash, _flash_3, ...) or "
+        "auto: the fastest exact backend measured once at start on the engine's device (on a CPU: native, "
+        "unmeasured). FlashAttention-3 is a candidate where its package is installed.",
+    )
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig, description="Regional torch.compile of the transformer blocks and the "
+        "start-up warm-up of configured canvases.",
+    )
+    quantization: Quantization = Field(
+        "none", description="fp8: torchao float8 dynamic activations x rowwise float8 weights on the blocks' "
+        "attention and feed-forward linears (AdaLN, heads and refiner stay bf16/fp32); needs a GPU of compute "
+        "capability >= 8.9 and offload off.",
+    )
+
+    @field_validator("attention")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in backend_names():
+            raise ValueError(f"unknown attention backend {value!r}; one of: {', '.join(backend_names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _fp8_not_streamed(self) -> EngineConfig:
+        # The offloader streams `param.data`; a torchao float8 weight is a tensor subclass (data + scales).
+        if self.quantization == "fp8" and self.offload.enabled:
+            raise ValueError("quantization: fp8 with offload.enabled is not served yet (the offloader streams "
+                             "plain tensors; FP8 weights are torchao subclasses): turn one of them off")
+        # peft wraps the very linears torchao quantizes; the pair is neither tested nor measured.
+        if self.quantization == "fp8" and self.adapters:
+            raise ValueError("quantization: fp8 with engine.adapters is not served yet (LoRA factors on float8 "
+                             "linears are untested): serve adapters in bf16 (quantization: none)")
         return self
 
     @model_validator(mode="after")

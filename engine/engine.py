@@ -61,7 +61,8 @@ from engine.api import (
     CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
     SlabState,
 )
-from engine.config import EngineConfig, GeometryConfig
+from engine.config import EngineConfig, GeometryConfig, WarmupCanvas
+from engine import forward
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from engine.limits import ModelLimits, served_limits
 from engine.pipeline import Pipeline, local_steps, run_local
@@ -78,7 +79,7 @@ from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import ensure_checkpoint, served_partition
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
-from model.text_encoder import PromptEncoder
+from model.text_encoder import PromptCacheStats, PromptEncoder
 from model.text_memo import RefinedTextMemo
 from model.weights import TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
@@ -248,6 +249,8 @@ class Engine:
         # With offload the blocks are loaded on the host and streamed; the offloader moves the rest.
         self.transformer = load_transformer(self.weights, "cpu" if offload else self.device,
                                             skip=is_adaln_param if online else None)
+        # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load.
+        quantized_linears = forward.quantize(self.transformer, config.quantization)
         transformer_s = time.perf_counter() - t
         t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
@@ -275,6 +278,11 @@ class Engine:
         # (engine.adapters); every configured file is checked here (AdapterError names it: no start).
         self.adapters = AdapterSet(config.adapters, int(config.adapters_cache_mb * 1e6), self.transformer,
                                    self.weights)
+        # The attention backend and compiled blocks, once every hook is in place (the compiled forward runs
+        # inside each block's own __call__, so the offloader's and Cache-DiT's hooks stay eager around it).
+        self.forward_kernels = forward.install(self.transformer, attention=config.attention,
+                                               compile_config=config.compile, quantized_linears=quantized_linears,
+                                               quantization=config.quantization, device=self.device)
         hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
@@ -313,6 +321,9 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
+        # The configured canvases once, so no request pays the compile (their plans stay cached too).
+        forward.warm_up(self.forward_kernels, config.compile.warmup, self._warm_up_canvas)
+        self._num_requests = 0
         self.startup = EngineStartup(
             device_init_s=device_init_s, checkpoint_s=checkpoint_s, transformer_s=transformer_s,
             transformer_bytes=sum(p.nbytes for p in self.transformer.parameters() if not p.is_meta),
@@ -322,6 +333,15 @@ class Engine:
         logger.info("engine ready: %s (%s layout) on %s (adaln %s, offload %s, cache-dit %s); start-up: %s",
                     self.model_name, self.checkpoint.layout.value, self.device, config.adaln.mode, offload,
                     config.cache_dit.enabled, self.startup.summary())
+        logger.info("forward: %s", self.forward_kernels.summary())
+
+    def _warm_up_canvas(self, canvas: WarmupCanvas) -> None:
+        """One request of `canvas` through the denoiser, on a stand-in prompt embedding (seed 0, no decode)."""
+        request = GenerationRequest(prompt="warm-up", steps=canvas.steps, seconds=canvas.seconds,
+                                    width=canvas.width, height=canvas.height, seed=0, return_video=False)
+        embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
+                             dtype=self.model_config.torch_dtype)
+        self.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
 
     def _load_text_encoder(self) -> float:
         """Build the prompt stage; its seconds."""
@@ -620,6 +640,7 @@ class Engine:
             "model_config": self.model_config.model_dump(mode="json"),
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),
+            "forward": self.forward_kernels.describe(),
         }
 
     # --- Stages ------------------------------------------------------------------------------------
@@ -709,6 +730,7 @@ class Engine:
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
             parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,
             adapters=adapter_stats,
+            compile=self.forward_kernels.compile_stats(),
         )
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=self.model_name,

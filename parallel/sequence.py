@@ -449,6 +449,9 @@ class UlyssesAttnProcessor:
     def __init__(self, sp: SequenceParallel):
         self.sp = sp
 
+    # Under `engine.compile` the block compiles around this call: its collectives start and wait on handles
+    # and streams that dynamo cannot trace, so the exchange and its attention stay eager.
+    @torch.compiler.disable
     def __call__(self, attn: MiniMaxH3Attention, hidden_states: Tensor,
                  rotary_emb: tuple[Tensor, Tensor] | None = None, attention_mask: Tensor | None = None) -> Tensor:
         if attention_mask is not None:

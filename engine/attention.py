@@ -1,0 +1,156 @@
+"""The attention kernel the transformer runs (`engine.attention`): a diffusers backend name, or `auto`.
+
+`auto` measures the exact backends this process can run, once at start on the engine's device, and keeps the
+fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed). On a CPU it keeps
+diffusers' default and measures nothing (no kernel choice there is worth a start-up cost). A named backend is
+set as is; one this process cannot run fails the start with the field named.
+
+The choice goes through diffusers' own seam (`ModelMixin.set_attention_backend`), which sets every attention
+processor's `_attention_backend` and the registry's active backend; our sequence-parallel processor
+(`parallel.sequence.UlyssesAttnProcessor`) carries the same attribute and calls `dispatch_attention_fn` with it,
+so it honours the choice whether installed before or after.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import ModelMixin
+from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+
+AUTO = "auto"
+#: diffusers' default when none is set: torch's scaled_dot_product_attention, which picks its own kernel.
+DEFAULT_BACKEND = AttentionBackendName.NATIVE.value
+#: What `auto` tries, fastest-first as measured on an H200 (issue 25): exact kernels only (no int8/fp8 Sage),
+#: none that downloads a kernel (`*_hub`: a replica has no network), not the math kernel (it materializes the
+#: S x S scores: 320 GB at 38k tokens).
+EXACT_CANDIDATES = (
+    AttentionBackendName._FLASH_3.value,
+    AttentionBackendName._NATIVE_CUDNN.value,
+    AttentionBackendName.FLASH.value,
+    AttentionBackendName._NATIVE_FLASH.value,
+    AttentionBackendName._NATIVE_EFFICIENT.value,
+    AttentionBackendName.NATIVE.value,
+)
+#: Tokens of the probe `auto` times (one attention call, the model's heads and head dim): long enough that
+#: kernels rank as at the served sizes (8k-62k tokens), short enough to cost well under a second in all.
+PROBE_TOKENS = 8192
+#: A backend whose probe output differs from the default's by more than this (bf16 inputs, |out| ~ 1) is
+#: refused as broken rather than chosen: exact kernels differ by reassociation only (~1e-2 at most).
+EXACT_TOLERANCE = 5e-2
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every value `engine.attention` accepts."""
+    return (AUTO, *(name.value for name in AttentionBackendName))
+
+
+class AttentionBackendError(ValueError):
+    """`engine.attention` names a backend this process cannot run."""
+
+    def __init__(self, backend: str, reason: str):
+        super().__init__(f"engine.attention: {backend!r} cannot run here: {reason}")
+        self.backend = backend
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """What the engine runs and why (`describe()["forward"]["attention"]`, the start-up log)."""
+
+    backend: str
+    reason: str  # "configured", "measured" (auto on an accelerator), "default" (auto on a CPU)
+    #: ms of one probe call per backend that ran (auto on an accelerator only), fastest first.
+    measured_ms: dict[str, float] = field(default_factory=dict)
+    #: Backends auto tried that could not run here, each with why.
+    unavailable: dict[str, str] = field(default_factory=dict)
+    probe_tokens: int | None = None
+
+    @property
+    def ms(self) -> float | None:
+        return self.measured_ms.get(self.backend)
+
+    def summary(self) -> str:
+        if not self.measured_ms:
+            return f"{self.backend} ({self.reason})"
+        ranked = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.measured_ms.items())
+        return f"{self.backend} ({self.reason} at {self.probe_tokens} tokens: {ranked})"
+
+
+#: Times one backend on the probe (ms), or raises if it cannot run it; a seam so CPU tests can rank fakes.
+BackendTimer = Callable[[str], float]
+
+
+def choose_attention(transformer: ModelMixin, setting: str, device: torch.device, *,
+                     timer: BackendTimer | None = None) -> AttentionChoice:
+    """Set `setting` (a backend name or `auto`) on `transformer` and say what runs. `timer`: how `auto` times a
+    backend (default: `probe_timer` on `device` with the transformer's heads and head dim)."""
+    if setting != AUTO:
+        _set(transformer, setting)
+        return AttentionChoice(setting, "configured")
+    if device.type == "cpu":
+        return AttentionChoice(DEFAULT_BACKEND, "default")
+    if timer is None:
+        config = transformer.config
+        timer = probe_timer(device, config.num_attention_heads, config.attention_head_dim)
+    measured: dict[str, float] = {}
+    unavailable: dict[str, str] = {}
+    for name in EXACT_CANDIDATES:
+        try:
+            _requirements(name)
+            measured[name] = timer(name)
+        except Exception as exc:  # a missing package, an unsupported device or shape: not a candidate here
+            unavailable[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if not measured:
+        raise AttentionBackendError(AUTO, f"no exact backend ran: {unavailable}")
+    ranked = dict(sorted(measured.items(), key=lambda item: item[1]))
+    best = next(iter(ranked))
+    _set(transformer, best)
+    return AttentionChoice(best, "measured", ranked, unavailable, PROBE_TOKENS)
+
+
+def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int = PROBE_TOKENS,
+                repeats: int = 5) -> BackendTimer:
+    """Median ms of `repeats` attention calls on random bf16 [1, tokens, heads, head_dim] after two warm-ups,
+    each backend checked against the default's output first (a kernel that is fast but wrong is refused)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    reference = dispatch_attention_fn(q, k, v, backend=AttentionBackendName(DEFAULT_BACKEND))
+
+    def time_ms(name: str) -> float:
+        backend = AttentionBackendName(name)
+        out = dispatch_attention_fn(q, k, v, backend=backend)
+        error = (out.float() - reference.float()).abs().max().item()
+        if not error <= EXACT_TOLERANCE:
+            raise AttentionBackendError(name, f"output differs from {DEFAULT_BACKEND}'s by {error:.3g}")
+        dispatch_attention_fn(q, k, v, backend=backend)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dispatch_attention_fn(q, k, v, backend=backend)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return time_ms
+
+
+def _requirements(name: str) -> None:
+    """diffusers' own check that a backend's package is installed (raises RuntimeError naming it)."""
+    from diffusers.models.attention_dispatch import _check_attention_backend_requirements
+
+    _check_attention_backend_requirements(AttentionBackendName(name))
+
+
+def _set(transformer: ModelMixin, name: str) -> None:
+    try:
+        _requirements(name)
+        transformer.set_attention_backend(name)
+    except (RuntimeError, ValueError) as exc:
+        raise AttentionBackendError(name, str(exc).splitlines()[0]) from None

@@ -1,0 +1,116 @@
+"""Regional compile of the transformer's repeated blocks (`engine.compile`).
+
+Every `transformer_blocks[i]` gets one shared `torch.compile` of `MiniMaxH3TransformerBlock.forward` with the
+block passed as an argument, so one compiled graph serves all 50 blocks (dynamo guards on the module's shapes,
+not its identity) and the module's own `__call__` stays eager. That keeps every hook we hang on a block outside
+the graph: the offloader's pre/post forward hooks (`offload/`), Cache-DiT's wrapper around the block stack and
+the pre-hooks of tests. What runs inside a block is inside the graph: ExternalModulation's `_BlockRows` (it
+reads the forward's rows as a graph input), the attention processor with the backend `engine.attention` chose,
+and the sequence-parallel processor's compute (its exchanges are `torch.compiler.disable`d, so the graph breaks
+around them: `parallel.sequence`).
+
+The sequence dimension is dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a
+prompt length never seen before does not recompile; dynamo still specializes a forward of one timestep (the
+first step of a schedule) apart from one of several, so a warm-up runs whole schedules. `dynamic: false` gives
+one graph per token count (each prompt length recompiles): for measuring the static graph, not for serving.
+
+Compiled and eager differ by reassociation (bf16 fusion): the bound is stated where it is tested
+(tests/test_compiled_blocks.py) and measured per block at the released width (bench/forward.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How the blocks compile (`engine.config.CompileConfig` holds the served values and their meaning)."""
+
+    backend: CompileBackend = "inductor"
+    dynamic: bool = True
+    inductor_mode: InductorMode = "default"
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class CompileStats:
+    """Dynamo's frame counters for this process (`describe()["forward"]["compile"]`, `GenerationStats`)."""
+
+    frames_compiled: int  # graphs dynamo compiled since the blocks were wrapped
+    since_warmup: int  # of those, compiled after the warm-up ended (the serving goal: 0)
+    graph_breaks: int
+    warmup_s: float | None  # None: no warm-up ran
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+class CompiledBlocks:
+    """The blocks of a `nn.ModuleList` run through one compiled forward. Invariant: while applied, every
+    block's `forward` is the shared compiled function bound to that block; `remove()` restores the class's."""
+
+    def __init__(self, blocks: nn.ModuleList, options: CompileOptions = CompileOptions()):
+        if len(blocks) == 0:
+            raise ValueError("no blocks to compile")
+        kinds = {type(block) for block in blocks}
+        if len(kinds) != 1:
+            raise ValueError(f"the repeated blocks are of several classes: {sorted(k.__name__ for k in kinds)}")
+        self.blocks = blocks
+        self.options = options
+        self._forward = kinds.pop().forward
+        self._applied = False
+        self._frames_at_apply = 0
+        self._breaks_at_apply = 0
+        self._frames_at_warmup: int | None = None
+        self.warmup_s: float | None = None
+
+    def apply(self) -> CompiledBlocks:
+        if self._applied:
+            raise RuntimeError("the blocks are already compiled")
+        if self.options.cache_dir is not None:
+            # Read by inductor whenever it resolves its cache (process-wide: one engine per process).
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.options.cache_dir)
+        options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
+        if self.options.backend == "inductor" and self.options.inductor_mode != "default":
+            options["mode"] = self.options.inductor_mode
+        compiled = torch.compile(self._forward, **options)
+        for block in self.blocks:
+            block.forward = functools.partial(compiled, block)
+        self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()
+        self._applied = True
+        return self
+
+    def remove(self) -> None:
+        for block in self.blocks:
+            del block.forward  # the instance attribute; the class's forward shows again
+        self._applied = False
+
+    def warmup_ended(self, seconds: float) -> None:
+        """The engine's warm-up ran: later compiles are counted as `since_warmup`."""
+        self._frames_at_warmup = _frames_compiled()
+        self.warmup_s = seconds
+
+    def stats(self) -> CompileStats:
+        frames = _frames_compiled()
+        after = frames - (self._frames_at_warmup if self._frames_at_warmup is not None else self._frames_at_apply)
+        return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
+                            graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s)

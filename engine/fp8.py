@@ -1,0 +1,67 @@
+"""The FP8 tier (`engine.quantization: fp8`): torchao float8 dynamic activations x rowwise float8 weights on
+the transformer blocks' linears only.
+
+Quantized: in every `transformer_blocks[i]`, the attention's `to_q`, `to_k`, `to_v`, `to_out.0` and the SwiGLU
+feed-forward's linears (the GEMMs that are ~all of a block's FLOPs but attention's). Kept: the fp32 patch,
+timestep and output heads, the token refiner (runs once per request) and every AdaLN projection (`adaln_proj`:
+its rows come from the bf16 checkpoint, resident or through the plan cache, so online AdaLN composes with FP8).
+Quantized in place on the device right after the bf16 load, one linear at a time (no second host copy).
+
+Float8 GEMMs need a CUDA device of compute capability 8.9 or more (Ada, Hopper); anywhere else the start fails
+with `QuantizationError` naming the field. Layerwise offload streams `param.data`, which a torchao weight
+(a tensor subclass holding fp8 data and scales) does not expose as one tensor: the two are refused together
+at config time (`engine.config`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+Quantization = Literal["none", "fp8"]
+#: Compute capability of the first GPUs with float8 tensor cores (Ada: 8.9; Hopper: 9.0).
+MIN_CAPABILITY = (8, 9)
+
+
+class QuantizationError(ValueError):
+    """`engine.quantization` cannot be served on this device or with this setup."""
+
+
+def fp8_targets(blocks: nn.ModuleList) -> list[str]:
+    """Names (within `blocks`, the transformer's `transformer_blocks`) of the linears the FP8 tier quantizes:
+    each block's attention and feed-forward, in module order."""
+    return [name for name, module in blocks.named_modules() if _is_target(name, module)]
+
+
+def _is_target(name: str, module: nn.Module) -> bool:
+    parts = name.split(".")
+    return isinstance(module, nn.Linear) and "adaln_proj" not in parts and ("attn" in parts or "ff" in parts)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """QuantizationError unless `device` runs float8 GEMMs."""
+    if device.type != "cuda":
+        raise QuantizationError(f"engine.quantization: fp8 needs a CUDA GPU with float8 tensor cores (compute "
+                                f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); this engine runs on "
+                                f"{device.type}. Use quantization: none")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise QuantizationError(f"engine.quantization: fp8 needs compute capability >= {MIN_CAPABILITY[0]}."
+                                f"{MIN_CAPABILITY[1]}; {torch.cuda.get_device_name(device)} has "
+                                f"{capability[0]}.{capability[1]}. Use quantization: none")
+
+
+def quantize_blocks_fp8(blocks: nn.ModuleList) -> list[str]:
+    """Quantize `fp8_targets(blocks)` in place (their weights on a float8-capable GPU); returns their names."""
+    targets = fp8_targets(blocks)
+    if not targets:
+        raise QuantizationError("engine.quantization: fp8 found no attention or feed-forward linears in the blocks")
+    for device in {blocks.get_submodule(name).weight.device for name in targets}:
+        check_fp8_device(device)
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(blocks, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+              filter_fn=lambda module, name: _is_target(name, module))
+    return targets
