@@ -54,7 +54,8 @@ from deployments.schemas import (
 )
 from deployments.video_jobs import VideoJobs
 from deployments.videos import VideoApiSlot, videos_router
-from engine.api import GenerationRequest
+from engine.api import GenerationRequest, with_adapter_defaults
+from engine.limits import ModelLimits
 from engine.pipeline import PipelineResult
 from jobs.config import AuthConfig, JobsConfig
 
@@ -195,6 +196,7 @@ class Ingress:
         this replica got the request)."""
         with self._pending.admit():
             try:
+                request = await self._with_adapter_defaults(request)
                 finished = await asyncio.wait_for(self._runner.run(request), timeout=self._http.request_timeout_s)
             except asyncio.TimeoutError:  # the run was cancelled: the engine stops at its next step
                 raise self._timeout_error() from None
@@ -216,6 +218,21 @@ class Ingress:
             decode_call_s=calls.decode_call_s, respond_s=done - encoding)
         return response
 
+    async def _with_adapter_defaults(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` with its adapters' steps and shifts where it set none, resolved here rather than only in the
+        engine: the router's schedule key and the progress it reports must be those of the schedule it runs."""
+        if not request.adapters:
+            return request
+        card = await self._describe()
+        return with_adapter_defaults(request, ModelLimits.model_validate(card["limits"]))
+
+    async def _describe(self) -> dict[str, Any]:
+        """The worker's `describe()`, asked once per replica."""
+        if self._model_card is None:
+            self._model_card = await asyncio.wait_for(self._worker.describe.remote(),
+                                                      timeout=self._http.health_timeout_s)
+        return self._model_card
+
     def _timeout_error(self) -> RequestError:
         return RequestError(
             504, "timeout", f"generation took longer than http.request_timeout_s={self._http.request_timeout_s}"
@@ -232,6 +249,10 @@ class Ingress:
             def on_progress(step: int, steps: int) -> None:
                 events.put_nowait(ProgressEvent(step=step, steps=steps, elapsed_s=time.perf_counter() - start))
 
+            try:
+                request = await self._with_adapter_defaults(request)
+            except Exception as exc:  # noqa: BLE001 - sorted by worker_error
+                raise worker_error(exc, request_id) from None
             run = asyncio.ensure_future(self._runner.run(request, on_progress))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._http.request_timeout_s
@@ -402,12 +423,9 @@ class Ingress:
 
     @api.get("/v1/models", summary="The served model, its limits and engine config.")
     async def models(self) -> JSONResponse:
-        if self._model_card is None:
-            try:
-                self._model_card = await asyncio.wait_for(
-                    self._worker.describe.remote(), timeout=self._http.health_timeout_s
-                )
-            except Exception as exc:  # noqa: BLE001
-                return RequestError(503, "unavailable", f"worker describe failed: {type(exc).__name__}").response()
-        return JSONResponse(content={"object": "list", "data": [served_model(self._model_card, self._runner)]})
+        try:
+            card = await self._describe()
+        except Exception as exc:  # noqa: BLE001
+            return RequestError(503, "unavailable", f"worker describe failed: {type(exc).__name__}").response()
+        return JSONResponse(content={"object": "list", "data": [served_model(card, self._runner)]})
 

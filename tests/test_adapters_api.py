@@ -83,3 +83,26 @@ def test_an_engine_refusal_of_a_videos_adapter_is_a_422_on_lora():
         with_adapter_defaults(GenerationRequest(prompt="a fox", adapters=({"name": "gone"},)), LIMITS)
     refusal = invalid_request(info.value)
     assert refusal.field == "lora" and "'gone' is not an adapter of this server" in str(refusal)
+
+
+def test_the_ingress_routes_an_adapter_generation_by_the_schedule_it_runs():
+    """`/v1/generations` resolves the adapter's defaults before the runner sends it: the router's schedule key
+    (and the progress the caller sees) are those of the adapter's 9-point schedule, not the 50-step default."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.ingress import Ingress
+
+    async def describe() -> dict:
+        return {"limits": LIMITS.model_dump(mode="json")}
+
+    resolve = Ingress.func_or_class._with_adapter_defaults
+    stand_in = SimpleNamespace(_describe=describe)
+    request = GenerationRequest(prompt="a fox", adapters=({"name": "turbo"},))
+    resolved = asyncio.run(resolve(stand_in, request))
+    assert resolved.steps == 9 and resolved.schedule_key == with_adapter_defaults(request, LIMITS).schedule_key
+    assert resolved.schedule_key != request.schedule_key
+    plain = GenerationRequest(prompt="a fox")
+    assert asyncio.run(resolve(stand_in, plain)) is plain  # no adapter: nothing asked of the worker
+    with pytest.raises(ClientError, match="adapters"):
+        asyncio.run(resolve(stand_in, GenerationRequest(prompt="a fox", adapters=({"name": "nope"},))))
