@@ -254,6 +254,8 @@ FIRST_AND_LAST = VideoMedia(keyframes=(KeyframeMedia(field="input_references[0]"
                                        KeyframeMedia(field="input_references[1]", image=BLUE, frame_index=-1)))
 REFERENCES = VideoMedia(references=(ReferenceMedia(field="image_reference", kind="image", data=RED),
                                     ReferenceMedia(field="audio_reference", kind="audio", data=b"wav")))
+WITH_VIDEO = VideoMedia(references=(ReferenceMedia(field="image_references[0]", kind="image", data=RED),
+                                    ReferenceMedia(field="video_reference", kind="video", data=b"mp4")))
 
 
 @pytest.mark.parametrize("size_given", [False, True])
@@ -283,6 +285,7 @@ def test_a_job_whose_uploads_are_missing_fails_as_a_server_error():
     (FIRST_AND_LAST, "keyframes[0].frame_index", "input_references[0]"),
     (FIRST_AND_LAST, "keyframes", "input_reference"),
     (REFERENCES, "references[1]", "audio_reference"),
+    (WITH_VIDEO, "references[1]", "video_reference"),  # the engine refuses video references (no torchvision)
     (REFERENCES, "references", "references"),
     (REFERENCES, "seconds", "seconds"),
 ])
