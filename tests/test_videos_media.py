@@ -301,7 +301,8 @@ def test_a_json_body_carries_keyframes_and_references_as_arrays_of_base64():
                                                  {"image": base64.b64encode(BLUE).decode(), "frame_index": -1}]}
     request = parse_request(json.loads(json.dumps(keyframes)))
     assert [(k.image, k.anchor, k.frame_index) for k in request.keyframes] == [(RED, "first", None), (BLUE, None, -1)]
-    references = parse_request({"prompt": PROMPT, "references": [{"kind": "image", "data": base64.b64encode(RED).decode()}]})
+    references = parse_request({"prompt": PROMPT,
+                                "references": [{"kind": "image", "data": base64.b64encode(RED).decode()}]})
     assert request.task is Task.FL2VA and references.task is Task.REF2VA and references.references[0].data == RED
 
 
