@@ -2,6 +2,8 @@
 
 Routes (every body and error described in OpenAPI):
 - `POST /v1/videos` (JSON, or multipart / urlencoded form fields): validate, queue, answer the job at once.
+  Keyframes and references (`jobs.media`: `input_reference(s)` + `frame_indices`, `image_reference(s)`,
+  `video_reference`, `audio_reference`) as multipart files or base64 `data:` URLs, sized before decoding.
 - `POST /v1/videos/sync`: the same, then wait and answer the MP4 itself (for short requests).
 - `GET /v1/videos` (newest first, `limit` / `after`; `order=asc` is refused), `GET /v1/videos/{id}`.
 - `GET|HEAD /v1/videos/{id}/content` (`video/mp4`, or `variant=thumbnail` PNG; single-range Range requests:
@@ -13,7 +15,8 @@ Routes (every body and error described in OpenAPI):
 
 Status codes: 400 malformed JSON or a path-like / malformed id, 401 missing or unknown API key (when
 `auth.api_keys` is set), 404 unknown id (or another client's), 405 a method the route does not take, 409 wrong
-state, 410 output expired, 413 body over `jobs.max_body_bytes`, 415 unsupported content type, 416 unsatisfiable
+state, 410 output expired, 413 body over `jobs.max_body_bytes` (with uploads `jobs.max_upload_bytes`) or a file
+over `jobs.max_file_bytes`, 415 unsupported content type, 416 unsatisfiable
 range, 422 invalid request (message names the field and the limit), 429 queue full (Retry-After), 503 job
 database unavailable, 504 sync wait over `jobs.sync_timeout_s`. Every error body is
 `{"error": {"type", "message", "errors"}}` (`deployments.schemas.ErrorResponse`): the routes raise, and the app's
@@ -257,8 +260,10 @@ async def _form_fields(headers: Headers, body: bytes, content_type: str,
                     raise invalid_field(name, f"{name}: a file, where the field takes text (files go in "
                                               f"{', '.join(MEDIA_FIELDS)})")
                 field = f"{name}[{index}]" if name in LIST_FIELDS else name
-                check_upload_size(field, value.size or 0, max_file_bytes)  # UploadTooLarge: 413
-                files.append(Upload(name, await value.read(), index if name in LIST_FIELDS else None))
+                check_upload_size(field, value.size or 0, max_file_bytes)  # UploadTooLarge: 413, before reading
+                data = await value.read()
+                check_upload_size(field, len(data), max_file_bytes)  # a part whose size the parser did not state
+                files.append(Upload(name, data, index if name in LIST_FIELDS else None))
             elif name in LIST_FIELDS:
                 listed = fields.setdefault(name, [])
                 assert isinstance(listed, list)

@@ -140,7 +140,8 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
     if geometry is None:
         geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
     return served_limits(
-        served_model_name(config), max_steps=config.max_steps, short_edge=geometry.short_edge, max_pixels=geometry.max_pixels,
+        served_model_name(config), max_steps=config.max_steps, short_edge=geometry.short_edge,
+        max_pixels=geometry.max_pixels,
         size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
@@ -233,7 +234,8 @@ class Engine:
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()
-        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
+        self.checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config),
+                                            require_components=True)
         self.weights = TransformerWeights(self.checkpoint.transformer_dir, self.checkpoint.layout)
         self.model_config = self.weights.config
         self.model_name = f"{served_model_name(config)}@{self.weights.fingerprint}"  # reads ~3 pages per tensor
@@ -789,12 +791,14 @@ def _translated(exc: BaseException) -> BaseException:
 
 def prompt_stage(config: EngineConfig) -> PromptStage:
     """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config),
+                                   require_components=True)
     return PromptStage(config.text_encoder, checkpoint,
                        resolve_device(config.text_encoder.device, resolve_device(config.device)))
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:
     """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config), require_components=True)
+    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config),
+                                   require_components=True)
     return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))

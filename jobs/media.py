@@ -40,6 +40,8 @@ __all__ = [
     "Upload",
     "VideoMedia",
     "VideoTask",
+    "check_frame_indices",
+    "check_upload_size",
     "data_url_bytes",
     "video_media",
 ]

@@ -2,7 +2,8 @@
 
 `ensure_checkpoint(settings)` is the configured `checkpoint`, or a seeded tiny random MiniMax-H3 made on first
 start under `checkpoint_root` (`model.tiny.make_tiny_checkpoint`) and reused afterwards. `checkpoint_num_heads` and
-`text_encoder_shape` read the served (`served_partition`) transformer's and text encoder's sizes from their config.json alone (no
+`text_encoder_shape` read the served (`served_partition`) transformer's and text encoder's sizes from their
+config.json alone (no
 weights), which the app builder needs to check a parallel degree before any process starts; an auto-made checkpoint
 answers with the tiny model's constants without being made.
 

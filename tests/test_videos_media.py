@@ -254,6 +254,8 @@ FIRST_AND_LAST = VideoMedia(keyframes=(KeyframeMedia(field="input_references[0]"
                                        KeyframeMedia(field="input_references[1]", image=BLUE, frame_index=-1)))
 REFERENCES = VideoMedia(references=(ReferenceMedia(field="image_reference", kind="image", data=RED),
                                     ReferenceMedia(field="audio_reference", kind="audio", data=b"wav")))
+WITH_VIDEO = VideoMedia(references=(ReferenceMedia(field="image_references[0]", kind="image", data=RED),
+                                    ReferenceMedia(field="video_reference", kind="video", data=b"mp4")))
 
 
 @pytest.mark.parametrize("size_given", [False, True])
@@ -283,6 +285,7 @@ def test_a_job_whose_uploads_are_missing_fails_as_a_server_error():
     (FIRST_AND_LAST, "keyframes[0].frame_index", "input_references[0]"),
     (FIRST_AND_LAST, "keyframes", "input_reference"),
     (REFERENCES, "references[1]", "audio_reference"),
+    (WITH_VIDEO, "references[1]", "video_reference"),  # the engine refuses video references (no torchvision)
     (REFERENCES, "references", "references"),
     (REFERENCES, "seconds", "seconds"),
 ])
@@ -298,7 +301,8 @@ def test_a_json_body_carries_keyframes_and_references_as_arrays_of_base64():
                                                  {"image": base64.b64encode(BLUE).decode(), "frame_index": -1}]}
     request = parse_request(json.loads(json.dumps(keyframes)))
     assert [(k.image, k.anchor, k.frame_index) for k in request.keyframes] == [(RED, "first", None), (BLUE, None, -1)]
-    references = parse_request({"prompt": PROMPT, "references": [{"kind": "image", "data": base64.b64encode(RED).decode()}]})
+    references = parse_request({"prompt": PROMPT,
+                                "references": [{"kind": "image", "data": base64.b64encode(RED).decode()}]})
     assert request.task is Task.FL2VA and references.task is Task.REF2VA and references.references[0].data == RED
 
 
