@@ -112,6 +112,34 @@ def assert_equal_to_resident(prepared, reference: ResidentModulation, plans: lis
         assert_same_modulation(prepared.modulation(step), expected.modulation(step), f"step {step}")
 
 
+class MemoResident:
+    """`resident(models)` answering each plan once: the resident projection depends on the weights and the
+    timesteps only, and a long request sequence asks for the same few dozen plans thousands of times. Has the
+    `prepare(plans).modulation(step)` that `assert_equal_to_resident` reads."""
+
+    def __init__(self, reference: ResidentModulation):
+        self._reference = reference
+        self._answers: dict[tuple[float, ...], Modulation] = {}
+
+    def modulation_for(self, timesteps: torch.Tensor) -> Modulation:
+        key = tuple(timesteps.tolist())
+        if key not in self._answers:
+            self._answers[key] = self._reference.prepare([timesteps]).modulation(0)
+        return self._answers[key]
+
+    def prepare(self, plans: list[torch.Tensor]) -> MemoPlans:
+        return MemoPlans(self, plans)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoPlans:
+    memo: MemoResident
+    plans: list[torch.Tensor]
+
+    def modulation(self, step: int) -> Modulation:
+        return self.memo.modulation_for(self.plans[step])
+
+
 class DictRemote:
     """A node pool stand-in (the plan cache's RemoteTier): keeps copies of what it is sent once the copies landed."""
 

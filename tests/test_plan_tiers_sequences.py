@@ -13,7 +13,8 @@ import torch
 
 from cache.plan_cache import SlabFullError
 from device.streams import FakeDevice
-from tests.adaln_support import DictRemote, assert_equal_to_resident, host_gb, online_cache, plan, resident
+from tests.adaln_support import (DictRemote, MemoResident, assert_equal_to_resident, host_gb, online_cache, plan,
+                                 resident)
 
 
 def random_schedules(rng: random.Random, count: int) -> list[list[torch.Tensor]]:
@@ -35,7 +36,7 @@ def test_every_answer_is_exact_and_every_bound_holds_over_long_sequences(tiny, s
     cache = online_cache(tiny, gpu=gpu, gpu_plans=rng.choice([5, 6, 8]), host_cache_gb=host_gb(host_pages))
     if with_remote:
         cache.remote = DictRemote()
-    reference = resident(tiny)
+    reference = MemoResident(resident(tiny))
     schedules = random_schedules(rng, 14)
     locked = None  # page-locked bytes once the first miss set up the rebuild's staging
     held = []
