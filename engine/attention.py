@@ -149,8 +149,16 @@ def _requirements(name: str) -> None:
 
 
 def _set(transformer: ModelMixin, name: str) -> None:
+    """`name` on every attention processor of `transformer`, and nowhere else: diffusers' seam also makes it the
+    process-wide default (its registry's active backend), which every other model in the process (another engine,
+    a test's oracle) would then run with; that default is put back."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry._active_backend
     try:
         _requirements(name)
         transformer.set_attention_backend(name)
     except (RuntimeError, ValueError) as exc:
         raise AttentionBackendError(name, str(exc).splitlines()[0]) from None
+    finally:
+        _AttentionBackendRegistry.set_active_backend(default)

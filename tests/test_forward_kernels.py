@@ -99,6 +99,16 @@ def test_a_named_backend_is_set_on_every_attention_processor(model):
     assert processors_backends(model) == {AttentionBackendName._NATIVE_MATH}
 
 
+def test_a_named_backend_is_this_models_alone_not_the_process_default(model):
+    """diffusers' seam also sets its process-wide default; a second model in the process (another engine, a
+    test's oracle) must keep running diffusers' default."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry.get_active_backend()[0]
+    choose_attention(model, "_native_math", torch.device("cpu"))
+    assert _AttentionBackendRegistry.get_active_backend()[0] == before
+
+
 def test_a_named_backend_this_process_cannot_run_fails_naming_the_field(model):
     with pytest.raises(AttentionBackendError, match="engine.attention: 'flash' cannot run here"):
         choose_attention(model, "flash", torch.device("cpu"))
