@@ -124,3 +124,15 @@ def random_image(width: int, height: int, seed: int) -> Image.Image:
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def generated_once(ours: dict[str, Ours], cases: dict, seed: int):
+    """`generate(layout, case)`: ditserve's generation of `cases[case]` at `seed` in a layout, run once per module
+    (the oracle test and the layouts test compare the same run)."""
+    runs = {}
+
+    def generate(layout: str, case: str):
+        if (layout, case) not in runs:
+            runs[layout, case] = ours[layout].generate(cases[case][0], seed=seed)
+        return runs[layout, case]
+    return generate

@@ -181,8 +181,8 @@ def postgres_server() -> Iterator[str]:
 
 
 def reset_postgres(url: str) -> None:
-    """Drop the job table, so the next store starts from an empty database."""
+    """Drop the job tables (the jobs and their uploads), so the next store starts from an empty database."""
     import psycopg
 
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("DROP TABLE IF EXISTS video_jobs")
+        conn.execute("DROP TABLE IF EXISTS video_job_media, video_jobs")

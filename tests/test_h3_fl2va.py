@@ -19,7 +19,8 @@ from model.packing import TEXT_TAG, VIDEO_TAG
 from model.schedule import KEYFRAME_NOISE_AUG, H3Schedule, Task
 from model.text_encoder import PromptEmbeddingCache, PromptEncoder
 from model.tiny import TINY_CANVAS
-from tests.conditioning_support import NUM_FRAMES, PROMPT, Ours, bits_equal, oracle_pipeline, random_image, run_oracle
+from tests.conditioning_support import (NUM_FRAMES, PROMPT, Ours, bits_equal,
+                                        oracle_pipeline, random_image, run_oracle, generated_once)
 
 FIRST = random_image(96, 54, seed=1)  # 16:9 -> the tiny rule's 64x32 canvas
 LAST = random_image(40, 40, seed=2)  # square: cover-cropped onto the first one's canvas
@@ -40,15 +41,7 @@ SEED = 7
 
 @pytest.fixture(scope="module")
 def generated(ours):
-    """ditserve's generation of a case at SEED in a layout, run once: the oracle test and the layouts test both
-    compare it."""
-    runs = {}
-
-    def generate(layout: str, case: str):
-        if (layout, case) not in runs:
-            runs[layout, case] = ours[layout].generate(CASES[case][0], seed=SEED)
-        return runs[layout, case]
-    return generate
+    return generated_once(ours, CASES, SEED)
 
 
 CASES = {

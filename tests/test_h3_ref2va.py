@@ -18,7 +18,7 @@ from model.conditioning import (AudioReference, Conditioning, ConditioningError,
 from model.layout import Partition
 from model.packing import AUDIO_TAG, VIDEO_TAG
 from model.schedule import H3Schedule, Task
-from tests.conditioning_support import Ours, bits_equal, oracle_pipeline, random_image, run_oracle
+from tests.conditioning_support import (Ours, bits_equal, oracle_pipeline, random_image, run_oracle, generated_once)
 
 SAMPLE_RATE = 32000
 IMAGES = (random_image(48, 64, seed=11), random_image(90, 40, seed=12))  # portrait, landscape
@@ -41,15 +41,7 @@ SEED = 5
 
 @pytest.fixture(scope="module")
 def generated(ours):
-    """ditserve's generation of a case at SEED in a layout, run once: the oracle test and the layouts test both
-    compare it."""
-    runs = {}
-
-    def generate(layout: str, case: str):
-        if (layout, case) not in runs:
-            runs[layout, case] = ours[layout].generate(CASES[case][0], seed=SEED)
-        return runs[layout, case]
-    return generate
+    return generated_once(ours, CASES, SEED)
 
 
 CASES = {
