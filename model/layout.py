@@ -1,6 +1,6 @@
 """Where the parts of a MiniMax-H3 checkpoint live, for either published layout.
 
-Two layouts are published (see /work/shared/h3.md section 1):
+Two layouts are published (the diffusers-format root and the native per-partition one):
 
     diffusers root                         native partition (FL2VA/ or Ref2VA/, both under one root)
     ---------------------------------      ----------------------------------------------------------
