@@ -176,6 +176,7 @@ class Ingress:
         self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
         self._routing_metrics = RoutingMetrics()
         self._model_card: dict[str, Any] | None = None
+        self._model_limits: ModelLimits | None = None  # the card's limits, parsed once
         self._videos = VideoJobs(
             worker, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
             VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,
@@ -223,8 +224,9 @@ class Ingress:
         engine: the router's schedule key and the progress it reports must be those of the schedule it runs."""
         if not request.adapters:
             return request
-        card = await self._describe()
-        return with_adapter_defaults(request, ModelLimits.model_validate(card["limits"]))
+        if self._model_limits is None:
+            self._model_limits = ModelLimits.model_validate((await self._describe())["limits"])
+        return with_adapter_defaults(request, self._model_limits)
 
     async def _describe(self) -> dict[str, Any]:
         """The worker's `describe()`, asked once per replica."""

@@ -97,7 +97,7 @@ def test_the_ingress_routes_an_adapter_generation_by_the_schedule_it_runs():
         return {"limits": LIMITS.model_dump(mode="json")}
 
     resolve = Ingress.func_or_class._with_adapter_defaults
-    stand_in = SimpleNamespace(_describe=describe)
+    stand_in = SimpleNamespace(_describe=describe, _model_limits=None)
     request = GenerationRequest(prompt="a fox", adapters=({"name": "turbo"},))
     resolved = asyncio.run(resolve(stand_in, request))
     assert resolved.steps == 9 and resolved.schedule_key == with_adapter_defaults(request, LIMITS).schedule_key
