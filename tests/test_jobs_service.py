@@ -38,6 +38,7 @@ TINY = ModelLimits(
 )
 LEASE_S = 0.5
 WAIT_S = 20.0
+STALL_LIMIT_S = 300.0  # only so a broken test cannot hang the run; every test resumes its store
 
 
 def fast_config(tmp_path: Path, **overrides: float) -> JobsConfig:
@@ -525,8 +526,8 @@ class StalledHeartbeat:
         return getattr(self._store, name)
 
     def _stall(self) -> None:
-        if self.stalled.is_set():
-            self._resumed.wait(timeout=2 * WAIT_S)
+        if self.stalled.is_set():  # until resume(): a renewal that timed out would end the stall early
+            self._resumed.wait(timeout=STALL_LIMIT_S)
 
     def renew_lease(self, *args):
         self._stall()
