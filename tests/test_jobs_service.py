@@ -543,11 +543,13 @@ class StalledHeartbeat:
 
 async def run_then_lose_the_lease(service: JobService, store: StalledHeartbeat, backend: FakeVideoBackend,
                                   clock: FakeClock) -> JobRecord:
-    """Submit a job to `service` and start it; once its first run began, stall the heartbeat past the lease."""
+    """Submit a job to `service` and start it with its heartbeat stalled; once its first run began, let the
+    lease expire. Stalled from the start: a renewal already past the stall check when it was set would still
+    reach the store later, answer LOST and stop the run (under load, after the other replica's retry)."""
     job = await service.submit(make_spec(), None)
+    store.stalled.set()
     await service.start()
     await wait_until(lambda: backend.started == [job.id], "the first run")
-    store.stalled.set()
     clock.advance(LEASE_S + 1)
     return job
 
