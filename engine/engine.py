@@ -251,8 +251,9 @@ class Engine:
         # With offload the blocks are loaded on the host and streamed; the offloader moves the rest.
         self.transformer = load_transformer(self.weights, "cpu" if offload else self.device,
                                             skip=is_adaln_param if online else None)
-        # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load.
-        quantized_linears = forward.quantize(self.transformer, config.quantization)
+        # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load
+        # (with offload each linear visits the device and its FP8 weight streams from the host).
+        quantized_linears = forward.quantize(self.transformer, config.quantization, self.device)
         transformer_s = time.perf_counter() - t
         t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.

@@ -20,12 +20,13 @@ from engine.attention import (AUTO, DEFAULT_BACKEND, AttentionBackendError, Atte
                               choose_attention)
 from engine.compiled import CompiledBlocks, CompileOptions  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8  # noqa: E402
+from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8, quantize_linears_fp8  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
 from model.geometry import GeometryLimits, VideoGeometry  # noqa: E402
 from model.loading import load_transformer  # noqa: E402
 from model.packing import PackedLayout  # noqa: E402
 from model.weights import is_adaln_param  # noqa: E402
+from offload.wrapped import inner_tensors, is_wrapped  # noqa: E402
 from tests.denoise_support import Request, assert_same_velocities, denoise, offload, t2va_request  # noqa: E402
 
 EAGER = CompileOptions(backend="eager")
@@ -183,13 +184,91 @@ def test_fp8_targets_are_the_block_attention_and_feed_forward_linears_only(model
 def test_fp8_on_a_cpu_is_refused_with_a_clear_error_and_leaves_the_weights(model):
     before = model.transformer_blocks[0].attn.to_q.weight.clone()
     with pytest.raises(QuantizationError, match="engine.quantization: fp8 needs a CUDA GPU .* runs on cpu"):
-        quantize_blocks_fp8(model.transformer_blocks)
+        quantize_blocks_fp8(model.transformer_blocks, torch.device("cpu"))
     assert torch.equal(model.transformer_blocks[0].attn.to_q.weight, before)
 
 
-def test_fp8_with_offload_is_refused_at_config_time():
-    with pytest.raises(ValidationError, match="quantization: fp8 with offload.enabled"):
-        EngineConfig(quantization="fp8", offload={"enabled": True})
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao's float8 linears compute on a CPU too (a reference GEMM); only its machine check refuses one. With
+    the check faked away, what the FP8 tier does to the weights and to the offloader is tested here bit for bit."""
+    monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None)
+
+
+def fp8_model(weights):
+    model = load_transformer(weights, "cpu")
+    quantize_linears_fp8(model.transformer_blocks, torch.device("cpu"))
+    return model
+
+
+def test_fp8_weights_are_float8_data_with_row_scales_and_change_the_output_a_little(weights, t2va, eager_run,
+                                                                                    fp8_on_cpu):
+    model = fp8_model(weights)
+    for name in fp8_targets(model.transformer_blocks):
+        weight = model.transformer_blocks.get_submodule(name).weight
+        assert {n: t.dtype for n, t in inner_tensors(weight).items()} == {"qdata": torch.float8_e4m3fn,
+                                                                          "scale": torch.float32}
+        assert weight.scale.shape == (weight.shape[0], 1)  # one scale per output row
+    assert model.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.bfloat16  # AdaLN stays bf16
+    run = denoise(model, t2va)
+    for got, want in zip(run.video_velocity, eager_run.video_velocity):
+        error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert 0 < error < 0.1, error  # quantized, and still the same model
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
+def test_fp8_streamed_equals_fp8_resident_bit_for_bit(weights, t2va, fp8_on_cpu, prefetch_depth):
+    want = denoise(fp8_model(weights), t2va)
+    streamed = fp8_model(weights)
+    off = offload(streamed, prefetch_depth=prefetch_depth)  # the deferring fake device: a missing wait reads NaN
+    assert_same_velocities(denoise(streamed, t2va, off=off), want)
+    off.check_invariants()
+
+
+def block_bytes(model, exclude: str) -> tuple[float, float]:
+    """Block 0's bytes outside `exclude` in bf16, and after the FP8 tier (each target weight's N x K bf16 becomes
+    N x K fp8 + N fp32 scales), computed from the model itself."""
+    block = model.transformer_blocks[0]
+    bf16 = sum(t.nbytes for name, t in block.state_dict().items() if not name.startswith(exclude))
+    targets = [model.transformer_blocks.get_submodule(name).weight for name in fp8_targets(model.transformer_blocks)
+               if name.startswith("0.")]
+    return bf16, bf16 - sum(w.nbytes / 2 - w.shape[0] * 4 for w in targets)
+
+
+@pytest.mark.parametrize("resident_tensors, at_most", [
+    ((), 0.8),  # resident AdaLN: the bf16 adaln_proj (18 x hidden wide) streams too; ~0.8 at the released width
+    (("adaln_proj",), 0.6),  # online AdaLN (no projection in the blocks): ~0.5 at the released width
+])
+def test_fp8_blocks_stream_their_fp8_bytes(weights, t2va, fp8_on_cpu, resident_tensors, at_most):
+    bf16 = load_transformer(weights, "cpu")
+    bf16_bytes, fp8_bytes = block_bytes(bf16, resident_tensors[0] if resident_tensors else "-")
+    runs = {}
+    for name, model in (("bf16", bf16), ("fp8", fp8_model(weights))):
+        off = offload(model, prefetch_depth=1, resident_tensors=resident_tensors)
+        denoise(model, t2va, off=off)
+        runs[name] = off.stats
+    ratio = runs["fp8"].h2d_bytes / runs["bf16"].h2d_bytes
+    assert runs["fp8"].block_calls == runs["bf16"].block_calls > 0
+    assert ratio == pytest.approx(fp8_bytes / bf16_bytes, abs=0.03)  # alignment padding aside
+    assert ratio < at_most
+
+
+def test_an_offloaded_fp8_block_comes_back_as_the_fp8_weight_it_was(weights, fp8_on_cpu):
+    model = fp8_model(weights)
+    before = {name: {n: t.clone() for n, t in inner_tensors(model.transformer_blocks.get_submodule(name).weight).items()}
+              for name in fp8_targets(model.transformer_blocks)}
+    off = offload(model, prefetch_depth=1)
+    assert off.holds_placeholders(0)
+    off.remove()
+    for name, inner in before.items():
+        weight = model.transformer_blocks.get_submodule(name).weight
+        assert is_wrapped(weight) and weight.device == torch.device("cpu")
+        assert all(torch.equal(getattr(weight, n).view(torch.uint8), t.view(torch.uint8)) for n, t in inner.items())
+
+
+def test_fp8_with_offload_is_a_served_config():
+    config = EngineConfig(quantization="fp8", offload={"enabled": True})
+    assert config.quantization == "fp8" and config.offload.enabled
 
 
 # --- the engine --------------------------------------------------------------------------------------------
