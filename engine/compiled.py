@@ -7,7 +7,8 @@ the graph: the offloader's pre/post forward hooks (`offload/`), Cache-DiT's wrap
 the pre-hooks of tests. What runs inside a block is inside the graph: ExternalModulation's `_BlockRows` (it
 reads the forward's rows as a graph input), the attention processor with the backend `engine.attention` chose,
 and the sequence-parallel processor's compute (its exchanges are `torch.compiler.disable`d, so the graph breaks
-around them: `parallel.sequence`).
+around them: `parallel.sequence`; SP2 compiled == SP1 compiled bit for bit under dynamo's eager backend, 5 frames and
+3 counted graph breaks per rank on the tiny model: tests/test_parallel_compile.py).
 
 The sequence dimension is dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a
 prompt length never seen before does not recompile; dynamo still specializes a forward of one timestep (the
