@@ -303,6 +303,37 @@ def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothin
     assert result.stats.model_dump()["compile"]["since_warmup"] == 0
 
 
+#: The mixed stream: 4 canvases (3 token counts, one of them in two orientations) x 3 step counts.
+STREAM_CANVASES = [dict(width=64, height=64, seconds=0.5), dict(width=128, height=64, seconds=0.5),
+                   dict(width=64, height=128, seconds=0.5), dict(width=96, height=64, seconds=1.0)]
+STREAM_STEPS = (2, 3, 4)  # 1 to 3 forwards: a forward of one timestep, then of two
+
+
+def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint):
+    from engine.api import GenerationRequest
+    from engine.engine import Engine, EngineParts
+    from engine.stages import PromptEmbedding
+    from model.text_encoder import PromptCacheStats
+
+    torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                 geometry={"short_edge": None, "min_seconds": 0.1},
+                                 compile={"mode": "blocks", "backend": "eager",
+                                          "warmup": [dict(canvas, steps=3) for canvas in STREAM_CANVASES]}),
+                    parts=EngineParts.DENOISER)
+    warmed = engine.describe()["forward"]["compile"]["frames_compiled"]
+    assert warmed >= 2  # a graph for the first forward (one timestep) and one for the others
+    prompt = PromptEmbedding(torch.randn(23, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+    tokens = set()
+    for i, (canvas, steps) in enumerate((c, n) for n in STREAM_STEPS for c in reversed(STREAM_CANVASES)):
+        result = engine.denoise(GenerationRequest(prompt="p", seed=i, steps=steps, return_video=False, **canvas),
+                                prompt)
+        assert result.stats.compile.since_warmup == 0, (canvas, steps)
+        tokens.add(result.stats.tokens)
+    assert len(tokens) == 3  # the stream did change the sequence length
+    assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed
+
+
 def test_a_warmup_canvas_the_engine_refuses_fails_the_start_naming_it(tiny_checkpoint):
     from engine.engine import Engine, EngineParts
 
