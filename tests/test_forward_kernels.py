@@ -115,6 +115,33 @@ def test_a_named_backend_this_process_cannot_run_fails_naming_the_field(model):
         choose_attention(model, "flash", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("backend, package", [("_flash_3", "flash_attn_interface"), ("flash_4_hub", "kernels"),
+                                              ("flash", "flash_attn"), ("sage", "sageattention")])
+def test_a_requested_backend_whose_package_is_missing_fails_naming_the_package_and_its_install(model, monkeypatch,
+                                                                                               backend, package):
+    from engine import attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: False)  # as on a replica without the extra
+    with pytest.raises(AttentionBackendError, match=f"engine.attention: '{backend}' cannot run here: its kernels "
+                                                    f"are the optional package '{package}'") as info:
+        choose_attention(model, backend, torch.device("cuda"))
+    assert "install: " in str(info.value)
+    assert processors_backends(model) == {None}  # nothing was set
+
+
+def test_an_installed_optional_package_goes_on_to_diffusers_own_check(model, monkeypatch):
+    from engine import attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: True)  # importable, but diffusers found no FA3
+    with pytest.raises(AttentionBackendError, match="'_flash_3' cannot run here: Flash Attention 3 backend"):
+        choose_attention(model, "_flash_3", torch.device("cuda"))
+
+
+def test_auto_says_which_package_each_missing_candidate_needs(model):
+    choice = choose_attention(model, AUTO, torch.device("cuda"), timer=lambda name: 1.0)
+    assert "optional package 'flash_attn_interface'" in choice.unavailable["_flash_3"]
+
+
 def test_the_config_refuses_an_unknown_backend_naming_the_field():
     with pytest.raises(ValidationError, match="attention") as info:
         EngineConfig(attention="fastest")
