@@ -256,6 +256,19 @@ def test_fp8_streamed_equals_fp8_resident_bit_for_bit(weights, t2va, fp8_on_cpu,
     off.check_invariants()
 
 
+def test_fp8_streamed_equals_fp8_resident_under_compile_bit_for_bit(weights, t2va, fp8_on_cpu):
+    """The offloader swaps the fp8 data and scales inside each FP8 weight: the compiled graph (its guards on the
+    wrapper's inner tensors included) serves the streamed blocks as it serves resident ones."""
+    resident = fp8_model(weights)
+    CompiledBlocks(resident.transformer_blocks, EAGER).apply()
+    want = denoise(resident, t2va)
+    streamed = fp8_model(weights)
+    off = offload(streamed, prefetch_depth=1)
+    compiled = CompiledBlocks(streamed.transformer_blocks, EAGER).apply()
+    assert_same_velocities(denoise(streamed, t2va, off=off), want)
+    assert compiled.stats().graph_breaks == 0
+
+
 def block_bytes(model, exclude: str) -> tuple[float, float]:
     """Block 0's bytes outside `exclude` in bf16, and after the FP8 tier (each target weight's N x K bf16 becomes
     N x K fp8 + N fp32 scales), computed from the model itself."""
