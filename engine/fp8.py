@@ -11,7 +11,8 @@ and its FP8 weight goes back to the host, so streamed and resident blocks hold t
 offloader streams is the fp8 data and its scales (`offload.wrapped`: about half a bf16 block's bytes).
 
 Float8 GEMMs need a CUDA device of compute capability 8.9 or more (Ada, Hopper); anywhere else the start fails
-with `QuantizationError` naming the field.
+with `QuantizationError` naming the field. A weight update re-quantizes the new checkpoint's bf16 weights the same
+way (`requantized`): an updated engine serves what a fresh one on the new checkpoint serves.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from offload.wrapped import is_wrapped
+from offload.wrapped import inner_tensors, is_wrapped
 
 Quantization = Literal["none", "fp8"]
 #: Compute capability of the first GPUs with float8 tensor cores (Ada: 8.9; Hopper: 9.0).
@@ -63,15 +64,34 @@ def quantize_blocks_fp8(blocks: nn.ModuleList, device: torch.device) -> list[str
     return quantize_linears_fp8(blocks, device)
 
 
+def requantized(new: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors an FP8 weight wraps (fp8 data, scales), made from the bf16 checkpoint tensor `new` on `device`
+    exactly as `quantize_linears_fp8` makes them at load: what a weight update writes into a served FP8 weight
+    (whose shape the update's checks already matched to `new`)."""
+    from torchao.quantization import quantize_
+
+    linear = nn.Linear(new.shape[1], new.shape[0], bias=False, device=device, dtype=new.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(new)
+    quantize_(linear, _config())
+    return inner_tensors(linear.weight)
+
+
+def _config():
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+
 def quantize_linears_fp8(blocks: nn.ModuleList, device: torch.device) -> list[str]:
     """`quantize_blocks_fp8` without our device check (torchao still checks the machine): each target linear is
     quantized on `device` and left where its weight was."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    from torchao.quantization import quantize_
 
     targets = fp8_targets(blocks)
     if not targets:
         raise QuantizationError("engine.quantization: fp8 found no attention or feed-forward linears in the blocks")
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    config = _config()
     for name in targets:
         linear = blocks.get_submodule(name)
         home = linear.weight.device
