@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
