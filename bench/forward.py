@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import shlex
 import statistics
 import sys
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(3))
         for backend in backends:
             name = AttentionBackendName(backend)
-            ms = timed_ms(lambda: dispatch_attention_fn(q, k, v, backend=name), device, args.repeats)
+            ms = timed_ms(functools.partial(dispatch_attention_fn, q, k, v, backend=name), device, args.repeats)
             row(f"attention {backend}", ms, attention_flops / rate * 1e3)
         del q, k, v
         with torch.no_grad():
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             out = inputs.call(compiled[0])
             first_s = time.perf_counter() - t
             _reset_peak(device)
-            ms = timed_ms(lambda: inputs.call(compiled[0]), device, args.repeats)
+            ms = timed_ms(functools.partial(inputs.call, compiled[0]), device, args.repeats)
             row(f"block compiled {best}", ms, bf16_floor, rel_error(out, reference), _peak(device))
             notes.append(f"{tokens} tokens: first compiled call {first_s:.1f} s; dynamo: {blocks.stats()}")
             del compiled, blocks
@@ -205,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 quantized = quantize_blocks_fp8(fp8, device)
                 set_backend(fp8[0], best)
                 _reset_peak(device)
-                ms = timed_ms(lambda: inputs.call(fp8[0]), device, args.repeats)
+                ms = timed_ms(functools.partial(inputs.call, fp8[0]), device, args.repeats)
                 row(f"block fp8 eager {best}", ms, fp8_floor, rel_error(inputs.call(fp8[0]), reference),
                     _peak(device))
                 blocks = CompiledBlocks(fp8, compile_config).apply()
                 out = inputs.call(fp8[0])
                 _reset_peak(device)
-                ms = timed_ms(lambda: inputs.call(fp8[0]), device, args.repeats)
+                ms = timed_ms(functools.partial(inputs.call, fp8[0]), device, args.repeats)
                 row(f"block fp8 + compiled {best}", ms, fp8_floor, rel_error(out, reference), _peak(device))
                 if tokens == token_counts[0]:
                     notes.append(f"fp8: {len(quantized)} linears quantized (torchao float8 dynamic activation, "
