@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from offload.wrapped import inner_tensors, is_wrapped
+from offload.wrapped import inner_tensors, is_wrapped, rebuilt_on
 
 Quantization = Literal["none", "fp8"]
 #: Compute capability of the first GPUs with float8 tensor cores (Ada: 8.9; Hopper: 9.0).
@@ -99,5 +99,8 @@ def quantize_linears_fp8(blocks: nn.ModuleList, device: torch.device) -> list[st
         if not is_wrapped(linear.weight):  # torchao leaves a linear whose shape its float8 GEMM cannot take
             raise QuantizationError(f"engine.quantization: fp8 cannot quantize {name} (weight "
                                     f"{tuple(linear.weight.shape)}: float8 GEMMs need both dims multiples of 16)")
-        linear.to(home)
+        if home != device:  # back where the linear's weights were loaded (the offloader streams it from there)
+            linear.weight = nn.Parameter(rebuilt_on(linear.weight, home), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.to(home)
     return targets

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
+from torch import nn
 
 pytest.importorskip("cache_dit")
 from diffusers.models.attention_dispatch import AttentionBackendName  # noqa: E402
@@ -245,6 +246,21 @@ def test_fp8_weights_are_float8_data_with_row_scales_and_change_the_output_a_lit
     for got, want in zip(run.video_velocity, eager_run.video_velocity):
         error = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert 0 < error < 0.1, error  # quantized, and still the same model
+
+
+def test_fp8_quantized_on_another_device_than_the_weights_comes_back_to_them_with_the_same_bytes(weights,
+                                                                                                 fp8_on_cpu):
+    """With offload the blocks load on the host and each linear is quantized on the GPU, then sent back. `cpu:0`
+    stands in for the other device here (another torch.device than the weights' `cpu`: the same path, no GPU)."""
+    in_place = fp8_model(weights)
+    moved = load_transformer(weights, "cpu")
+    quantize_linears_fp8(moved.transformer_blocks, torch.device("cpu", 0))
+    for name in fp8_targets(moved.transformer_blocks):
+        got, want = (m.transformer_blocks.get_submodule(name) for m in (moved, in_place))
+        assert is_wrapped(got.weight) and isinstance(got.weight, nn.Parameter) and not got.weight.requires_grad
+        assert all(torch.equal(getattr(got.weight, n).view(torch.uint8), t.view(torch.uint8))
+                   for n, t in inner_tensors(want.weight).items())
+        assert got.bias is None or torch.equal(got.bias, want.bias)
 
 
 @pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
