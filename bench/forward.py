@@ -1,7 +1,7 @@
 """One MiniMax-H3 transformer block at the released width: each attention backend, compiled, FP8 + compiled,
 each beside its compute floor.
 
-    python -m bench.forward                     # one GPU: 8,219 and 38,115 tokens
+    python -m bench.forward                     # one GPU: 7,800, 37,774 and 63,256 tokens (~4 min on an H200)
     python -m bench.forward --smoke             # CPU: tiny width, seconds (compile backend eager, no FP8)
 
 The block is diffusers' `MiniMaxH3TransformerBlock` (hidden 5376, 56 heads of 128, SwiGLU 14336) with random bf16
@@ -12,7 +12,13 @@ a denoise step after the first feeds it. Rows, each the median of `--repeats` ti
 - `block eager <backend>`: the block as ditserve runs it today, with that attention backend;
 - `block compiled <backend>`: `engine.compiled.CompiledBlocks` (inductor, dynamic sequence), the fastest
   backend as `engine.attention: auto` chooses it (`engine.attention.choose_attention`);
-- `block fp8 + compiled <backend>`: `engine.fp8.quantize_blocks_fp8` then compiled.
+- `block fp8 eager <backend>`: `engine.fp8.quantize_blocks_fp8` (what `engine.quantization: fp8` runs without
+  `engine.compile`);
+- `block fp8 + compiled <backend>`: the same FP8 block, compiled.
+
+Token counts: a small canvas (~7.8k), 1344x768 5 s with a 64-token prompt (37,710 + 64) and 1344x768 with 209
+frames (63,192 + 64; the longest request of the released limits). `peak GiB`: the most CUDA memory allocated
+during the row's timed calls (the block's weights included: 0.9 GiB bf16, ~0.5 fp8).
 
 Floor: matmul FLOPs (the q/k/v/o and SwiGLU projections over every row, QK^T and PV over the sequence) at the
 bf16 GEMM rate `--gemm-tflops` (788: the H200's measured rate, bench/results/h3-nvidia-h200.md), and for the FP8
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import shlex
 import statistics
 import sys
@@ -58,7 +65,7 @@ class Width:
 
 RELEASED = Width(hidden=5376, heads=56, head_dim=128, ffn=14336, time_embed=2688, rope_freq_dim=16)
 SMOKE = Width(hidden=64, heads=4, head_dim=16, ffn=128, time_embed=32, rope_freq_dim=2)
-RELEASED_TOKENS = (8219, 38115)
+RELEASED_TOKENS = (7800, 37774, 63256)
 SMOKE_TOKENS = (61, 97)
 
 
@@ -146,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
              f"floor: matmul FLOPs / {args.gemm_tflops:g} TFLOP/s bf16 (projections at 2x for fp8)",
              f"compile: {compile_config.backend}, dynamic={compile_config.dynamic}"]
 
+    started = time.perf_counter()
     block = make_block(width, device)
     # What `engine.attention: auto` would choose on this device (on a CPU: the default, unmeasured).
     auto = _auto_choice(block, width, device)
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(3))
         for backend in backends:
             name = AttentionBackendName(backend)
-            ms = timed_ms(lambda: dispatch_attention_fn(q, k, v, backend=name), device, args.repeats)
+            ms = timed_ms(functools.partial(dispatch_attention_fn, q, k, v, backend=name), device, args.repeats)
             row(f"attention {backend}", ms, attention_flops / rate * 1e3)
         del q, k, v
         with torch.no_grad():
@@ -189,18 +197,22 @@ def main(argv: list[str] | None = None) -> int:
             out = inputs.call(compiled[0])
             first_s = time.perf_counter() - t
             _reset_peak(device)
-            ms = timed_ms(lambda: inputs.call(compiled[0]), device, args.repeats)
+            ms = timed_ms(functools.partial(inputs.call, compiled[0]), device, args.repeats)
             row(f"block compiled {best}", ms, bf16_floor, rel_error(out, reference), _peak(device))
             notes.append(f"{tokens} tokens: first compiled call {first_s:.1f} s; dynamo: {blocks.stats()}")
             del compiled, blocks
             try:
                 fp8 = nn.ModuleList([copy.deepcopy(block)])
-                quantized = quantize_blocks_fp8(fp8)
+                quantized = quantize_blocks_fp8(fp8, device)
                 set_backend(fp8[0], best)
+                _reset_peak(device)
+                ms = timed_ms(functools.partial(inputs.call, fp8[0]), device, args.repeats)
+                row(f"block fp8 eager {best}", ms, fp8_floor, rel_error(inputs.call(fp8[0]), reference),
+                    _peak(device))
                 blocks = CompiledBlocks(fp8, compile_config).apply()
                 out = inputs.call(fp8[0])
                 _reset_peak(device)
-                ms = timed_ms(lambda: inputs.call(fp8[0]), device, args.repeats)
+                ms = timed_ms(functools.partial(inputs.call, fp8[0]), device, args.repeats)
                 row(f"block fp8 + compiled {best}", ms, fp8_floor, rel_error(out, reference), _peak(device))
                 if tokens == token_counts[0]:
                     notes.append(f"fp8: {len(quantized)} linears quantized (torchao float8 dynamic activation, "
@@ -210,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"fp8 rows skipped: {exc}")
             except Exception as exc:  # a torchao that does not fit this torch: the other rows still stand
                 notes.append(f"fp8 row at {tokens} tokens failed: {type(exc).__name__}: {exc}")
+    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
     tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
     md, _ = write_results("forward", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
                           out_dir=args.out)

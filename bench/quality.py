@@ -13,6 +13,11 @@ serve_config.yaml (what `quality: high` sends). Per clip:
   every forward), beside cache-dit's cached steps;
 - the step-time speedup: lossless denoise seconds / high denoise seconds (the engine's `timings.denoise_s`;
   one warm-up pair first, so plan rebuilds and first-call setup are not in it).
+- SSIM of the decoded frames (luma, 7x7 uniform windows, the mean over frames).
+
+The `fp8` rows (`--fp8`; `auto`: where the device runs float8 GEMMs): a second engine of the same config with
+`engine.quantization: fp8` generates the same clips with Cache-DiT off, against the bf16 lossless clips: the same
+PSNRs and SSIM, and the step-time speedup bf16 / fp8.
 
     python -m bench.quality --quick                                  # CPU: the tiny checkpoint, ~1 min
     python -m bench.quality --num-blocks 4 --text-layers 2 --video 768x448x2 --steps 30   # GPU: h3 width
@@ -51,9 +56,10 @@ PROMPTS = (
     "a street market in the rain at night, neon signs reflected in puddles, people with umbrellas",
     "a close-up of a violinist's hands playing a fast passage, warm stage light",
 )
-COLUMNS = ["prompt", "seed", "forwards", "cached_steps", "blocks_run_high", "blocks_run_lossless", "skipped_frac",
+COLUMNS = ["tier", "prompt", "seed", "forwards", "cached_steps", "blocks_run_high", "blocks_run_lossless", "skipped_frac",
            "psnr_frames_db", "psnr_video_latents_db", "psnr_audio_latents_db", "step_ms_lossless", "step_ms_high",
-           "speedup", "residual_diff_median"]
+           "step_ms_fp8", "speedup", "ssim_frames", "residual_diff_median"]
+HIGH, FP8 = "high", "fp8"
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,26 @@ def psnr(reference: np.ndarray | torch.Tensor, other: np.ndarray | torch.Tensor,
         return math.inf
     peak = float(ref.max() - ref.min()) if peak is None else peak
     return 10.0 * math.log10(peak * peak / mse)
+
+
+def ssim(reference: np.ndarray, other: np.ndarray, window: int = 7) -> float:
+    """Mean SSIM of uint8 RGB frames [F, H, W, 3] on their luma (BT.601), `window` x `window` uniform windows
+    (Wang et al. 2004's constants for peak 255); 1.0 when identical."""
+    if reference.shape != other.shape:
+        raise ValueError(f"shapes differ: {reference.shape} vs {other.shape}")
+    luma = torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64)
+    x, y = (torch.as_tensor(np.asarray(frames)).double() @ luma for frames in (reference, other))  # [F, H, W]
+    x, y = x[:, None], y[:, None]
+    size = min(window, x.shape[-1], x.shape[-2])
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.avg_pool2d(t, size, stride=1)
+
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    mx, my = mean(x), mean(y)
+    vx, vy, cov = mean(x * x) - mx * mx, mean(y * y) - my * my, mean(x * y) - mx * my
+    value = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(value.mean())
 
 
 def served_configs(args: argparse.Namespace, checkpoint: Path) -> tuple[dict[str, Any], Any, Any]:
@@ -159,14 +185,30 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         for cache_dit in (lossless, high):  # warm-up: plans built, first-call setup done, prompt cached
             generate(engine, counter, request(PROMPTS[0], args.seeds[0], cache_dit))
         rows = []
+        references: dict[tuple[str, int], list[Run]] = {}
         for prompt in PROMPTS[:args.prompts]:
             for seed in args.seeds:
                 exact = [generate(engine, counter, request(prompt, seed, lossless)) for _ in range(args.repeats)]
                 fast = [generate(engine, counter, request(prompt, seed, high)) for _ in range(args.repeats)]
                 rows.append(compare(prompt, seed, exact, fast, num_blocks, decoder))
+                references[prompt, seed] = exact
                 print(rows[-1], flush=True)
     finally:
         counter.remove()
+    fp8_note = fp8_refusal(args, engine.device)
+    if fp8_note is None:
+        fp8 = Engine(EngineConfig.model_validate({**engine_config, "quantization": "fp8"}))
+        fp8_counter = BlockCounter(fp8.transformer.transformer_blocks)
+        try:
+            generate(fp8, fp8_counter, request(PROMPTS[0], args.seeds[0], lossless))  # warm-up, as above
+            for (prompt, seed), exact in references.items():
+                quantized = [generate(fp8, fp8_counter, request(prompt, seed, lossless)) for _ in range(args.repeats)]
+                rows.append(compare_fp8(prompt, seed, exact, quantized, decoder))
+                print(rows[-1], flush=True)
+        finally:
+            fp8_counter.remove()
+        fp8_note = (f"fp8: engine.quantization fp8 ({fp8.forward_kernels.quantized_linears} block linears, torchao "
+                    "float8 rowwise), Cache-DiT off, against the bf16 lossless clips; speedup = bf16 / fp8 step_ms")
     notes = [
         f"checkpoint {checkpoint} ({num_blocks} blocks, hidden {engine.model_config.hidden_size}); random weights, "
         "not the trained model: cache-dit caches a step when block 0's residual changed little since the last "
@@ -184,6 +226,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
         "high / lossless (a cached step still runs the Fn leading blocks)",
         f"step_ms: the engine's denoise_s / forwards, median of {args.repeats} run(s) after one warm-up pair; "
         "speedup = lossless / high",
+        "ssim_frames: luma SSIM of the decoded frames (7x7 uniform windows), mean over frames; 1: identical",
+        fp8_note,
     ]
     return rows, notes
 
@@ -209,9 +253,45 @@ def compare(prompt: str, seed: int, exact: list[Run], fast: list[Run], num_block
         "psnr_video_latents_db": finite(psnr(reference.video, cached.video)),
         "psnr_audio_latents_db": finite(psnr(reference.audio, cached.audio)),
         "step_ms_lossless": 1000 * step_exact, "step_ms_high": 1000 * step_fast, "speedup": step_exact / step_fast,
+        "ssim_frames": ssim(frames_exact, frames_fast),
         "residual_diff_median": statistics.median(cached.residual_diffs) if cached.residual_diffs else None,
-        "num_blocks": num_blocks,
+        "num_blocks": num_blocks, "tier": HIGH,
     }
+
+
+def compare_fp8(prompt: str, seed: int, exact: list[Run], quantized: list[Run], decoder: Any) -> dict:
+    """One clip's fp8 row: the FP8 engine's clip (Cache-DiT off) against the bf16 lossless one."""
+    reference, fp8 = exact[0], quantized[0]
+    if any(not run.video.equal(fp8.video) for run in quantized[1:]):
+        raise RuntimeError(f"{prompt!r} seed {seed}: an fp8 repeat gave other latents")
+    if fp8.cached_steps:
+        raise RuntimeError(f"fp8 cached steps {fp8.cached_steps}: Cache-DiT was not off")
+    frames_exact, frames_fp8 = decoder.decode(reference.video), decoder.decode(fp8.video)
+    step_exact = statistics.median(r.denoise_s for r in exact) / reference.forwards
+    step_fp8 = statistics.median(r.denoise_s for r in quantized) / fp8.forwards
+    return {
+        "tier": FP8, "prompt": prompt[:40], "seed": seed, "forwards": fp8.forwards,
+        "psnr_frames_db": finite(psnr(frames_exact, frames_fp8, peak=255.0)),
+        "psnr_video_latents_db": finite(psnr(reference.video, fp8.video)),
+        "psnr_audio_latents_db": finite(psnr(reference.audio, fp8.audio)),
+        "step_ms_lossless": 1000 * step_exact, "step_ms_fp8": 1000 * step_fp8, "speedup": step_exact / step_fp8,
+        "ssim_frames": ssim(frames_exact, frames_fp8),
+    }
+
+
+def fp8_refusal(args: argparse.Namespace, device: torch.device) -> str | None:
+    """Why the fp8 rows are not measured (None: they are)."""
+    from engine.fp8 import QuantizationError, check_fp8_device
+
+    if args.fp8 == "off":
+        return "fp8 rows off (--fp8 off)"
+    try:
+        check_fp8_device(device)
+    except QuantizationError as exc:
+        if args.fp8 == "on":
+            raise
+        return f"fp8 rows skipped: {exc}"
+    return None
 
 
 def finite(value: float) -> float | None:
@@ -220,13 +300,14 @@ def finite(value: float) -> float | None:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The profile over every clip: total blocks skipped, mean step-time speedup, worst and mean PSNRs."""
+    """The high profile over every clip: total blocks skipped, mean step-time speedup, worst PSNRs and SSIM."""
     def psnrs(key: str) -> list[float]:
         return [math.inf if r[key] is None else r[key] for r in rows]
 
     frames = psnrs("psnr_frames_db")
     return {
-        "prompt": "all", "seed": "", "forwards": sum(r["forwards"] for r in rows),
+        "tier": HIGH, "prompt": "all", "seed": "", "ssim_frames": min(r["ssim_frames"] for r in rows),
+        "forwards": sum(r["forwards"] for r in rows),
         "blocks_run_high": sum(r["blocks_run_high"] for r in rows),
         "blocks_run_lossless": sum(r["blocks_run_lossless"] for r in rows),
         "skipped_frac": 1.0 - sum(r["blocks_run_high"] for r in rows) / sum(r["blocks_run_lossless"] for r in rows),
@@ -236,6 +317,21 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "step_ms_lossless": statistics.mean(r["step_ms_lossless"] for r in rows),
         "step_ms_high": statistics.mean(r["step_ms_high"] for r in rows),
         "speedup": statistics.mean(r["step_ms_lossless"] for r in rows) / statistics.mean(r["step_ms_high"] for r in rows),
+    }
+
+
+def fp8_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fp8 tier over every clip: worst PSNRs and SSIM, mean step-time speedup."""
+    def worst(key: str) -> float | None:
+        return finite(min(math.inf if r[key] is None else r[key] for r in rows))
+
+    return {
+        "tier": FP8, "prompt": "all", "seed": "", "forwards": sum(r["forwards"] for r in rows),
+        **{key: worst(key) for key in ("psnr_frames_db", "psnr_video_latents_db", "psnr_audio_latents_db")},
+        "ssim_frames": min(r["ssim_frames"] for r in rows),
+        "step_ms_lossless": statistics.mean(r["step_ms_lossless"] for r in rows),
+        "step_ms_fp8": statistics.mean(r["step_ms_fp8"] for r in rows),
+        "speedup": statistics.mean(r["step_ms_lossless"] for r in rows) / statistics.mean(r["step_ms_fp8"] for r in rows),
     }
 
 
@@ -257,6 +353,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=None, help=f"how many of the {len(PROMPTS)} prompts (default 2)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=1, help="timed runs per quality and clip (median)")
+    p.add_argument("--fp8", choices=["auto", "on", "off"], default="auto",
+                   help="fp8 rows: auto where the device runs float8 GEMMs; on: fail where it does not")
     p.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = p.parse_args(argv)
     args.device = args.device or ("cpu" if args.quick else "auto")
@@ -276,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     rows, notes = measure(args)
-    rows.append(summary(rows))
+    high = [row for row in rows if row["tier"] == HIGH]
+    fp8 = [row for row in rows if row["tier"] == FP8]
+    rows = [*high, summary(high), *fp8, *([fp8_summary(fp8)] if fp8 else [])]
     notes.append(f"total wall time {time.perf_counter() - start:.0f} s (checkpoint making and loading included); "
                  f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (step times of a "
                  "shared machine carry its other work)")

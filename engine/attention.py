@@ -3,7 +3,9 @@
 `auto` measures the exact backends this process can run, once at start on the engine's device, and keeps the
 fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed). On a CPU it keeps
 diffusers' default and measures nothing (no kernel choice there is worth a start-up cost). A named backend is
-set as is; one this process cannot run fails the start with the field named.
+set as is; one this process cannot run fails the start with the field named, and one whose kernels come from
+an optional package (FlashAttention 2/3/4, SageAttention, xformers: `OPTIONAL_KERNELS`) that is not importable
+fails naming the package and how to install it.
 
 The choice goes through diffusers' own seam (`ModelMixin.set_attention_backend`), which sets every attention
 processor's `_attention_backend` and the registry's active backend; our sequence-parallel processor
@@ -13,6 +15,7 @@ so it honours the choice whether installed before or after.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +45,35 @@ PROBE_TOKENS = 8192
 #: A backend whose probe output differs from the default's by more than this (bf16 inputs, |out| ~ 1) is
 #: refused as broken rather than chosen: exact kernels differ by reassociation only (~1e-2 at most).
 EXACT_TOLERANCE = 5e-2
+
+
+@dataclass(frozen=True)
+class OptionalKernel:
+    """The package a backend's kernels come from: the module that must import, and how to install it."""
+
+    module: str
+    install: str
+
+
+_FA2 = OptionalKernel("flash_attn", "pip install 'flash-attn>=2.6.3' (FlashAttention-2; CUDA build, no network "
+                                    "at serve time)")
+_FA3 = OptionalKernel("flash_attn_interface", "the FlashAttention-3 beta, built from FlashAttention's hopper/ "
+                                              "folder into the venv (distribution flash_attn_3, Hopper GPUs)")
+_FA4 = OptionalKernel("kernels", "pip install 'ditserve[flash-attn-4]' (kernels >= 0.12.3; diffusers loads "
+                                 "kernels-community/flash-attn4 through it: put it in the Hugging Face cache "
+                                 "before start, a replica has no network)")
+_SAGE = OptionalKernel("sageattention", "pip install 'sageattention>=2.1.1'")
+#: Backends whose kernels are an optional package; the others are PyTorch's own.
+OPTIONAL_KERNELS: dict[str, OptionalKernel] = {
+    AttentionBackendName.FLASH.value: _FA2,
+    AttentionBackendName.FLASH_VARLEN.value: _FA2,
+    AttentionBackendName._FLASH_3.value: _FA3,
+    AttentionBackendName._FLASH_VARLEN_3.value: _FA3,
+    AttentionBackendName.FLASH_4_HUB.value: _FA4,
+    AttentionBackendName.SAGE.value: _SAGE,
+    AttentionBackendName.SAGE_VARLEN.value: _SAGE,
+    AttentionBackendName.XFORMERS.value: OptionalKernel("xformers", "pip install xformers"),
+}
 
 
 def backend_names() -> tuple[str, ...]:
@@ -142,10 +174,23 @@ def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int 
 
 
 def _requirements(name: str) -> None:
-    """diffusers' own check that a backend's package is installed (raises RuntimeError naming it)."""
+    """AttentionBackendError naming the package when `name`'s optional kernels do not import; then diffusers' own
+    check (a RuntimeError naming what it misses: a version, a device)."""
     from diffusers.models.attention_dispatch import _check_attention_backend_requirements
 
+    kernel = OPTIONAL_KERNELS.get(name)
+    if kernel is not None and not _importable(kernel.module):
+        raise AttentionBackendError(name, f"its kernels are the optional package {kernel.module!r}, not "
+                                          f"importable in this environment; install: {kernel.install}")
     _check_attention_backend_requirements(AttentionBackendName(name))
+
+
+def _importable(module: str) -> bool:
+    """`module` is installed (found without importing it: a CUDA extension's import can take seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        return False
 
 
 def _set(transformer: ModelMixin, name: str) -> None:
@@ -158,6 +203,8 @@ def _set(transformer: ModelMixin, name: str) -> None:
     try:
         _requirements(name)
         transformer.set_attention_backend(name)
+    except AttentionBackendError:
+        raise
     except (RuntimeError, ValueError) as exc:
         raise AttentionBackendError(name, str(exc).splitlines()[0]) from None
     finally:

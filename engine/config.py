@@ -318,7 +318,7 @@ class EngineConfig(BaseModel):
     quantization: Quantization = Field(
         "none", description="fp8: torchao float8 dynamic activations x rowwise float8 weights on the blocks' "
         "attention and feed-forward linears (AdaLN, heads and refiner stay bf16/fp32); needs a GPU of compute "
-        "capability >= 8.9 and offload off.",
+        "capability >= 8.9. With offload the FP8 weights are what streams (about half the bytes).",
     )
 
     @field_validator("attention")
@@ -329,11 +329,7 @@ class EngineConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _fp8_not_streamed(self) -> EngineConfig:
-        # The offloader streams `param.data`; a torchao float8 weight is a tensor subclass (data + scales).
-        if self.quantization == "fp8" and self.offload.enabled:
-            raise ValueError("quantization: fp8 with offload.enabled is not served yet (the offloader streams "
-                             "plain tensors; FP8 weights are torchao subclasses): turn one of them off")
+    def _fp8_without_adapters(self) -> EngineConfig:
         # peft wraps the very linears torchao quantizes; the pair is neither tested nor measured.
         if self.quantization == "fp8" and self.adapters:
             raise ValueError("quantization: fp8 with engine.adapters is not served yet (LoRA factors on float8 "

@@ -63,6 +63,7 @@ from engine.api import (
 )
 from engine.config import EngineConfig, GeometryConfig, WarmupCanvas
 from engine import forward
+from engine.fp8 import requantized
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from engine.limits import ModelLimits, served_limits
 from engine.pipeline import Pipeline, local_steps, run_local
@@ -83,6 +84,7 @@ from model.text_encoder import PromptCacheStats, PromptEncoder
 from model.text_memo import RefinedTextMemo
 from model.weights import TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader
+from offload.wrapped import is_wrapped
 from parallel.agreement import RankAgreement, RankDivergence, RankFailure, RankShardedRebuild
 from parallel.cache_decision import install_rank_consistent_similarity
 from parallel.group import CollectiveError, SpGroup
@@ -251,8 +253,9 @@ class Engine:
         # With offload the blocks are loaded on the host and streamed; the offloader moves the rest.
         self.transformer = load_transformer(self.weights, "cpu" if offload else self.device,
                                             skip=is_adaln_param if online else None)
-        # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load.
-        quantized_linears = forward.quantize(self.transformer, config.quantization)
+        # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load
+        # (with offload each linear visits the device and its FP8 weight streams from the host).
+        quantized_linears = forward.quantize(self.transformer, config.quantization, self.device)
         transformer_s = time.perf_counter() - t
         t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
@@ -547,18 +550,32 @@ class Engine:
         params = {name.replace(".base_layer.", "."): p for name, p in self.transformer.named_parameters()
                   if ".lora_" not in name}
         stored = set(weights.names())
+        # An FP8 weight (engine.quantization) is written as the new bf16 tensor re-quantized on the device, one
+        # at a time: its fp8 data and scales (streamed as `{name}.qdata` / `{name}.scale`).
+        fp8 = {name for name, p in params.items() if is_wrapped(p)}
+
+        def requantize(name: str) -> dict[str, torch.Tensor]:
+            return requantized(weights.tensor(name, self.device), self.device)
+
         for index in range(self.model_config.num_blocks if self.offloader is not None else 0):
             prefix = f"transformer_blocks.{index}."
             streamed = list(self.offloader.block_state(index))
+            new = {n: weights.tensor(prefix + n) for n in streamed if prefix + n in stored}
+            for base in sorted({prefix + n.rpartition(".")[0] for n in streamed} & fp8):
+                new.update({f"{base.removeprefix(prefix)}.{inner}": value.cpu()
+                            for inner, value in requantize(base).items()})
             # Only checkpoint tensors: a streamed non-persistent buffer (ExternalModulation's dtype marker) keeps
             # its value.
-            self.offloader.load_block_state_(
-                index, {n: weights.tensor(prefix + n) for n in streamed if prefix + n in stored}, strict=False
-            )
+            self.offloader.load_block_state_(index, new, strict=False)
             for n in streamed:
                 params.pop(prefix + n, None)
+                params.pop(prefix + n.rpartition(".")[0], None)
         for name, param in params.items():
-            param.copy_(weights.tensor(name, param.device))
+            if name in fp8:
+                for inner, value in requantize(name).items():
+                    getattr(param, inner).copy_(value)
+            else:
+                param.copy_(weights.tensor(name, param.device))
         self.refined_text.clear()  # rows refined by the old weights
         self.adapters.weights_updated(weights)
         if self.plan_cache is not None:

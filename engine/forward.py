@@ -49,11 +49,12 @@ class ForwardKernels:
                 f"({self.quantized_linears} linears); compile {compiled}")
 
 
-def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str) -> int:
-    """FP8 on the block linears when configured; returns how many were quantized."""
+def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str, device: torch.device) -> int:
+    """FP8 on the block linears when configured (quantized on `device`, the one the blocks run on, wherever
+    they are loaded); returns how many were quantized."""
     if quantization == "none":
         return 0
-    return len(quantize_blocks_fp8(transformer.transformer_blocks))
+    return len(quantize_blocks_fp8(transformer.transformer_blocks, device))
 
 
 def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile_config: CompileConfig, quantized_linears: int,

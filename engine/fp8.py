@@ -5,12 +5,14 @@ Quantized: in every `transformer_blocks[i]`, the attention's `to_q`, `to_k`, `to
 feed-forward's linears (the GEMMs that are ~all of a block's FLOPs but attention's). Kept: the fp32 patch,
 timestep and output heads, the token refiner (runs once per request) and every AdaLN projection (`adaln_proj`:
 its rows come from the bf16 checkpoint, resident or through the plan cache, so online AdaLN composes with FP8).
-Quantized in place on the device right after the bf16 load, one linear at a time (no second host copy).
+Quantized in place right after the bf16 load, one linear at a time on the device that runs it (no second host
+copy). With layerwise offload the blocks are loaded on the host: each linear visits the device to be quantized
+and its FP8 weight goes back to the host, so streamed and resident blocks hold the same bytes, and what the
+offloader streams is the fp8 data and its scales (`offload.wrapped`: about half a bf16 block's bytes).
 
 Float8 GEMMs need a CUDA device of compute capability 8.9 or more (Ada, Hopper); anywhere else the start fails
-with `QuantizationError` naming the field. Layerwise offload streams `param.data`, which a torchao weight
-(a tensor subclass holding fp8 data and scales) does not expose as one tensor: the two are refused together
-at config time (`engine.config`).
+with `QuantizationError` naming the field. A weight update re-quantizes the new checkpoint's bf16 weights the same
+way (`requantized`): an updated engine serves what a fresh one on the new checkpoint serves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from offload.wrapped import inner_tensors, is_wrapped, rebuilt_on
 
 Quantization = Literal["none", "fp8"]
 #: Compute capability of the first GPUs with float8 tensor cores (Ada: 8.9; Hopper: 9.0).
@@ -53,15 +57,50 @@ def check_fp8_device(device: torch.device) -> None:
                                 f"{capability[0]}.{capability[1]}. Use quantization: none")
 
 
-def quantize_blocks_fp8(blocks: nn.ModuleList) -> list[str]:
-    """Quantize `fp8_targets(blocks)` in place (their weights on a float8-capable GPU); returns their names."""
+def quantize_blocks_fp8(blocks: nn.ModuleList, device: torch.device) -> list[str]:
+    """Quantize `fp8_targets(blocks)` in place for blocks that run on `device` (a float8-capable GPU); returns
+    their names."""
+    check_fp8_device(device)
+    return quantize_linears_fp8(blocks, device)
+
+
+def requantized(new: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors an FP8 weight wraps (fp8 data, scales), made from the bf16 checkpoint tensor `new` on `device`
+    exactly as `quantize_linears_fp8` makes them at load: what a weight update writes into a served FP8 weight
+    (whose shape the update's checks already matched to `new`)."""
+    from torchao.quantization import quantize_
+
+    linear = nn.Linear(new.shape[1], new.shape[0], bias=False, device=device, dtype=new.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(new)
+    quantize_(linear, _config())
+    return inner_tensors(linear.weight)
+
+
+def _config():
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+
+def quantize_linears_fp8(blocks: nn.ModuleList, device: torch.device) -> list[str]:
+    """`quantize_blocks_fp8` without our device check (torchao still checks the machine): each target linear is
+    quantized on `device` and left where its weight was."""
+    from torchao.quantization import quantize_
+
     targets = fp8_targets(blocks)
     if not targets:
         raise QuantizationError("engine.quantization: fp8 found no attention or feed-forward linears in the blocks")
-    for device in {blocks.get_submodule(name).weight.device for name in targets}:
-        check_fp8_device(device)
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    quantize_(blocks, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
-              filter_fn=lambda module, name: _is_target(name, module))
+    config = _config()
+    for name in targets:
+        linear = blocks.get_submodule(name)
+        home = linear.weight.device
+        quantize_(linear.to(device), config)
+        if not is_wrapped(linear.weight):  # torchao leaves a linear whose shape its float8 GEMM cannot take
+            raise QuantizationError(f"engine.quantization: fp8 cannot quantize {name} (weight "
+                                    f"{tuple(linear.weight.shape)}: float8 GEMMs need both dims multiples of 16)")
+        if home != device:  # back where the linear's weights were loaded (the offloader streams it from there)
+            linear.weight = nn.Parameter(rebuilt_on(linear.weight, home), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias.data = linear.bias.data.to(home)
     return targets

@@ -25,6 +25,8 @@ Block tensors named by `resident_tensors` (H3: `adaln_proj`, whose projection al
 cache) are moved to the device once like the model's other weights; a block whose `adaln_proj` holds no
 tensors (AdaLN served from the plan cache) simply has nothing there to keep. Every tensor must be loaded
 (not meta) and every submodule replacement done before `apply`.
+A tensor-subclass parameter (torchao's FP8 weights: fp8 data + fp32 scales) streams as the tensors it wraps
+(`wrapped.py`), so an FP8 block moves about half a bf16 block's bytes.
 
 Invariants (checked by `check_invariants`):
 - every streamed tensor belongs to a submodule still in its block (replacing one after `apply` would
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -49,6 +52,7 @@ from device.pinned import PinnedMemory
 from device.streams import Device, Event, Stream, make_device
 
 from .pinned import BlockHostBuffers, BlockLayout, TensorSlot, slot_view
+from .wrapped import inner_tensors, is_wrapped, rebuilt, rebuilt_on
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +134,13 @@ class _State(enum.Enum):
 
 @dataclass
 class _Ref:
-    """One place a block tensor is referenced from (a parameter or a buffer of some submodule)."""
+    """One place a block tensor is referenced from (a parameter or a buffer of some submodule, or the tensor
+    named `inner` inside such a wrapper-subclass parameter)."""
 
     owner: nn.Module
     attr: str
     is_buffer: bool
+    inner: str | None = None
 
 
 @dataclass
@@ -165,8 +171,9 @@ def _block_tensors(
     block: nn.Module, exclude: tuple[str, ...] = ()
 ) -> tuple[list[tuple[str, torch.Tensor, bool]], dict[str, list[_Ref]]]:
     """A block's distinct tensors in module order (those named by `exclude` left out), and every
-    (submodule, attribute) referencing each."""
-    seen: dict[int, str] = {}
+    (submodule, attribute) referencing each. A wrapper subclass contributes the tensors it wraps, named
+    `{name}.{inner}` (`attn.to_q.weight.qdata`, `attn.to_q.weight.scale`)."""
+    seen: dict[tuple[int, str | None], str] = {}
     tensors: list[tuple[str, torch.Tensor, bool]] = []
     refs: dict[str, list[_Ref]] = {}
     for prefix, sub in block.named_modules(remove_duplicate=False):
@@ -177,14 +184,16 @@ def _block_tensors(
                 name = f"{prefix}.{attr}" if prefix else attr
                 if _excluded(name, exclude):
                     continue
-                key = id(t)
-                if key not in seen:
-                    seen[key] = name
-                    tensors.append((name, t, is_buffer))
-                    refs[name] = []
-                ref = _Ref(sub, attr, is_buffer)
-                if all(r.owner is not sub or r.attr != attr for r in refs[seen[key]]):
-                    refs[seen[key]].append(ref)
+                parts = ([(f"{name}.{inner}", value, inner) for inner, value in inner_tensors(t).items()]
+                         if is_wrapped(t) else [(name, t, None)])
+                for slot_name, value, inner in parts:
+                    key = (id(t), inner)
+                    if key not in seen:
+                        seen[key] = slot_name
+                        tensors.append((slot_name, value, is_buffer))
+                        refs[slot_name] = []
+                    if all(r.owner is not sub or r.attr != attr for r in refs[seen[key]]):
+                        refs[seen[key]].append(_Ref(sub, attr, is_buffer, inner))
     return tensors, refs
 
 
@@ -292,6 +301,8 @@ class LayerwiseOffloader:
             )
         self._entries = [e for e in entries if e is not None]
         for e in self._entries:
+            # A wrapper's device is fixed when it is built: it must say the device its inner tensors will be on.
+            self._rewrap(e, lambda t: rebuilt_on(t, self.device.torch_device))
             self._point_at_placeholders(e)
             e.handles = [
                 e.module.register_forward_pre_hook(self._make_pre_hook(e.index)),
@@ -318,6 +329,7 @@ class LayerwiseOffloader:
             delattr(e.module, HOOK_NAME)
             for name, slot in e.host.slots.items():
                 self._set_tensor(e, name, e.host.view(slot).to(e.origin[name], copy=True))
+            self._rewrap(e, lambda t: rebuilt(t, inner_tensors(t)))  # on the devices of its inner tensors again
             e.state, e.flat = _State.OFF, None
         self.device_bytes = 0
         self._applied = False
@@ -586,14 +598,36 @@ class LayerwiseOffloader:
 
     def _set_tensor(self, e: _Entry, name: str, value: torch.Tensor) -> None:
         for r in e.refs[name]:
-            if r.is_buffer:
+            if r.inner is not None:
+                setattr(self._get_outer(r), r.inner, value)
+            elif r.is_buffer:
                 r.owner._buffers[r.attr] = value
             else:
                 r.owner._parameters[r.attr].data = value
 
     @staticmethod
-    def _get_tensor(r: _Ref) -> torch.Tensor:
+    def _get_outer(r: _Ref) -> torch.Tensor:
         return r.owner._buffers[r.attr] if r.is_buffer else r.owner._parameters[r.attr]
+
+    @classmethod
+    def _get_tensor(cls, r: _Ref) -> torch.Tensor:
+        outer = cls._get_outer(r)
+        return getattr(outer, r.inner) if r.inner is not None else outer
+
+    def _rewrap(self, e: _Entry, build: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every wrapper-subclass tensor of the block by `build(wrapper)` wherever it is referenced
+        (one wrapper referenced from several submodules is rebuilt once and stays one tensor)."""
+        new_by_id: dict[int, torch.Tensor] = {}
+        places = {(id(r.owner), r.attr, r.is_buffer): r for refs in e.refs.values() for r in refs if r.inner is not None}
+        for r in places.values():
+            outer = self._get_outer(r)
+            if id(outer) not in new_by_id:
+                new = build(outer)
+                new_by_id[id(outer)] = new if r.is_buffer else nn.Parameter(new, requires_grad=outer.requires_grad)
+            if r.is_buffer:
+                r.owner._buffers[r.attr] = new_by_id[id(outer)]
+            else:
+                r.owner._parameters[r.attr] = new_by_id[id(outer)]
 
     # ------------------------------------------------------------------------------------------
     # Weights

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
+from torch import nn
 
 pytest.importorskip("cache_dit")
 from diffusers.models.attention_dispatch import AttentionBackendName  # noqa: E402
@@ -20,12 +21,13 @@ from engine.attention import (AUTO, DEFAULT_BACKEND, AttentionBackendError, Atte
                               choose_attention)
 from engine.compiled import CompiledBlocks, CompileOptions  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8  # noqa: E402
+from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8, quantize_linears_fp8  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
 from model.geometry import GeometryLimits, VideoGeometry  # noqa: E402
 from model.loading import load_transformer  # noqa: E402
 from model.packing import PackedLayout  # noqa: E402
 from model.weights import is_adaln_param  # noqa: E402
+from offload.wrapped import inner_tensors, is_wrapped  # noqa: E402
 from tests.denoise_support import Request, assert_same_velocities, denoise, offload, t2va_request  # noqa: E402
 
 EAGER = CompileOptions(backend="eager")
@@ -114,6 +116,33 @@ def test_a_named_backend_this_process_cannot_run_fails_naming_the_field(model):
         choose_attention(model, "flash", torch.device("cpu"))
 
 
+@pytest.mark.parametrize("backend, package", [("_flash_3", "flash_attn_interface"), ("flash_4_hub", "kernels"),
+                                              ("flash", "flash_attn"), ("sage", "sageattention")])
+def test_a_requested_backend_whose_package_is_missing_fails_naming_the_package_and_its_install(model, monkeypatch,
+                                                                                               backend, package):
+    from engine import attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: False)  # as on a replica without the extra
+    with pytest.raises(AttentionBackendError, match=f"engine.attention: '{backend}' cannot run here: its kernels "
+                                                    f"are the optional package '{package}'") as info:
+        choose_attention(model, backend, torch.device("cuda"))
+    assert "install: " in str(info.value)
+    assert processors_backends(model) == {None}  # nothing was set
+
+
+def test_an_installed_optional_package_goes_on_to_diffusers_own_check(model, monkeypatch):
+    from engine import attention
+
+    monkeypatch.setattr(attention, "_importable", lambda module: True)  # importable, but diffusers found no FA3
+    with pytest.raises(AttentionBackendError, match="'_flash_3' cannot run here: Flash Attention 3 backend"):
+        choose_attention(model, "_flash_3", torch.device("cuda"))
+
+
+def test_auto_says_which_package_each_missing_candidate_needs(model):
+    choice = choose_attention(model, AUTO, torch.device("cuda"), timer=lambda name: 1.0)
+    assert "optional package 'flash_attn_interface'" in choice.unavailable["_flash_3"]
+
+
 def test_the_config_refuses_an_unknown_backend_naming_the_field():
     with pytest.raises(ValidationError, match="attention") as info:
         EngineConfig(attention="fastest")
@@ -142,19 +171,23 @@ def test_hooks_on_a_block_stay_outside_the_compiled_graph(model, t2va):
     assert run.ran == [[0, 1, 2, 3]] * (NUM_STEPS - 1)
 
 
-def test_online_adaln_equals_resident_under_compile_bit_for_bit(weights, t2va):
+def test_online_adaln_equals_resident_under_compile_bit_for_bit_with_one_graph_for_every_block(weights, t2va):
     resident = load_transformer(weights, "cpu")
     CompiledBlocks(resident.transformer_blocks, EAGER).apply()
     want = denoise(resident, t2va)
 
+    torch._dynamo.reset()  # count this model's graphs, not reuse the resident one's
     online = load_transformer(weights, "cpu", skip=is_adaln_param)
     modulation = ExternalModulation.install(online)
-    CompiledBlocks(online.transformer_blocks, EAGER).apply()
+    compiled = CompiledBlocks(online.transformer_blocks, EAGER).apply()
 
     def set_rows(timesteps):
         modulation.set(resident_modulation(resident, adaln_input(resident, timesteps)))
 
     assert_same_velocities(denoise(online, t2va, before_step=set_rows), want)
+    # Each block reads its own row block (`_BlockRows.index`): still one graph per timestep count, not per block
+    # (8 blocks' worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks).
+    assert compiled.stats().frames_compiled == 2
 
 
 def test_offload_equals_resident_under_compile_bit_for_bit(weights, t2va, eager_run):
@@ -183,13 +216,119 @@ def test_fp8_targets_are_the_block_attention_and_feed_forward_linears_only(model
 def test_fp8_on_a_cpu_is_refused_with_a_clear_error_and_leaves_the_weights(model):
     before = model.transformer_blocks[0].attn.to_q.weight.clone()
     with pytest.raises(QuantizationError, match="engine.quantization: fp8 needs a CUDA GPU .* runs on cpu"):
-        quantize_blocks_fp8(model.transformer_blocks)
+        quantize_blocks_fp8(model.transformer_blocks, torch.device("cpu"))
     assert torch.equal(model.transformer_blocks[0].attn.to_q.weight, before)
 
 
-def test_fp8_with_offload_is_refused_at_config_time():
-    with pytest.raises(ValidationError, match="quantization: fp8 with offload.enabled"):
-        EngineConfig(quantization="fp8", offload={"enabled": True})
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao's float8 linears compute on a CPU too (a reference GEMM); only its machine check refuses one. With
+    the check faked away, what the FP8 tier does to the weights and to the offloader is tested here bit for bit."""
+    monkeypatch.setattr("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None)
+
+
+def fp8_model(weights):
+    model = load_transformer(weights, "cpu")
+    quantize_linears_fp8(model.transformer_blocks, torch.device("cpu"))
+    return model
+
+
+def test_fp8_weights_are_float8_data_with_row_scales_and_change_the_output_a_little(weights, t2va, eager_run,
+                                                                                    fp8_on_cpu):
+    model = fp8_model(weights)
+    for name in fp8_targets(model.transformer_blocks):
+        weight = model.transformer_blocks.get_submodule(name).weight
+        assert {n: t.dtype for n, t in inner_tensors(weight).items()} == {"qdata": torch.float8_e4m3fn,
+                                                                          "scale": torch.float32}
+        assert weight.scale.shape == (weight.shape[0], 1)  # one scale per output row
+    assert model.transformer_blocks[0].adaln_proj.linear.weight.dtype == torch.bfloat16  # AdaLN stays bf16
+    run = denoise(model, t2va)
+    for got, want in zip(run.video_velocity, eager_run.video_velocity):
+        error = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert 0 < error < 0.1, error  # quantized, and still the same model
+
+
+def test_fp8_quantized_on_another_device_than_the_weights_comes_back_to_them_with_the_same_bytes(weights,
+                                                                                                 fp8_on_cpu):
+    """With offload the blocks load on the host and each linear is quantized on the GPU, then sent back. `cpu:0`
+    stands in for the other device here (another torch.device than the weights' `cpu`: the same path, no GPU)."""
+    in_place = fp8_model(weights)
+    moved = load_transformer(weights, "cpu")
+    quantize_linears_fp8(moved.transformer_blocks, torch.device("cpu", 0))
+    for name in fp8_targets(moved.transformer_blocks):
+        got, want = (m.transformer_blocks.get_submodule(name) for m in (moved, in_place))
+        assert is_wrapped(got.weight) and isinstance(got.weight, nn.Parameter) and not got.weight.requires_grad
+        assert all(torch.equal(getattr(got.weight, n).view(torch.uint8), t.view(torch.uint8))
+                   for n, t in inner_tensors(want.weight).items())
+        assert got.bias is None or torch.equal(got.bias, want.bias)
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
+def test_fp8_streamed_equals_fp8_resident_bit_for_bit(weights, t2va, fp8_on_cpu, prefetch_depth):
+    want = denoise(fp8_model(weights), t2va)
+    streamed = fp8_model(weights)
+    off = offload(streamed, prefetch_depth=prefetch_depth)  # the deferring fake device: a missing wait reads NaN
+    assert_same_velocities(denoise(streamed, t2va, off=off), want)
+    off.check_invariants()
+
+
+def test_fp8_streamed_equals_fp8_resident_under_compile_bit_for_bit(weights, t2va, fp8_on_cpu):
+    """The offloader swaps the fp8 data and scales inside each FP8 weight: the compiled graph (its guards on the
+    wrapper's inner tensors included) serves the streamed blocks as it serves resident ones."""
+    resident = fp8_model(weights)
+    CompiledBlocks(resident.transformer_blocks, EAGER).apply()
+    want = denoise(resident, t2va)
+    streamed = fp8_model(weights)
+    off = offload(streamed, prefetch_depth=1)
+    compiled = CompiledBlocks(streamed.transformer_blocks, EAGER).apply()
+    assert_same_velocities(denoise(streamed, t2va, off=off), want)
+    assert compiled.stats().graph_breaks == 0
+
+
+def block_bytes(model, exclude: str) -> tuple[float, float]:
+    """Block 0's bytes outside `exclude` in bf16, and after the FP8 tier (each target weight's N x K bf16 becomes
+    N x K fp8 + N fp32 scales), computed from the model itself."""
+    block = model.transformer_blocks[0]
+    bf16 = sum(t.nbytes for name, t in block.state_dict().items() if not name.startswith(exclude))
+    targets = [model.transformer_blocks.get_submodule(name).weight for name in fp8_targets(model.transformer_blocks)
+               if name.startswith("0.")]
+    return bf16, bf16 - sum(w.nbytes / 2 - w.shape[0] * 4 for w in targets)
+
+
+@pytest.mark.parametrize("resident_tensors, at_most", [
+    ((), 0.8),  # resident AdaLN: the bf16 adaln_proj (18 x hidden wide) streams too; ~0.8 at the released width
+    (("adaln_proj",), 0.6),  # online AdaLN (no projection in the blocks): ~0.5 at the released width
+])
+def test_fp8_blocks_stream_their_fp8_bytes(weights, t2va, fp8_on_cpu, resident_tensors, at_most):
+    bf16 = load_transformer(weights, "cpu")
+    bf16_bytes, fp8_bytes = block_bytes(bf16, resident_tensors[0] if resident_tensors else "-")
+    runs = {}
+    for name, model in (("bf16", bf16), ("fp8", fp8_model(weights))):
+        off = offload(model, prefetch_depth=1, resident_tensors=resident_tensors)
+        denoise(model, t2va, off=off)
+        runs[name] = off.stats
+    ratio = runs["fp8"].h2d_bytes / runs["bf16"].h2d_bytes
+    assert runs["fp8"].block_calls == runs["bf16"].block_calls > 0
+    assert ratio == pytest.approx(fp8_bytes / bf16_bytes, abs=0.03)  # alignment padding aside
+    assert ratio < at_most
+
+
+def test_an_offloaded_fp8_block_comes_back_as_the_fp8_weight_it_was(weights, fp8_on_cpu):
+    model = fp8_model(weights)
+    before = {name: {n: t.clone() for n, t in inner_tensors(model.transformer_blocks.get_submodule(name).weight).items()}
+              for name in fp8_targets(model.transformer_blocks)}
+    off = offload(model, prefetch_depth=1)
+    assert off.holds_placeholders(0)
+    off.remove()
+    for name, inner in before.items():
+        weight = model.transformer_blocks.get_submodule(name).weight
+        assert is_wrapped(weight) and weight.device == torch.device("cpu")
+        assert all(torch.equal(getattr(weight, n).view(torch.uint8), t.view(torch.uint8)) for n, t in inner.items())
+
+
+def test_fp8_with_offload_is_a_served_config():
+    config = EngineConfig(quantization="fp8", offload={"enabled": True})
+    assert config.quantization == "fp8" and config.offload.enabled
 
 
 # --- the engine --------------------------------------------------------------------------------------------
@@ -218,6 +357,37 @@ def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothin
     result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, return_video=False, **canvas), prompt)
     assert result.stats.compile is not None and result.stats.compile.since_warmup == 0
     assert result.stats.model_dump()["compile"]["since_warmup"] == 0
+
+
+#: The mixed stream: 4 canvases (3 token counts, one of them in two orientations) x 3 step counts.
+STREAM_CANVASES = [dict(width=64, height=64, seconds=0.5), dict(width=128, height=64, seconds=0.5),
+                   dict(width=64, height=128, seconds=0.5), dict(width=96, height=64, seconds=1.0)]
+STREAM_STEPS = (2, 3, 4)  # 1 to 3 forwards: a forward of one timestep, then of two
+
+
+def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint):
+    from engine.api import GenerationRequest
+    from engine.engine import Engine, EngineParts
+    from engine.stages import PromptEmbedding
+    from model.text_encoder import PromptCacheStats
+
+    torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                 geometry={"short_edge": None, "min_seconds": 0.1},
+                                 compile={"mode": "blocks", "backend": "eager",
+                                          "warmup": [dict(canvas, steps=3) for canvas in STREAM_CANVASES]}),
+                    parts=EngineParts.DENOISER)
+    warmed = engine.describe()["forward"]["compile"]["frames_compiled"]
+    assert warmed >= 2  # a graph for the first forward (one timestep) and one for the others
+    prompt = PromptEmbedding(torch.randn(23, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+    tokens = set()
+    for i, (canvas, steps) in enumerate((c, n) for n in STREAM_STEPS for c in reversed(STREAM_CANVASES)):
+        result = engine.denoise(GenerationRequest(prompt="p", seed=i, steps=steps, return_video=False, **canvas),
+                                prompt)
+        assert result.stats.compile.since_warmup == 0, (canvas, steps)
+        tokens.add(result.stats.tokens)
+    assert len(tokens) == 3  # the stream did change the sequence length
+    assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed
 
 
 def test_a_warmup_canvas_the_engine_refuses_fails_the_start_naming_it(tiny_checkpoint):

@@ -1,0 +1,204 @@
+"""Compiled blocks in service (`engine.compile`): the first request after the start-up warm-up against later ones,
+recompiles over a mixed stream after the warm-up, and the start-up time with a cold and a warm compile cache on
+disk against a start without compile.
+
+    python -m bench.compile                       # one GPU: h3 width, 4 blocks, inductor (~5 min on an H200)
+    python -m bench.compile --smoke               # CPU: the tiny checkpoint, dynamo's eager backend (seconds)
+
+Three starts, each in a fresh process (one engine per process: dynamo's and inductor's in-memory caches start
+empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defaults otherwise):
+
+- `no compile`: `compile.mode: off`, no warm-up: the start-up as it is without this feature;
+- `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases at the first request's step
+  count, `compile.cache_dir` an empty folder: every kernel is generated;
+- `compile, warm cache`: the same config and folder again: inductor loads what the cold start wrote.
+
+The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
+the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
+the later ones' median (goal <= 1.05); then the mixed stream, 4 canvases x 3 step counts in a seeded order,
+each request's compiles after the warm-up summed (goal 0). `x no-compile start` is each start's seconds over the
+no-compile one's (goal for the warm cache <= 1.2).
+
+Writes bench/results/compile-<device>.md and .json (commit, device, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger("bench.compile")
+
+PROMPT_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Canvas:
+    width: int
+    height: int
+    seconds: float
+
+
+#: 1344x768 5 s (37.7k tokens), its portrait twin (the same count, other positions), ~21.8k and ~8.6k tokens.
+H3_CANVASES = (Canvas(1344, 768, 5.0), Canvas(768, 1344, 5.0), Canvas(1024, 576, 5.0), Canvas(640, 352, 5.0))
+SMOKE_CANVASES = (Canvas(64, 64, 0.5), Canvas(128, 64, 0.5), Canvas(64, 128, 0.5), Canvas(96, 64, 0.5))
+H3_STEPS = (5, 9, 3)  # the first is the warm-up's and the first request's
+SMOKE_STEPS = (5, 4, 3)
+STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
+COLUMNS = ["start", "start_s", "x no-compile start", "warmup_s", "frames_compiled", "graph_breaks", "first_ms",
+           "later_ms", "x later", "stream_requests", "stream_recompiles"]
+
+
+def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_dir: Path):
+    from engine.config import EngineConfig
+
+    canvases, steps = _canvases(args)
+    compiled = start != "no compile"
+    warmup = [dict(asdict(canvas), steps=steps[0]) for canvas in canvases] if compiled else []
+    text_encoder = {"hidden_state_index": args.text_layers} if args.model == "h3" else {}
+    return EngineConfig(
+        checkpoint=str(checkpoint), device=args.device, text_encoder=text_encoder,
+        geometry={"short_edge": None, "min_seconds": 0.1},
+        compile={"mode": "blocks" if compiled else "off", "backend": args.backend, "cache_dir": str(cache_dir),
+                 "warmup": warmup})
+
+
+def serve_one(args: argparse.Namespace) -> dict:
+    """Child: one start (`args.start`), then, compiled, the first-vs-later requests and the mixed stream."""
+    import torch
+
+    from engine.api import GenerationRequest
+    from engine.engine import Engine, EngineParts
+    from engine.stages import PromptEmbedding
+    from model.text_encoder import PromptCacheStats
+
+    checkpoint, cache_dir = Path(args.checkpoint), Path(args.cache_dir)
+    begin = time.perf_counter()
+    engine = Engine(engine_config(args, checkpoint, args.start, cache_dir), parts=EngineParts.DENOISER)
+    start_s = time.perf_counter() - begin
+    compile_stats = engine.describe()["forward"]["compile"]
+    row: dict = {"start": args.start, "start_s": round(start_s, 2)}
+    if compile_stats is None:
+        return row
+    row.update(warmup_s=round(compile_stats["warmup_s"], 2), frames_compiled=compile_stats["frames_compiled"],
+               graph_breaks=compile_stats["graph_breaks"])
+    embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
+    prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+    canvases, steps = _canvases(args)
+
+    def run(canvas: Canvas, num_steps: int, seed: int):
+        request = GenerationRequest(prompt="bench", steps=num_steps, seed=seed, return_video=False, **asdict(canvas))
+        result = engine.denoise(request, prompt)
+        return 1e3 * result.timings.denoise_s / result.stats.forwards, result.stats.compile.since_warmup
+
+    first_ms, _ = run(canvases[0], steps[0], 1)
+    later = [run(canvases[0], steps[0], 2 + i)[0] for i in range(args.repeats)]
+    stream = [(canvas, n) for canvas in canvases for n in steps]
+    random.Random(0).shuffle(stream)
+    recompiles = max(run(canvas, n, 10 + i)[1] for i, (canvas, n) in enumerate(stream))  # cumulative counter
+    later_ms = statistics.median(later)
+    row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)},
+               stream_requests=len(stream), stream_recompiles=recompiles)
+    return row
+
+
+def _canvases(args: argparse.Namespace) -> tuple[tuple[Canvas, ...], tuple[int, ...]]:
+    return (SMOKE_CANVASES, SMOKE_STEPS) if args.model == "tiny" else (H3_CANVASES, H3_STEPS)
+
+
+def ensure_checkpoint(args: argparse.Namespace, root: Path) -> Path:
+    """The tiny checkpoint, or an h3-width random one with `--num-blocks` blocks (bench.engine's)."""
+    from bench.engine import ensure_checkpoint as engine_checkpoint
+
+    return engine_checkpoint(argparse.Namespace(checkpoint=None, model=args.model, num_blocks=args.num_blocks,
+                                                text_layers=args.text_layers, device=args.device), root)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny checkpoint, dynamo's eager backend")
+    p.add_argument("--num-blocks", type=int, default=4, help="h3: transformer blocks of the made checkpoint")
+    p.add_argument("--text-layers", type=int, default=2, help="h3: Qwen3-VL layers of the made checkpoint")
+    p.add_argument("--repeats", type=int, default=3, help="later requests timed after the first")
+    p.add_argument("--checkpoint-root", default=None, help="where the checkpoint is made/reused (default: temp)")
+    p.add_argument("--out", default=None, help="results folder (default: bench/results)")
+    # child mode: one start in this process, its row as JSON on the last line
+    p.add_argument("--start", choices=STARTS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    args.model = "tiny" if args.device == "cpu" else "h3"
+    args.backend = "eager" if args.device == "cpu" else "inductor"
+    if args.smoke:
+        args.repeats = min(args.repeats, 2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    raw = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.start is not None:
+        print(json.dumps(serve_one(args)))
+        return 0
+
+    from bench.common import markdown_table, write_results
+
+    command = " ".join(["python -m bench.compile", *raw])
+    began = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        checkpoint = ensure_checkpoint(args, Path(args.checkpoint_root or tmp))
+        cache_dir = Path(tmp) / "inductor-cache"  # empty until the cold start fills it
+        for start in STARTS:
+            child = [sys.executable, "-m", "bench.compile", "--start", start, "--checkpoint", str(checkpoint),
+                     "--cache-dir", str(cache_dir), "--device", args.device, "--repeats", str(args.repeats),
+                     "--num-blocks", str(args.num_blocks), "--text-layers", str(args.text_layers)]
+            logger.info("start: %s", start)
+            out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+    baseline = rows[0]["start_s"]
+    for row in rows:
+        row["x no-compile start"] = round(row["start_s"] / baseline, 3)
+    canvases, steps = _canvases(args)
+    print(markdown_table(rows, COLUMNS))
+    notes = [
+        f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
+        f"; engine.Engine denoiser only, served defaults but engine.compile; backend {args.backend}",
+        "canvases: " + ", ".join(f"{c.width}x{c.height} {c.seconds:g} s" for c in canvases)
+        + f"; warm-up: each at {steps[0]} steps; stream: each x steps {', '.join(map(str, steps))}, seeded order",
+        f"first_ms / later_ms: ms per forward of the first request after the start (canvas 0, {steps[0]} steps) "
+        f"and the median of {args.repeats} later ones; x later goal <= 1.05",
+        "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
+        "<= 1.2 for the warm cache",
+        f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
+    ]
+    tag = "cpu" if args.device == "cpu" else _device_tag()
+    md, _ = write_results("compile", rows, f"smoke-{tag}" if args.smoke else tag, command, columns=COLUMNS,
+                          notes=notes, out_dir=args.out)
+    print(md.read_text())
+    return 0
+
+
+def _device_tag() -> str:
+    import torch
+
+    return "-".join(torch.cuda.get_device_name().lower().split())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
