@@ -105,6 +105,12 @@ class FakeEngine:
             return AdalnStats(requests=1, gpu_hit_plans=num_plans)
         return AdalnStats(requests=1, built_plans=num_plans)
 
+    def held_adapters(self) -> tuple[str, ...]:
+        return ()
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        pass
+
     def slab_state(self) -> SlabState:
         with self._slab_lock:
             resident = list(reversed(self._slab.items()))
