@@ -294,12 +294,10 @@ class EngineConfig(BaseModel):
             raise ValueError(f"adapters: names {bad} must match {ADAPTER_NAME_PATTERN} (what requests send)")
         fused = [name for name, adapter in self.adapters.items() if adapter.fuse]
         # A fused delta would have to be written into the offloader's host buffers and read back from the checkpoint
-        # on every switch; and the ranks of a replica would each have to fuse alike.
+        # on every switch. (Under sp > 1 every rank holds whole weights and fuses alike: tests/test_parallel_adapters.py.)
         if fused and self.offload.enabled:
             raise ValueError(f"adapters {fused}: fuse: true is not served with offload.enabled (the streamed blocks' "
                              "weights live in the offloader's host buffers); set fuse: false")
-        if fused and self.parallel.sp > 1:
-            raise ValueError(f"adapters {fused}: fuse: true is not served with parallel.sp > 1; set fuse: false")
         for name, adapter in self.adapters.items():
             if adapter.steps is not None and adapter.steps > self.max_steps:
                 raise ValueError(f"adapters.{name}.steps={adapter.steps} exceeds max_steps={self.max_steps}")
