@@ -294,7 +294,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"adapters: names {bad} must match {ADAPTER_NAME_PATTERN} (what requests send)")
         fused = [name for name, adapter in self.adapters.items() if adapter.fuse]
         # A fused delta would have to be written into the offloader's host buffers and read back from the checkpoint
-        # on every switch. (Under sp > 1 every rank holds whole weights and fuses alike: tests/test_parallel_adapters.py.)
+        # on every switch. (Under sp > 1 every rank holds whole weights and fuses alike: test_parallel_adapters.py.)
         if fused and self.offload.enabled:
             raise ValueError(f"adapters {fused}: fuse: true is not served with offload.enabled (the streamed blocks' "
                              "weights live in the offloader's host buffers); set fuse: false")
@@ -332,10 +332,12 @@ class EngineConfig(BaseModel):
         if self.quantization == "fp8" and self.offload.enabled:
             raise ValueError("quantization: fp8 with offload.enabled is not served yet (the offloader streams "
                              "plain tensors; FP8 weights are torchao subclasses): turn one of them off")
-        # peft wraps the very linears torchao quantizes; the pair is neither tested nor measured.
-        if self.quantization == "fp8" and self.adapters:
-            raise ValueError("quantization: fp8 with engine.adapters is not served yet (LoRA factors on float8 "
-                             "linears are untested): serve adapters in bf16 (quantization: none)")
+        # peft wraps torchao's float8 linears and adds the low-rank product outside the quantized GEMM
+        # (tests/test_fp8_adapters.py); a fused delta would have to be re-quantized into the float8 weights.
+        fused = [name for name, adapter in self.adapters.items() if adapter.fuse]
+        if self.quantization == "fp8" and fused:
+            raise ValueError(f"adapters {fused}: fuse: true is not served with quantization: fp8 (the delta would be "
+                             "re-quantized into the float8 weights); set fuse: false")
         return self
 
     @model_validator(mode="after")

@@ -222,7 +222,8 @@ def test_adapter_requests_stay_on_the_replica_holding_their_adapter():
             deadline = time.monotonic() + 30
             while len(seen) < 2:  # unkeyed concurrent calls reach both replicas
                 assert time.monotonic() < deadline
-                seen |= {r.result(timeout_s=30)[0] for r in [handle.generate.remote(0.2, schedule_key="") for _ in range(4)]}
+                calls = [handle.generate.remote(0.2, schedule_key="") for _ in range(4)]
+                seen |= {call.result(timeout_s=30)[0] for call in calls}
             replicas = sorted(seen)
             a, b, home = pick_adapter_names(replicas)
             # Place them: a long "a" request on its home, then "b" while it runs: over the bound there, so it

@@ -111,7 +111,8 @@ def rank_for_key(
         rest = [rid for rid in rest if warm.get(rid)] + [rid for rid in rest if not warm.get(rid)]
     ranked = head + rest
     if adapter_holders is not None:
-        ranked = [rid for rid in ranked if rid in adapter_holders] + [rid for rid in ranked if rid not in adapter_holders]
+        ranked = ([rid for rid in ranked if rid in adapter_holders]
+                  + [rid for rid in ranked if rid not in adapter_holders])
     return ranked + over
 
 
@@ -122,7 +123,7 @@ class ServiceCosts:
 
     generation_s: float
     miss_s: float
-    adapter_load_s: Optional[float] = None  # seconds a request waited for an adapter it found not held; None: unmeasured
+    adapter_load_s: Optional[float] = None  # a request's wait for an adapter it found not held; None: unmeasured
 
     def expected_start_s(self, load: int, holds_key: bool, holds_adapters: bool = True) -> float:
         """When a request sent now would have its plans on a replica with ``load`` requests: behind them it waits
