@@ -190,7 +190,6 @@ def per_forward(rows, row, config, rank, token_counts, device, compile_options, 
                         error=error)
                     if kind == "compiled" and tokens == token_counts[0]:
                         notes.append(f"{mode} compiled: first call {first_s:.1f} s")
-        del inputs
     del model, modes, compiled
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -222,7 +221,7 @@ def load_and_install(row, config, rank, device, tmp: Path, repeats: int, notes) 
     row(f"install: one block's factors (peft inject + copy to {device.type}) x {blocks} blocks (estimate)",
         install_s * blocks, "s", goal="engine thread, the waiting request's own start")
     notes.append(f"install of one block: {install_s * 1e3:.1f} ms (median of {repeats})")
-    del one, meta
+    del one
 
 
 def switch(row, config, device, tmp: Path, repeats: int) -> None:
