@@ -65,6 +65,9 @@ class AdapterSet:
         self._held: OrderedDict[str, int] = OrderedDict()  # name -> installed bytes, least recently used first
         self._held_names: tuple[str, ...] = ()  # a copy of `_held`'s names, read by other threads
         self._fused: _Fused | None = None
+        # The modules as named before any adapter: the loader thread checks files against this copy, never
+        # walking the transformer while the engine thread installs or deletes peft layers in it.
+        self._modules = dict(transformer.named_modules())
         self._loader = AdapterLoader(self._read)
         for name, config in self.configs.items():
             lora = read_lora_file(config.path, transformer)  # AdapterError naming the file: the engine does not start
@@ -156,7 +159,7 @@ class AdapterSet:
 
     def _read(self, name: str) -> LoraFile:
         """Adapter `name`'s file read and checked against the transformer (the loader thread: read-only)."""
-        return read_lora_file(self.configs[name].path, self._transformer)
+        return read_lora_file(self.configs[name].path, self._modules)
 
     def _hold(self, name: str, keep: set[str], cancelled: CancelledFn | None = None) -> None:
         """`name` installed and most recently used; least recently used adapters not in `keep` evicted to fit."""

@@ -28,6 +28,7 @@ import enum
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,9 +101,10 @@ class LoraFile:
                 "target_modules": list(self.ranks), "use_dora": False, "lora_bias": False}
 
 
-def read_lora_file(path: str | os.PathLike, model: nn.Module) -> LoraFile:
+def read_lora_file(path: str | os.PathLike, model: nn.Module | Mapping[str, nn.Module]) -> LoraFile:
     """Read the adapter file at `path` (diffusers/peft or native layout) for `model` (a
-    `MiniMaxH3Transformer3DModel`, with or without adapters already installed). AdapterError naming the file."""
+    `MiniMaxH3Transformer3DModel`, with or without adapters already installed; or its `dict(named_modules())`
+    taken earlier, so a thread can check a file while another installs adapters). AdapterError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise AdapterError(path, "no such file (expected a .safetensors LoRA file readable by this process)")
@@ -156,9 +158,10 @@ def _linear_of(module: nn.Module) -> nn.Linear | None:
     return module if isinstance(module, nn.Linear) else None
 
 
-def _checked_against(path: Path, factors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, int]:
+def _checked_against(path: Path, factors: dict[str, torch.Tensor],
+                     model: nn.Module | Mapping[str, nn.Module]) -> dict[str, int]:
     """Every key a factor of a Linear of `model`, each module with A [r, in] and B [out, r]; module -> rank."""
-    modules = dict(model.named_modules())
+    modules = dict(model) if isinstance(model, Mapping) else dict(model.named_modules())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in factors.items():
         match = _FACTOR.match(key)
