@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from multiprocessing.pool import ThreadPool
 
 import pytest
 
@@ -243,3 +244,49 @@ def test_adapter_requests_stay_on_the_replica_holding_their_adapter():
                     assert (where, loaded) == (expected, False), name
         finally:
             serve.delete(APP)
+
+
+@pytest.mark.slow  # Ray + Serve (the session's cluster): the whole app on two fake-engine worker replicas
+def test_through_the_app_alternating_adapters_each_stay_where_they_are_held(tmp_path):
+    """The ingress passes each request's adapters to the Worker router; each replica (a fake engine holding the
+    last request's adapters only) reports them. After one request of each adapter has placed it, alternating
+    requests never load an adapter again (schedule affinity alone keeps them on one replica: a load every time)."""
+    import requests
+    from ray import serve
+
+    from deployments.app import build_application
+    from deployments.schemas import AppConfig
+    from tests.fake_engine import FakeEngine
+    from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+
+    adapters = {name: {"path": str(tmp_path / f"{name}.safetensors")} for name in ("a", "b")}
+    config = AppConfig.model_validate({
+        "stages": "fused", "engine": {"adapters": adapters},
+        "worker": {"num_replicas": 2, "load_factor": 1.0, "hold_factor": 1.0, "routing_stats_period_s": 0.2},
+    })
+    with serve_cluster() as url:
+        serve.run(build_application(config, FakeEngine), name=APP_NAME, route_prefix="/")
+        try:
+            wait_healthy(url)
+
+            def generate(name: str, prompt: str = "a fox") -> list[str]:
+                body = {"prompt": prompt, "steps": 11, "width": 64, "height": 64, "return_video": False,
+                        "adapters": [{"name": name}]}
+                r = requests.post(f"{url}/v1/generations", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                return r.json()["stats"]["adapters"]["loaded"]
+
+            # Place them: a slow "a" request (10 forwards of 0.1 s), then "b" while it runs: over the load bound
+            # on the first replica, so it goes to the other; each loads its adapter once.
+            with ThreadPool(1) as pool:
+                first = pool.apply_async(generate, ("a", "slow a fox"))
+                time.sleep(0.4)
+                assert generate("b") == ["b"]
+                assert first.get(60) == ["a"]
+            time.sleep(1.0)  # a few report periods
+            # Repeats too: a replica that just finished a request can still look busy to the router, which would
+            # send the next one elsewhere (the ping-pong a strict alternation could not tell from affinity).
+            sequence = ("a", "a", "b", "b", "a", "b", "b", "a", "a")
+            assert [generate(name) for name in sequence] == [[]] * len(sequence)
+        finally:
+            serve.delete(APP_NAME)

@@ -228,12 +228,15 @@ class ScheduleAffinityRouter(RequestRouter):
 
     def preferred(self, candidate_replicas: List[RunningReplica], key: str,
                   views: Optional[Dict[str, SlabView]], adapters: Tuple[str, ...] = ()) -> List[RunningReplica]:
-        """Where ``key`` goes when no replica is loaded: the holders of its plans, else (no slab reports) the
-        holders of its adapters, else its rendezvous first choice (by the request's ``affinity_key``). Ranking
-        anything else first is a spill, confirmed with a fresh probe of these."""
-        if views is not None:  # nobody holds it: a new key's first home, not a spill
-            return [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
+        """Where ``key`` goes when no replica is loaded: the holders of its plans (those of them holding its
+        adapters, if any do), else (no slab reports) the holders of its adapters, else its rendezvous first choice
+        (by the request's ``affinity_key``). Ranking anything else first is a spill, confirmed with a fresh probe
+        of these."""
         holders = self.adapter_holders(candidate_replicas, adapters)
+        if views is not None:  # nobody holds it: a new key's first home, not a spill
+            plans = [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
+            both = [r for r in plans if holders is not None and r.replica_id.unique_id in holders]
+            return both or plans
         if holders:
             return [r for r in candidate_replicas if r.replica_id.unique_id in holders]
         rendezvous = affinity_key(key, adapters)
