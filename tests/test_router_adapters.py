@@ -163,6 +163,54 @@ def test_a_malformed_adapter_load_keeps_the_other_costs(value):
     assert SlabReport.parse({"slab": slab}).costs == ServiceCosts(4.0, 0.2, None)
 
 
+# -- the router object, on fake replicas (no Ray cluster) ---------------------------------------------------
+
+
+def adapter_replica(rid: str, held=(), *, cached_load: int = 0, actual_load: int = 0):
+    from tests.test_router import FakeReplica
+
+    replica = FakeReplica(rid, ["s"], actual_load)
+    replica.routing_stats["adapters"] = {"held": list(held), "at": time.time()}
+    return replica, cached_load
+
+
+def choose_for(router, replicas, key: str, adapters) -> str:
+    from types import SimpleNamespace
+
+    async def one():
+        request = SimpleNamespace(kwargs={"schedule_key": key, "adapters": adapters},
+                                  routing_context=SimpleNamespace(should_backoff=False),
+                                  future=asyncio.get_running_loop().create_future())
+        (choice,), = await router.choose_replicas(replicas, request)
+        return choice.replica_id.unique_id
+
+    return asyncio.run(one())
+
+
+def test_a_holder_of_plans_and_adapters_that_looks_busy_is_probed_before_the_request_goes_elsewhere():
+    """A request that just finished can still count in the router's cache: the replica holding both the plans and
+    the adapter looks busy, the other plan holder idle. Sending there would load the adapter; the router probes
+    the holder first, finds it idle, and keeps the request there."""
+    from tests.test_router import fake_router
+
+    (holder, stale), (other, idle) = adapter_replica("A", ["a"], cached_load=1), adapter_replica("B")
+    router = fake_router({holder: stale, other: idle})
+    assert choose_for(router, [holder, other], "s", ("a",)) == "A" and holder.probes == 1
+    holder.actual_load = 1  # really busy: the idle plan holder takes it (costs: a wait beats a read, unmeasured)
+    router = fake_router({holder: 1, other: 0})
+    assert choose_for(router, [holder, other], "s", ("a",)) == "B"
+
+
+@pytest.mark.parametrize("kwarg, names", [(None, ()), ((), ()), (("b", "a", "b"), ("a", "b")), ("a", ("a",))])
+def test_the_router_reads_the_adapter_names_of_the_handle_call(kwarg, names):
+    from types import SimpleNamespace
+
+    from deployments.routing.router import ScheduleAffinityRouter
+
+    request = SimpleNamespace(kwargs={"schedule_key": "s", "adapters": kwarg})
+    assert ScheduleAffinityRouter.adapters_of(request) == names
+
+
 # -- two replicas behind Serve -----------------------------------------------------------------------------
 
 APP = "adapter-affinity"

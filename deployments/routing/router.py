@@ -121,6 +121,8 @@ class ScheduleAffinityRouter(RequestRouter):
         if pending_request is None:
             return ()
         names = pending_request.kwargs.get(ADAPTERS_KWARG) or ()
+        if isinstance(names, str):  # one name given bare
+            names = (names,)
         return tuple(sorted({str(n) for n in names}))
 
     def adapter_holders(self, candidate_replicas: List[RunningReplica],
