@@ -35,9 +35,8 @@ from torch import nn
 from engine.adapter_loader import AdapterLoader
 from engine.api import AdapterChoice, AdapterStats, CancelledFn
 from engine.config import AdapterConfig
-from model.adapters import (AdapterError, LoraFile, activate, fuse_into_base_, install_adapter, installed_adapters,
-                            lora_layers,
-                            read_lora_file, remove_adapter)
+from model.adapters import (AdapterError, LoraFile, activate_layers, fuse_into_base_, install_adapter,
+                            installed_adapters, lora_layers, read_lora_file, remove_adapter, tuner_layers)
 from model.weights import TransformerWeights
 
 logger = logging.getLogger(__name__)
@@ -65,6 +64,8 @@ class AdapterSet:
         self._held: OrderedDict[str, int] = OrderedDict()  # name -> installed bytes, least recently used first
         self._held_names: tuple[str, ...] = ()  # a copy of `_held`'s names, read by other threads
         self._fused: _Fused | None = None
+        self._layers: tuple = ()  # the transformer's peft layers, found again after each install / eviction
+        self._active: dict[str, float] | None = None  # what `activate_layers` last set; None: to be set again
         # The modules as named before any adapter: the loader thread checks files against this copy, never
         # walking the transformer while the engine thread installs or deletes peft layers in it.
         self._modules = dict(transformer.named_modules())
@@ -132,8 +133,9 @@ class AdapterSet:
             self._fused = _Fused(name, scale, tuple(f"{m}.weight" for m in lora_layers(self._transformer, name)))
             fuse_into_base_(self._transformer, name, scale)
         active = {n: s for n, s in scales.items() if self.fused != n}
-        if self._held:  # with nothing installed the transformer holds no LoRA layer: its base forward already
-            activate(self._transformer, active)
+        if active != self._active:  # a request like the last one switches nothing
+            activate_layers(self._layers, active)
+            self._active = active
         if not scales:
             return None
         return AdapterStats(scales=scales, fused=self.fused, loaded=loaded, load_s=time.perf_counter() - begin)
@@ -142,6 +144,7 @@ class AdapterSet:
         """The engine wrote every base weight from `weights` (a weight update): nothing is fused any more."""
         self._weights = weights
         self._fused = None
+        self._active = None
 
     def check(self) -> None:
         problems = []
@@ -182,6 +185,7 @@ class AdapterSet:
         self._held[name] = sum(p.nbytes for layer in lora_layers(self._transformer, name).values()
                                for factors in (layer.lora_A, layer.lora_B) for p in factors[name].parameters())
         self._held_names = tuple(self._held)
+        self._layers, self._active = tuner_layers(self._transformer), None
 
     def _evict(self, name: str) -> None:
         if self.fused == name:
@@ -189,6 +193,7 @@ class AdapterSet:
         remove_adapter(self._transformer, name)
         del self._held[name]
         self._held_names = tuple(self._held)
+        self._layers, self._active = tuner_layers(self._transformer), None
 
     def _restore_base(self) -> None:
         """The fused adapter's base weights read again from the checkpoint: the served model's own bits."""
