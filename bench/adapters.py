@@ -20,8 +20,8 @@ Everything goes through ditserve's own adapter code (`model.adapters`: diffusers
   <= 1 s. `install`: one block's factors injected (peft, the copy to the device), times 52 blocks (an estimate:
   installing the whole model's would need the 66 GB model on the GPU).
 - `switch`: `AdapterSet.apply` between two installed adapters (`model.adapters.activate_layers`: peft's per-layer
-  `set_adapter` / `set_scale` over every LoRA layer), on
-  a 50-block model of tiny width (the switch walks the layers; their width does not enter); goal <= 10 ms.
+  `set_adapter` / `set_scale` over every LoRA layer), on a 50-block model of tiny width (the switch walks the
+  layers; their width does not enter); goal <= 10 ms.
 
 Writes bench/results/adapters-<device>.md and .json.
 """
