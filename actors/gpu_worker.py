@@ -236,6 +236,12 @@ class GpuWorkerActor:
     def slab_state(self) -> SlabState:
         return self.engine.slab_state()
 
+    def held_adapters(self) -> tuple[str, ...]:
+        return self.engine.held_adapters()
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        self.engine.prefetch_adapters(request)
+
     def health(self) -> dict[str, Any]:
         return self.engine.health()
 
@@ -324,6 +330,9 @@ class ParallelEngine:
         self._probe: _HealthProbe | None = None
         # Rank 0's slab state as last answered, and the question in flight (slab_state never waits on a rank).
         self._slab_state: SlabState = NO_SLAB
+        # Rank 0's held adapters as last answered, and the question in flight (held_adapters never waits either).
+        self._held_adapters: tuple[str, ...] = ()
+        self._adapters_query: Any = None
         self._slab_query: ray.ObjectRef | None = None
         self._own_group: PlacementGroup | None = None
         self.ranks: list[ray.actor.ActorHandle] = []
@@ -474,6 +483,28 @@ class ParallelEngine:
             self._slab_state = outcome.value if isinstance(outcome.value, SlabState) else NO_SLAB
         self._slab_query = self.ranks[0].slab_state.remote()
         return self._slab_state
+
+    def held_adapters(self) -> tuple[str, ...]:
+        """Rank 0's held adapters (every rank installs the same ones) as of its last answer; never waits, as
+        `slab_state`."""
+        if self._failure is not None:
+            return ()
+        query = self._adapters_query
+        if query is not None:
+            ready, _ = ray.wait([query], timeout=0)
+            if not ready:
+                return self._held_adapters
+            outcome = _outcome_of(0, query)
+            self._held_adapters = tuple(outcome.value) if isinstance(outcome.value, tuple) else ()
+        self._adapters_query = self.ranks[0].held_adapters.remote()
+        return self._held_adapters
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        """Every rank starts reading the request's cold adapters (fire and forget: a rank that cannot read one
+        raises it from the generation)."""
+        if self._failure is None and request.adapters:
+            for rank in self.ranks:
+                rank.prefetch_adapters.remote(request)
 
     def health(self) -> dict[str, Any]:
         """Never waits: raises ServerFault once the replica is unusable (a rank died, did not answer its last

@@ -127,7 +127,7 @@ class WorkerDenoiseStep:
                       cancelled: CancelledFn) -> GenerationResult:
         # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
         stream = self.worker.options(stream=True).denoise_stream.remote(
-            request, embedding, schedule_key=request.schedule_key)
+            request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names)
         return await follow(stream, on_progress, cancelled)
 
 
@@ -180,7 +180,8 @@ class FusedRunner:
                   cancelled: CancelledFn | None = None,
                   on_denoised: Callable[[], None] | None = None) -> PipelineResult:
         start = time.perf_counter()
-        stream = self._worker.options(stream=True).generate_stream.remote(request, schedule_key=request.schedule_key)
+        stream = self._worker.options(stream=True).generate_stream.remote(
+            request, schedule_key=request.schedule_key, adapters=request.adapter_names)
         result = await follow(stream, on_progress or _ignore, cancelled or _never)
         if on_denoised is not None:  # the worker decoded too: it is free now, not earlier
             on_denoised()

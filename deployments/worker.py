@@ -6,7 +6,11 @@ replica's event loop stays free for health checks, `describe` and cancellations.
 
 Routing: callers pass `schedule_key=` (the request's sampling schedule); with `ScheduleAffinityRouter`
 (set by `build_app`) requests of one schedule go to the replica whose GPU plan slab holds them, and this
-replica reports its ongoing count and its engine's `slab_state()` through `record_routing_stats()`.
+replica reports its ongoing count and its engine's `slab_state()` through `record_routing_stats()`. Callers
+also pass `adapters=` (the request's LoRA adapter names): the replica reports the adapters its engine holds
+(`held_adapters()`), so the router prefers a replica holding both the plans and the adapters. On arrival the
+replica asks its engine to start loading the adapters it lacks (`prefetch_adapters`: a loader thread, while the
+engine thread keeps denoising the running request).
 
 Two calls, one per app shape (`stages` in serve_config.yaml; the ingress picks: `deployments/generation.py`):
 `generate_stream` runs a whole generation in the engine (`stages: fused`: `Engine.generate`, the one pipeline
@@ -171,7 +175,9 @@ class Worker(ScheduleAffinityReporter):
                 outcome, stats, timings = "ok", result.stats, result.timings
                 adaln = result.stats.adaln
                 missed = adaln is not None and adaln.built_plans + adaln.host_hit_plans + adaln.pool_hit_plans > 0
-                self.record_service(time.perf_counter() - start, result.timings.plan_s, missed)
+                adapters = result.stats.adapters
+                self.record_service(time.perf_counter() - start, result.timings.plan_s, missed,
+                                    adapters.load_s if adapters is not None and adapters.loaded else None)
                 return result
             except GenerationCancelled:
                 outcome = "cancelled"
@@ -200,18 +206,20 @@ class Worker(ScheduleAffinityReporter):
         await asyncio.to_thread(self._engine.validate, request)
 
     async def generate_stream(
-        self, request: GenerationRequest, schedule_key: str | None = None
+        self, request: GenerationRequest, schedule_key: str | None = None, adapters: tuple[str, ...] = ()
     ) -> AsyncIterator[ProgressEvent | GenerationResult]:
         """A whole generation (`stages: fused`; `handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
         request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
         errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
-        stops the engine at its next step; the plan references are released there."""
+        stops the engine at its next step; the plan references are released there. `adapters`: the request's
+        adapter names, for the router (`deployments.routing`)."""
         await asyncio.to_thread(self._engine.validate, request)  # off the loop: see denoise_stream
         async for event in self._stream(request, schedule_key, None):
             yield event
 
     async def denoise_stream(self, request: GenerationRequest, embedding: PromptEmbedding,
-                             schedule_key: str | None = None) -> AsyncIterator[ProgressEvent | GenerationResult]:
+                             schedule_key: str | None = None,
+                             adapters: tuple[str, ...] = ()) -> AsyncIterator[ProgressEvent | GenerationResult]:
         """The denoiser stage of a split app (`handle.options(stream=True)`): `embedding` is the TextEncoder's
         for `request.prompt`. Yields progress events as `generate_stream`, then the `GenerationResult` with
         the latents and no MP4 (the Decoder decodes them). The replica takes its next request as soon as this
@@ -232,7 +240,9 @@ class Worker(ScheduleAffinityReporter):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         cancelled = threading.Event()
-        with self.track_schedule(schedule_key):
+        with self.track_schedule(schedule_key, tuple(choice.name for choice in request.adapters)):
+            # Cold adapters start loading now, beside the generation running on the engine thread.
+            self._engine.prefetch_adapters(request)
             future = self._submit(request, cancelled, on_progress, embedding)
             try:
                 yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
@@ -304,6 +314,10 @@ class Worker(ScheduleAffinityReporter):
     def slab_state(self) -> SlabState:
         """What the engine's GPU plan slab holds: reported to the router by `record_routing_stats`."""
         return self._engine.slab_state()
+
+    def held_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the engine holds or is loading: reported to the router by `record_routing_stats`."""
+        return self._engine.held_adapters()
 
     async def health(self) -> dict[str, Any]:
         return self._engine.health()

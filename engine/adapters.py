@@ -2,11 +2,14 @@
 
 `AdapterSet(configs, cache_bytes, transformer, weights)` opens and checks every configured file at construction
 (`model.adapters.read_lora_file`; an `AdapterError` naming the file stops the engine's start) and installs them
-into the transformer in config order while they fit `cache_bytes`. Per request, under the engine's lock,
-`apply(request)`:
+into the transformer in config order while they fit `cache_bytes` (preloaded: a request for one loads nothing).
+A request naming one that is not held starts its read on arrival (`prefetch`, from the worker's thread: the
+`engine.adapter_loader` thread reads, converts and checks the file while the engine thread denoises the running
+request). Per request, under the engine's lock, `apply(choices, cancelled)`:
 
-- installs an adapter the request names that is not held (evicting the least recently used adapters the request
-  does not name until it fits), so requests with different adapters, or none, alternate on one engine;
+- installs an adapter the request names that is not held (its file as the loader read it, waiting for a read in
+  flight with cancellation still honoured; evicting the least recently used adapters the request does not name
+  until it fits), so requests with different adapters, or none, alternate on one engine;
 - with `fuse: true` (the first such adapter of the request) adds its delta at the request's scale into the base
   weights, and takes it back out before a request that does not run it at that scale by reading those base
   weights again from the checkpoint (`TransformerWeights.tensor`: the checkpoint's bits, never a subtraction);
@@ -23,16 +26,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.api import AdapterChoice, AdapterStats
+from engine.adapter_loader import AdapterLoader
+from engine.api import AdapterChoice, AdapterStats, CancelledFn
 from engine.config import AdapterConfig
-from model.adapters import (AdapterError, LoraFile, activate, fuse_into_base_, install_adapter, installed_adapters,
-                            lora_layers,
-                            read_lora_file, remove_adapter)
+from model.adapters import (AdapterError, LoraFile, activate_layers, fuse_into_base_, install_adapter,
+                            installed_adapters, lora_layers, read_lora_file, remove_adapter, tuner_layers)
 from model.weights import TransformerWeights
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,14 @@ class AdapterSet:
         self._transformer = transformer
         self._weights = weights
         self._held: OrderedDict[str, int] = OrderedDict()  # name -> installed bytes, least recently used first
+        self._held_names: tuple[str, ...] = ()  # a copy of `_held`'s names, read by other threads
         self._fused: _Fused | None = None
+        self._layers: tuple = ()  # the transformer's peft layers, found again after each install / eviction
+        self._active: dict[str, float] | None = None  # what `activate_layers` last set; None: to be set again
+        # The modules as named before any adapter: the loader thread checks files against this copy, never
+        # walking the transformer while the engine thread installs or deletes peft layers in it.
+        self._modules = dict(transformer.named_modules())
+        self._loader = AdapterLoader(self._read)
         for name, config in self.configs.items():
             lora = read_lora_file(config.path, transformer)  # AdapterError naming the file: the engine does not start
             if lora.nbytes > cache_bytes:
@@ -76,6 +87,21 @@ class AdapterSet:
         return tuple(self._held)
 
     @property
+    def held_or_loading(self) -> tuple[str, ...]:
+        """Adapters installed or being read (safe from any thread): what the replica reports to the router."""
+        loading = self._loader.loading
+        return self._held_names + tuple(n for n in loading if n not in self._held_names)
+
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Start reading the configured adapters among `names` that are not held (any thread; never waits)."""
+        for name in names:
+            if name in self.configs and name not in self._held_names:
+                self._loader.prefetch(name)
+
+    def close(self) -> None:
+        self._loader.close()
+
+    @property
     def held_bytes(self) -> int:
         return sum(self._held.values())
 
@@ -88,14 +114,15 @@ class AdapterSet:
         return {c.name: c.scale if c.scale is not None else self.configs[c.name].scale for c in choices}
 
     @torch.no_grad()
-    def apply(self, choices: tuple[AdapterChoice, ...]) -> AdapterStats | None:
+    def apply(self, choices: tuple[AdapterChoice, ...], cancelled: CancelledFn | None = None) -> AdapterStats | None:
         """Set the transformer up for a request running `choices` (names already checked against the config:
-        `engine.api.with_adapter_defaults`); None when it runs none."""
+        `engine.api.with_adapter_defaults`); None when it runs none. GenerationCancelled when `cancelled()` turns
+        true while it waits for an adapter's read."""
         begin = time.perf_counter()
         scales = self.scales(choices)
         loaded = [name for name in scales if name not in self._held]
         for name in scales:
-            self._hold(name, keep=set(scales))
+            self._hold(name, keep=set(scales), cancelled=cancelled)
         fuse = next(((n, s) for n, s in scales.items() if self.configs[n].fuse), None)
         if self._fused is not None and (self._fused.name, self._fused.scale) != fuse:
             self._restore_base()
@@ -106,8 +133,9 @@ class AdapterSet:
             self._fused = _Fused(name, scale, tuple(f"{m}.weight" for m in lora_layers(self._transformer, name)))
             fuse_into_base_(self._transformer, name, scale)
         active = {n: s for n, s in scales.items() if self.fused != n}
-        if self._held:  # with nothing installed the transformer holds no LoRA layer: its base forward already
-            activate(self._transformer, active)
+        if active != self._active:  # a request like the last one switches nothing
+            activate_layers(self._layers, active)
+            self._active = active
         if not scales:
             return None
         return AdapterStats(scales=scales, fused=self.fused, loaded=loaded, load_s=time.perf_counter() - begin)
@@ -116,6 +144,7 @@ class AdapterSet:
         """The engine wrote every base weight from `weights` (a weight update): nothing is fused any more."""
         self._weights = weights
         self._fused = None
+        self._active = None
 
     def check(self) -> None:
         problems = []
@@ -131,12 +160,17 @@ class AdapterSet:
 
     # --- LRU ------------------------------------------------------------------------------------------
 
-    def _hold(self, name: str, keep: set[str]) -> None:
+    def _read(self, name: str) -> LoraFile:
+        """Adapter `name`'s file read and checked against the transformer (the loader thread: read-only)."""
+        return read_lora_file(self.configs[name].path, self._modules)
+
+    def _hold(self, name: str, keep: set[str], cancelled: CancelledFn | None = None) -> None:
         """`name` installed and most recently used; least recently used adapters not in `keep` evicted to fit."""
         if name in self._held:
             self._held.move_to_end(name)
+            self._loader.discard(name)  # a read prefetched while it was held (or before it was installed)
             return
-        lora = read_lora_file(self.configs[name].path, self._transformer)
+        lora = self._loader.take(name, cancelled)
         for victim in [n for n in self._held if n not in keep]:
             if self.held_bytes + lora.nbytes <= self.capacity_bytes:
                 break
@@ -150,12 +184,16 @@ class AdapterSet:
         install_adapter(self._transformer, name, lora)
         self._held[name] = sum(p.nbytes for layer in lora_layers(self._transformer, name).values()
                                for factors in (layer.lora_A, layer.lora_B) for p in factors[name].parameters())
+        self._held_names = tuple(self._held)
+        self._layers, self._active = tuner_layers(self._transformer), None
 
     def _evict(self, name: str) -> None:
         if self.fused == name:
             self._restore_base()
         remove_adapter(self._transformer, name)
         del self._held[name]
+        self._held_names = tuple(self._held)
+        self._layers, self._active = tuner_layers(self._transformer), None
 
     def _restore_base(self) -> None:
         """The fused adapter's base weights read again from the checkpoint: the served model's own bits."""

@@ -179,6 +179,11 @@ class GenerationRequest(BaseModel):
         """The AdaLN plan group this request needs (routes it to a warm replica); no tensors are built."""
         return request_schedule_key(self)
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapters this request runs with, by name (routes it to a replica holding them)."""
+        return tuple(choice.name for choice in self.adapters)
+
 
 def request_schedule_key(request: GenerationRequest) -> str:
     # A soundtrack reference adds the t = 1 rows to every plan. (A video reference's own soundtrack would too;
@@ -347,6 +352,13 @@ class EngineProtocol(Protocol):
 
     def debug_stats(self) -> dict[str, Any]:
         """Plan bookkeeping for tests and operators; must include `model` (the served model's id)."""
+
+    def held_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters held or loading now, by name (for routing; never waits on a generation)."""
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        """Start loading `request`'s adapters that are not held, off the generation thread (never waits; a bad
+        name is left to `generate`'s checks)."""
 
     def slab_state(self) -> SlabState:
         """Which schedules the GPU plan slab holds whole (cheap, thread-safe: called beside a generation)."""

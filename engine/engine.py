@@ -604,6 +604,14 @@ class Engine:
             raise WeightsRejected(str(exc)) from exc
         return weights
 
+    def held_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters installed or being read now (for routing; safe beside a generation)."""
+        return self.adapters.held_or_loading
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        """Start reading `request`'s adapters that are not held, on the adapter loader thread (never waits)."""
+        self.adapters.prefetch(request.adapter_names)
+
     def slab_state(self) -> SlabState:
         """The schedules whose AdaLN plans are all in the GPU slab now (for routing; safe beside a generation)."""
         return self.served_schedules.slab_state(self.plan_cache)
@@ -708,7 +716,9 @@ class Engine:
             self.served_schedules.served(request.schedule_key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)
-            adapter_stats = self.adapters.apply(request.adapters)  # this request's adapters, each at its scale
+            # This request's adapters, each at its scale (a cold one's read began on arrival: prefetch_adapters).
+            # Ranks of a group wait for the read uncancelled: they must all reach the loop (cancel is agreed there).
+            adapter_stats = self.adapters.apply(request.adapters, cancelled if self.group is None else None)
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
             denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, None if request.task is Task.T2VA

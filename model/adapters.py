@@ -28,12 +28,14 @@ import enum
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from diffusers.loaders import MiniMaxH3LoraLoaderMixin
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
@@ -100,9 +102,10 @@ class LoraFile:
                 "target_modules": list(self.ranks), "use_dora": False, "lora_bias": False}
 
 
-def read_lora_file(path: str | os.PathLike, model: nn.Module) -> LoraFile:
+def read_lora_file(path: str | os.PathLike, model: nn.Module | Mapping[str, nn.Module]) -> LoraFile:
     """Read the adapter file at `path` (diffusers/peft or native layout) for `model` (a
-    `MiniMaxH3Transformer3DModel`, with or without adapters already installed). AdapterError naming the file."""
+    `MiniMaxH3Transformer3DModel`, with or without adapters already installed; or its `dict(named_modules())`
+    taken earlier, so a thread can check a file while another installs adapters). AdapterError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise AdapterError(path, "no such file (expected a .safetensors LoRA file readable by this process)")
@@ -156,9 +159,10 @@ def _linear_of(module: nn.Module) -> nn.Linear | None:
     return module if isinstance(module, nn.Linear) else None
 
 
-def _checked_against(path: Path, factors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, int]:
+def _checked_against(path: Path, factors: dict[str, torch.Tensor],
+                     model: nn.Module | Mapping[str, nn.Module]) -> dict[str, int]:
     """Every key a factor of a Linear of `model`, each module with A [r, in] and B [out, r]; module -> rank."""
-    modules = dict(model.named_modules())
+    modules = dict(model) if isinstance(model, Mapping) else dict(model.named_modules())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in factors.items():
         match = _FACTOR.match(key)
@@ -213,13 +217,26 @@ def remove_adapter(model: nn.Module, name: str) -> None:
 
 def activate(model: nn.Module, scales: dict[str, float]) -> None:
     """Make exactly the adapters in `scales` active, each at its scale (a multiplier of alpha / rank); none:
-    adapters off, the base model's forward (diffusers' `set_adapters` / `disable_lora`). At least one adapter
-    must be installed (diffusers refuses both calls on a model without one)."""
-    if not scales:
-        model.disable_lora()
-        return
-    model.enable_lora()
-    model.set_adapters(list(scales), list(scales.values()))
+    adapters off, the base model's forward (what diffusers' `set_adapters` / `disable_lora` do)."""
+    activate_layers(tuner_layers(model), scales)
+
+
+def tuner_layers(model: nn.Module) -> tuple[BaseTunerLayer, ...]:
+    """Every peft layer of `model` (what diffusers' adapter calls walk the whole model for, every time)."""
+    return tuple(m for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+
+def activate_layers(layers: Sequence[BaseTunerLayer], scales: dict[str, float]) -> None:
+    """`activate` on the model's `tuner_layers`, found once: the calls diffusers' `enable_lora` + `set_adapters`
+    (float weights: one scale per adapter) or `disable_lora` make on each peft layer, without walking the ~15k
+    modules of H3 twice per switch."""
+    names = list(scales)
+    for layer in layers:
+        layer.enable_adapters(bool(scales))
+        if scales:
+            layer.set_adapter(names)
+            for name, scale in scales.items():
+                layer.set_scale(name, scale)
 
 
 def installed_adapters(model: nn.Module) -> set[str]:

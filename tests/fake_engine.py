@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.api import AdalnStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
+from engine.api import AdalnStats, AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
 from engine.config import EngineConfig
 from engine.engine import field_error, geometry_limits, model_limits
 from engine.media import AUDIO_SAMPLE_RATE
@@ -45,6 +45,7 @@ class FakeEngine:
         self.num_cancelled = 0
         self._slab: OrderedDict[str, int] = OrderedDict()  # schedule key -> plans, least recently used first
         self._slab_lock = threading.Lock()
+        self._adapters: tuple[str, ...] = ()  # the adapters of the last request naming some: an LRU of one request
 
     def validate(self, request: GenerationRequest) -> VideoGeometry:
         if request.guidance_scale != 1.0:
@@ -66,6 +67,7 @@ class FakeEngine:
         audio = torch.randn(geometry.num_audio_rows, H3_LATENTS.audio_latent_channels, generator=generator)
         num_forwards = request.steps - 1
         adaln = self._serve_schedule(request.schedule_key, num_forwards)
+        adapters = self._serve_adapters(request)
         for i in range(num_forwards):
             if cancelled is not None and cancelled():
                 self.num_cancelled += 1
@@ -87,7 +89,7 @@ class FakeEngine:
             stats=GenerationStats(
                 steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
                 tokens=geometry.num_tokens(FAKE_TEXT_TOKENS), text_tokens=FAKE_TEXT_TOKENS,
-                adaln_mode=self.config.adaln.mode, schedule_key=request.schedule_key, adaln=adaln,
+                adaln_mode=self.config.adaln.mode, schedule_key=request.schedule_key, adaln=adaln, adapters=adapters,
             ),
         )
 
@@ -104,6 +106,21 @@ class FakeEngine:
         if hit:
             return AdalnStats(requests=1, gpu_hit_plans=num_plans)
         return AdalnStats(requests=1, built_plans=num_plans)
+
+    def _serve_adapters(self, request: GenerationRequest) -> AdapterStats | None:
+        """The fake adapter set: holds the last request's adapters only; `loaded` those it did not hold."""
+        if not request.adapters:
+            return None
+        names = request.adapter_names
+        loaded = [name for name in names if name not in self._adapters]
+        self._adapters = names
+        return AdapterStats(scales={name: 1.0 for name in names}, loaded=loaded)
+
+    def held_adapters(self) -> tuple[str, ...]:
+        return self._adapters
+
+    def prefetch_adapters(self, request: GenerationRequest) -> None:
+        pass
 
     def slab_state(self) -> SlabState:
         with self._slab_lock:

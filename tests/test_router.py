@@ -115,7 +115,8 @@ def test_reporter_counts_ongoing_and_recent_keys():
         pass
     with w.track_schedule("c"):
         pass
-    assert w.record_routing_stats() == {"ongoing": 0, "warm_keys": ["c", "b"]}
+    stats = w.record_routing_stats()
+    assert stats == {"ongoing": 0, "warm_keys": ["c", "b"], "adapters": {"held": [], "at": stats["adapters"]["at"]}}
     w.forget_schedules(["c"])
     assert w.warm_schedule_keys() == ["b"]
 

@@ -16,6 +16,13 @@ When every replica reports its GPU plan slab (:class:`SlabView`, see ``deploymen
   p99 0.68x Serve's default router, against 1.32x holding). Before the first miss is measured, the order above
   stands alone.
 
+Requests naming LoRA adapters (``engine.adapters``) also prefer replicas holding them all (reported, in flight, or
+sent since the report): among a key's holders and among the others, those holding the adapters first; so a
+replica holding both the plans and the adapters, then one holding the plans, then one holding the adapters, then
+any. The schedule key stays the plans' key (plans do not depend on LoRA); the rendezvous order is that of
+:func:`affinity_key` (schedule and adapters), so each (schedule, adapters) pair gets its own first home. With
+costs, a replica lacking the adapters adds the replicas' mean adapter load seconds to the request's start.
+
 When they do not (resident AdaLN: no slab), rendezvous hashing with bounded load:
 
 - Every replica gets the weight ``H(schedule_key, replica_unique_id)``; replicas are tried in descending weight
@@ -32,7 +39,7 @@ import hashlib
 import math
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, Deque, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 #: Spill a key beyond this many times the mean load (the router's ``load_factor``; the app's ``worker.load_factor``).
 DEFAULT_LOAD_FACTOR = 1.25
@@ -41,6 +48,13 @@ DEFAULT_LOAD_FACTOR = 1.25
 DEFAULT_HOLD_FACTOR = 3.0
 #: Keyed requests a router remembers to weigh what an eviction costs (how often each schedule was asked lately).
 POPULARITY_WINDOW = 1000
+
+
+def affinity_key(schedule_key: str, adapters: Iterable[str] = ()) -> str:
+    """The rendezvous key of a request: its schedule key, and its adapter names (sorted: composition order does not
+    change which factors a replica must hold). Without adapters, the schedule key itself."""
+    names = sorted(set(adapters))
+    return schedule_key if not names else schedule_key + "\x00lora:" + "+".join(names)
 
 
 def rendezvous_weight(key: str, replica_id: str) -> int:
@@ -72,13 +86,16 @@ def rank_for_key(
     loads: Mapping[str, int],
     load_factor: float = DEFAULT_LOAD_FACTOR,
     warm: Optional[Mapping[str, bool]] = None,
+    adapter_holders: Optional[AbstractSet[str]] = None,
 ) -> List[str]:
     """Replica ids in the order to try for ``key`` when the replicas report no slab.
 
     ``loads`` maps every candidate replica id to its ongoing request count. The rendezvous first choice comes
     first if it is within the bounded-load limit; then the other replicas within the limit (those with
     ``warm[rid]`` true first, each group in rendezvous order); replicas over the limit come last, in
-    rendezvous order, as a fallback for stale load information.
+    rendezvous order, as a fallback for stale load information. ``adapter_holders`` (the request names adapters:
+    the replicas holding them all): within the limit, those first (each group keeping the order above); ``key`` is
+    then the request's :func:`affinity_key`.
     """
     order = rendezvous_order(key, loads)
     if not order:
@@ -92,7 +109,11 @@ def rank_for_key(
         head, rest = [], within
     if warm:
         rest = [rid for rid in rest if warm.get(rid)] + [rid for rid in rest if not warm.get(rid)]
-    return head + rest + over
+    ranked = head + rest
+    if adapter_holders is not None:
+        ranked = ([rid for rid in ranked if rid in adapter_holders]
+                  + [rid for rid in ranked if rid not in adapter_holders])
+    return ranked + over
 
 
 @dataclass(frozen=True)
@@ -102,13 +123,16 @@ class ServiceCosts:
 
     generation_s: float
     miss_s: float
+    adapter_load_s: Optional[float] = None  # a request's wait for an adapter it found not held; None: unmeasured
 
-    def expected_start_s(self, load: int, holds_key: bool) -> float:
+    def expected_start_s(self, load: int, holds_key: bool, holds_adapters: bool = True) -> float:
         """When a request sent now would have its plans on a replica with ``load`` requests: behind them it waits
         about ``load - 1/2`` generations (the running one is half done on average), then a replica whose slab does
         not hold the key gets its plans (a miss). On H3 a 20-step generation is ~4.3 s and a miss ~0.25 s (a pool
-        hit ~0.05 s), so an idle GPU beats any queue; where a miss costs several generations, holders win."""
-        return max(load - 0.5, 0.0) * self.generation_s + (0.0 if holds_key else self.miss_s)
+        hit ~0.05 s), so an idle GPU beats any queue; where a miss costs several generations, holders win. A
+        replica lacking the request's adapters adds the adapter load (when measured)."""
+        adapters_s = 0.0 if holds_adapters or self.adapter_load_s is None else self.adapter_load_s
+        return max(load - 0.5, 0.0) * self.generation_s + (0.0 if holds_key else self.miss_s) + adapters_s
 
 
 @dataclass(frozen=True)
@@ -183,6 +207,8 @@ def rank_for_slab_key(
     load_factor: float = DEFAULT_LOAD_FACTOR,
     hold_factor: float = DEFAULT_HOLD_FACTOR,
     costs: Optional[ServiceCosts] = None,
+    adapter_holders: Optional[AbstractSet[str]] = None,
+    rendezvous_key: Optional[str] = None,
 ) -> List[str]:
     """Replica ids in the order to try for ``key`` when every candidate reports its slab (``views``).
 
@@ -192,21 +218,29 @@ def rank_for_slab_key(
     With ``costs`` (the replicas report them) that order is then sorted by when the request would start
     (``ServiceCosts.expected_start_s``), ties keeping it: a hot schedule spreads over idle GPUs where misses are
     cheap (H3), and stays on its holders where they are not.
+
+    ``adapter_holders`` (the request names adapters: the replicas holding them all) go first among the key's holders
+    and among the others within the bound: plans and adapters, plans, adapters, neither; ``rendezvous_key`` (the
+    request's :func:`affinity_key`, default ``key``) orders ties.
     """
-    order = rendezvous_order(key, loads)
+    order = rendezvous_order(rendezvous_key or key, loads)
     if not order:
         return []
+
+    def lacks_adapters(rid: str) -> bool:
+        return adapter_holders is not None and rid not in adapter_holders
+
     total = sum(loads.values())
     hold_limit = bounded_load_limit(total, len(order), max(hold_factor, load_factor))
     limit = bounded_load_limit(total, len(order), load_factor)
     holders = sorted((rid for rid in order if views[rid].holds(key) and loads[rid] + 1 <= hold_limit),
-                     key=loads.__getitem__)
+                     key=lambda rid: (lacks_adapters(rid), loads[rid]))
     taken = set(holders)
     within = sorted((rid for rid in order if rid not in taken and loads[rid] + 1 <= limit),
-                    key=lambda rid: (views[rid].eviction_cost(num_plans, popularity), loads[rid]))
+                    key=lambda rid: (lacks_adapters(rid), views[rid].eviction_cost(num_plans, popularity), loads[rid]))
     taken.update(within)
     rest = sorted((rid for rid in order if rid not in taken), key=loads.__getitem__)
     ranked = holders + within + rest
     if costs is not None:  # a stable sort: equal starts keep the order above (holders, eviction harm, load)
-        ranked.sort(key=lambda rid: costs.expected_start_s(loads[rid], views[rid].holds(key)))
+        ranked.sort(key=lambda rid: costs.expected_start_s(loads[rid], views[rid].holds(key), not lacks_adapters(rid)))
     return ranked

@@ -13,9 +13,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 from deployments.moving_mean import moving_mean
 from deployments.routing.policy import ServiceCosts
 from deployments.routing.report import (
+    ROUTING_STATS_ADAPTERS,
     ROUTING_STATS_ONGOING,
     ROUTING_STATS_SLAB,
     ROUTING_STATS_WARM_KEYS,
+    adapter_stats,
     slab_stats,
 )
 from engine.api import SlabState
@@ -26,9 +28,11 @@ class _ReporterState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     ongoing: int = 0
     ongoing_keys: Counter = field(default_factory=Counter)  # schedule key -> requests in flight
+    ongoing_adapters: Counter = field(default_factory=Counter)  # adapter name -> requests in flight naming it
     recent: "OrderedDict[str, None]" = field(default_factory=OrderedDict)
     generation_s: Optional[float] = None  # moving means of record_service
     miss_s: Optional[float] = None
+    adapter_load_s: Optional[float] = None
 
 
 class ScheduleAffinityReporter:
@@ -38,8 +42,9 @@ class ScheduleAffinityReporter:
     remembers recently served keys (most recent first). Serve calls :meth:`record_routing_stats` every
     ``request_routing_stats_period_s``; the router reads ``{"ongoing": n, "warm_keys": [...]}`` from it, and
     ``"slab"`` when :meth:`slab_state` says what the replica's GPU plan slab holds: override it (the Serve worker
-    returns its engine's) and the router ranks replicas by slab contents. No ``__init__`` needed: state is
-    created lazily.
+    returns its engine's) and the router ranks replicas by slab contents. ``"adapters"``: what
+    :meth:`held_adapters` says (override it: the worker returns its engine's) and the adapters of the requests in
+    flight (``track_schedule(key, adapters)``). No ``__init__`` needed: state is created lazily.
     """
 
     max_reported_warm_keys: int = 256
@@ -52,11 +57,14 @@ class ScheduleAffinityReporter:
         return state
 
     @contextlib.contextmanager
-    def track_schedule(self, schedule_key: Optional[str]) -> Iterator[None]:
-        """Count one ongoing request for the duration of the block; mark ``schedule_key`` recently served."""
+    def track_schedule(self, schedule_key: Optional[str], adapters: Iterable[str] = ()) -> Iterator[None]:
+        """Count one ongoing request for the duration of the block; mark ``schedule_key`` recently served;
+        report ``adapters`` (the request's) held meanwhile (the engine installs them before its first forward)."""
         state = self._affinity_state()
+        adapters = tuple(adapters)
         with state.lock:
             state.ongoing += 1
+            state.ongoing_adapters.update(adapters)
             if schedule_key:
                 state.ongoing_keys[schedule_key] += 1
         try:
@@ -64,6 +72,8 @@ class ScheduleAffinityReporter:
         finally:
             with state.lock:
                 state.ongoing -= 1
+                state.ongoing_adapters.subtract(adapters)
+                state.ongoing_adapters += Counter()  # drops the names no request in flight names
                 if schedule_key:
                     state.ongoing_keys[schedule_key] -= 1
                     if not state.ongoing_keys[schedule_key]:
@@ -73,15 +83,19 @@ class ScheduleAffinityReporter:
                     while len(state.recent) > self.max_reported_warm_keys:
                         state.recent.popitem(last=True)
 
-    def record_service(self, generation_s: float, plans_s: float, missed_slab: bool) -> None:
+    def record_service(self, generation_s: float, plans_s: float, missed_slab: bool,
+                       adapter_load_s: Optional[float] = None) -> None:
         """One finished generation: the seconds it kept this replica busy and, when its plans were not all in the
-        GPU slab, the seconds it spent getting them. The slab report carries their recent means
-        (:class:`ServiceCosts`) once both are known."""
+        GPU slab, the seconds it spent getting them; ``adapter_load_s``: the seconds it waited for adapters it
+        found not held (None: it found them held, or named none). The slab report carries their recent means
+        (:class:`ServiceCosts`) once generation and miss are known."""
         state = self._affinity_state()
         with state.lock:
             state.generation_s = moving_mean(state.generation_s, generation_s)
             if missed_slab:
                 state.miss_s = moving_mean(state.miss_s, plans_s)
+            if adapter_load_s is not None:
+                state.adapter_load_s = moving_mean(state.adapter_load_s, adapter_load_s)
 
     def forget_schedules(self, keys: Optional[Iterable[str]] = None) -> None:
         """Drop keys (all when None) from the recently-served list, e.g. after a weight update."""
@@ -99,6 +113,10 @@ class ScheduleAffinityReporter:
         with state.lock:
             return list(state.recent)
 
+    def held_adapters(self) -> Iterable[str]:
+        """The LoRA adapters this replica holds (installed or loading); none by default."""
+        return ()
+
     def slab_state(self) -> Optional[SlabState]:
         """What this replica's GPU plan slab holds; None (the default): no slab report, rendezvous routing."""
         return None
@@ -108,12 +126,14 @@ class ScheduleAffinityReporter:
         with state.lock:
             ongoing = state.ongoing
             ongoing_keys = list(state.ongoing_keys)
+            ongoing_adapters = set(state.ongoing_adapters)
             costs = None
             if state.generation_s is not None and state.miss_s is not None:
-                costs = ServiceCosts(state.generation_s, state.miss_s)
+                costs = ServiceCosts(state.generation_s, state.miss_s, state.adapter_load_s)
         stats: Dict[str, Any] = {
             ROUTING_STATS_ONGOING: ongoing,
             ROUTING_STATS_WARM_KEYS: self.warm_schedule_keys()[: self.max_reported_warm_keys],
+            ROUTING_STATS_ADAPTERS: adapter_stats(ongoing_adapters.union(self.held_adapters()), time.time()),
         }
         slab = self.slab_state()
         if slab is not None and slab.capacity_plans > 0:

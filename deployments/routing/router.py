@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import statistics
 import time
@@ -29,18 +30,21 @@ from deployments.routing.policy import (
     KeyPopularity,
     ServiceCosts,
     SlabView,
+    affinity_key,
     first_choice,
     rank_for_key,
     rank_for_slab_key,
     rendezvous_weight,
 )
 from deployments.routing.registry import AffinityCounters, register_router
-from deployments.routing.report import ROUTING_STATS_ONGOING, ROUTING_STATS_WARM_KEYS, SlabReport
+from deployments.routing.report import ROUTING_STATS_ONGOING, ROUTING_STATS_WARM_KEYS, AdapterReport, SlabReport
 
 logger = logging.getLogger("ray.serve")
 
 SCHEDULE_KEY_KWARG = "schedule_key"
 """Keyword argument of the handle call that carries the schedule key."""
+ADAPTERS_KWARG = "adapters"
+"""Keyword argument of the handle call that carries the request's LoRA adapter names (a tuple of str)."""
 
 #: A key this router sent to a replica counts as resident there unless the replica's report is this much newer
 #: (the report cannot show a request that had not reached the replica yet).
@@ -81,6 +85,8 @@ class ScheduleAffinityRouter(RequestRouter):
         self.costs: Optional[ServiceCosts] = None  # the replicas' reported means, as of the last slab_views
         # replica unique_id -> (key, time.time()) of the keyed requests sent to it lately, oldest first.
         self._sent: Dict[str, Deque[Tuple[str, float]]] = {}
+        # replica unique_id -> (adapter names, time.time()) of the requests naming adapters sent to it lately.
+        self._sent_adapters: Dict[str, Deque[Tuple[Tuple[str, ...], float]]] = {}
         # schedule key -> its plan count, as last reported by any replica (for keys a slab does not hold).
         self._plans_of_key: Dict[str, int] = {}
         # replica unique_id -> requests chosen for it whose future is not resolved yet (not sent yet).
@@ -108,6 +114,35 @@ class ScheduleAffinityRouter(RequestRouter):
         if key is None or key == "":
             return None
         return key if isinstance(key, str) else str(key)
+
+    @staticmethod
+    def adapters_of(pending_request: Optional[PendingRequest]) -> Tuple[str, ...]:
+        """The request's adapter names (``adapters=`` of the handle call); () when it names none."""
+        if pending_request is None:
+            return ()
+        names = pending_request.kwargs.get(ADAPTERS_KWARG) or ()
+        if isinstance(names, str):  # one name given bare
+            names = (names,)
+        return tuple(sorted({str(n) for n in names}))
+
+    def adapter_holders(self, candidate_replicas: List[RunningReplica],
+                        adapters: Tuple[str, ...]) -> Optional[Set[str]]:
+        """The candidates holding every one of ``adapters`` (reported, or sent there since their report: the
+        replica loads them for that request); None when the request names none (every replica is as good)."""
+        if not adapters:
+            return None
+        holders = set()
+        for replica in candidate_replicas:
+            rid = replica.replica_id.unique_id
+            report = AdapterReport.parse(replica.routing_stats)
+            held = set(report.held) if report is not None else set()
+            since = report.at - SENT_GRACE_S if report is not None else -math.inf
+            for names, at in self._sent_adapters.get(rid, ()):
+                if at >= since:
+                    held.update(names)
+            if held.issuperset(adapters):
+                holders.add(rid)
+        return holders
 
     def replica_load(self, replica: RunningReplica) -> int:
         """Best estimate of the replica's ongoing requests, across all processes routing to it."""
@@ -152,8 +187,10 @@ class ScheduleAffinityRouter(RequestRouter):
         if not reports or any(report is None for report in reports.values()):
             return None
         measured = [report.costs for report in reports.values() if report.costs is not None]
+        adapter_loads = [c.adapter_load_s for c in measured if c.adapter_load_s is not None]
         self.costs = ServiceCosts(statistics.fmean(c.generation_s for c in measured),
-                                  statistics.fmean(c.miss_s for c in measured)) if measured else None
+                                  statistics.fmean(c.miss_s for c in measured),
+                                  statistics.fmean(adapter_loads) if adapter_loads else None) if measured else None
         views = {}
         for rid, report in reports.items():
             for key, n in zip(report.keys, report.plans):
@@ -171,30 +208,41 @@ class ScheduleAffinityRouter(RequestRouter):
         return max(self._plans_of_key.values(), default=1)
 
     def rank(self, candidate_replicas: List[RunningReplica], key: Optional[str],
-             views: Optional[Dict[str, SlabView]] = None) -> List[RunningReplica]:
+             views: Optional[Dict[str, SlabView]] = None, adapters: Tuple[str, ...] = ()) -> List[RunningReplica]:
         """Candidates in preference order for ``key`` (least loaded first when ``key`` is None). ``views``:
-        the candidates' ``slab_views`` (None: no slab reports, rendezvous order)."""
+        the candidates' ``slab_views`` (None: no slab reports, rendezvous order). ``adapters``: the request's
+        adapter names; replicas holding them go first within each tier (``policy``)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {rid: self.replica_load(r) for rid, r in by_id.items()}
         if key is None:
             ids = list(by_id)
             random.shuffle(ids)  # ties between equally loaded replicas go to a random one
             return [by_id[rid] for rid in sorted(ids, key=loads.__getitem__)]
+        holders = self.adapter_holders(candidate_replicas, adapters)
         if views is not None:
             ranked = rank_for_slab_key(key, loads, views, self._plans_of(key), self.popularity.count,
-                                       self.options.load_factor, self.options.hold_factor, self.costs)
+                                       self.options.load_factor, self.options.hold_factor, self.costs,
+                                       holders, affinity_key(key, adapters))
             return [by_id[rid] for rid in ranked]
         warm = {rid: self._reports_warm(r, key) for rid, r in by_id.items()}
-        return [by_id[rid] for rid in rank_for_key(key, loads, self.options.load_factor, warm)]
+        ranked = rank_for_key(affinity_key(key, adapters), loads, self.options.load_factor, warm, holders)
+        return [by_id[rid] for rid in ranked]
 
-    @staticmethod
-    def preferred(candidate_replicas: List[RunningReplica], key: str,
-                  views: Optional[Dict[str, SlabView]]) -> List[RunningReplica]:
-        """Where ``key`` goes when no replica is loaded: the holders of its plans, else its rendezvous first
-        choice. Ranking anything else first is a spill, confirmed with a fresh probe of these."""
+    def preferred(self, candidate_replicas: List[RunningReplica], key: str,
+                  views: Optional[Dict[str, SlabView]], adapters: Tuple[str, ...] = ()) -> List[RunningReplica]:
+        """Where ``key`` goes when no replica is loaded: the holders of its plans (those of them holding its
+        adapters, if any do), else (no slab reports) the holders of its adapters, else its rendezvous first choice
+        (by the request's ``affinity_key``). Ranking anything else first is a spill, confirmed with a fresh probe
+        of these."""
+        holders = self.adapter_holders(candidate_replicas, adapters)
         if views is not None:  # nobody holds it: a new key's first home, not a spill
-            return [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
-        return [max(candidate_replicas, key=lambda r: rendezvous_weight(key, r.replica_id.unique_id))]
+            plans = [r for r in candidate_replicas if views[r.replica_id.unique_id].holds(key)]
+            both = [r for r in plans if holders is not None and r.replica_id.unique_id in holders]
+            return both or plans
+        if holders:
+            return [r for r in candidate_replicas if r.replica_id.unique_id in holders]
+        rendezvous = affinity_key(key, adapters)
+        return [max(candidate_replicas, key=lambda r: rendezvous_weight(rendezvous, r.replica_id.unique_id))]
 
     # -- RequestRouter API ---------------------------------------------------------------------------------
 
@@ -211,7 +259,8 @@ class ScheduleAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         try:
-            ranked = await self._rank_fresh(candidate_replicas, self.schedule_key_of(pending_request))
+            ranked = await self._rank_fresh(candidate_replicas, self.schedule_key_of(pending_request),
+                                            self.adapters_of(pending_request))
         except Exception:  # noqa: BLE001 - a bug here must not strand the request: fall back to least load
             logger.exception("ScheduleAffinityRouter: ranking failed; offering all replicas")
             return [list(candidate_replicas)]
@@ -222,17 +271,18 @@ class ScheduleAffinityRouter(RequestRouter):
             self._take(pending_request, choice.replica_id.unique_id)
         return [[choice]]
 
-    async def _rank_fresh(self, candidate_replicas: List[RunningReplica], key: Optional[str]) -> List[RunningReplica]:
+    async def _rank_fresh(self, candidate_replicas: List[RunningReplica], key: Optional[str],
+                          adapters: Tuple[str, ...] = ()) -> List[RunningReplica]:
         unknown = [r for r in candidate_replicas if self.replica_queue_len_cache.get(r.replica_id) is None]
         if unknown:
             await self.probe(unknown)
         if key is None:
             return self.rank(candidate_replicas, key)
         views = self.slab_views(candidate_replicas)  # parsed once for the ranking and the spill check
-        ranked = self.rank(candidate_replicas, key, views)
+        ranked = self.rank(candidate_replicas, key, views, adapters)
         if len(ranked) < 2:
             return ranked
-        preferred = self.preferred(candidate_replicas, key, views)
+        preferred = self.preferred(candidate_replicas, key, views, adapters)
         if preferred and ranked[0] not in preferred:
             # About to spill. The numbers may count a request that just finished (the caller can have its
             # result a few ms before the replica and this router stop counting it): give that a moment to
@@ -242,7 +292,7 @@ class ScheduleAffinityRouter(RequestRouter):
             if self.options.spill_confirm_s > 0:
                 await asyncio.sleep(self.options.spill_confirm_s)
             await asyncio.gather(self.probe(preferred), self.probe(ranked[:1], raise_only=True))
-            ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas))
+            ranked = self.rank(candidate_replicas, key, self.slab_views(candidate_replicas), adapters)
         return ranked
 
     def _take(self, pending_request: PendingRequest, rid: str) -> None:
@@ -285,6 +335,14 @@ class ScheduleAffinityRouter(RequestRouter):
             self.counters.unkeyed += 1
             return
         rid = replica_id.unique_id
+        now = time.time()
+        adapters = self.adapters_of(pending_request)
+        if adapters:
+            sent_adapters = self._sent_adapters.setdefault(rid, deque())
+            sent_adapters.append((adapters, now))
+            while sent_adapters and (len(sent_adapters) > MAX_SENT_REMEMBERED
+                                     or sent_adapters[0][1] < now - SENT_MEMORY_S):
+                sent_adapters.popleft()
         replicas = list(self.curr_replicas.values())
         views = self.slab_views(replicas)
         if views is not None and rid in views:
@@ -296,7 +354,6 @@ class ScheduleAffinityRouter(RequestRouter):
         else:
             self.counters.spills += 1
         self.popularity.record(key)
-        now = time.time()
         sent = self._sent.setdefault(rid, deque())
         sent.append((key, now))
         while sent and (len(sent) > MAX_SENT_REMEMBERED or sent[0][1] < now - SENT_MEMORY_S):
@@ -308,6 +365,7 @@ class ScheduleAffinityRouter(RequestRouter):
         for rid in list(self._unsent):
             if rid not in live:
                 self._unsent.pop(rid, None)
-        for rid in list(self._sent):
-            if rid not in live:
-                self._sent.pop(rid, None)
+        for sent in (self._sent, self._sent_adapters):
+            for rid in list(sent):
+                if rid not in live:
+                    sent.pop(rid, None)
