@@ -6,7 +6,8 @@ the worker asks for one GPU per replica when the cluster has GPUs at build time,
 `stages: split` (the default) binds three stage deployments, TextEncoder -> Worker (denoiser) -> Decoder,
 each with its own resources and autoscaling; on a GPU cluster they share each device by fractions
 (`schemas.SPLIT_WORKER_GPUS`, `SPLIT_STAGE_GPUS`). `stages: fused`, and any sequence-parallel engine, bind
-the one Worker that runs every stage.
+the one Worker that runs every stage. Either way one Worker per served partition (`AppConfig.partitions`:
+`Worker`, `Worker-ref2va`), each with the worker options; a split app's TextEncoder and Decoder serve them all.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""HTTP + handle front door: validates requests, holds the worker handle, encodes responses.
+"""HTTP + handle front door: validates requests, holds the worker handles, encodes responses.
+
+One ingress serves every partition of the app (`deployments/partitions.py`): the request's task (and `model`)
+picks the partition's Worker; `GET /v1/models` lists each served model, `/healthz` checks each Worker.
 
 Video jobs (`/v1/videos`: create, get, list, content with Range, events, cancel, delete, sync; routes and
 statuses in deployments/videos.py) run through the replica's `JobService`, which `deployments/video_jobs.py`
