@@ -111,7 +111,8 @@ def test_models_lists_both_partitions_models_with_their_tasks_and_limits(apps):
     ({"references": [{"kind": "image", "data": base64.b64encode(FIRST).decode()}]}, "minimax-h3-ref2va"),
 ])
 def test_the_task_picks_the_partition(apps, app, fields, model):
-    body = {"prompt": PROMPT, "steps": STEPS, "seconds": SECONDS, "seed": SEED, "return_video": False, **fields}
+    body = {"prompt": PROMPT, "steps": STEPS, "seconds": SECONDS, "seed": SEED, "width": 64, "height": 32,
+            "return_video": False, **fields}
     response = requests.post(f"{apps[app]}/v1/generations", json=body, timeout=300)
     assert response.status_code == 200, response.text
     assert response.json()["model"].startswith(model + "@")
