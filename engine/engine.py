@@ -385,9 +385,10 @@ class Engine:
 
     # --- API ---------------------------------------------------------------------------------------
 
-    def validate(self, request: GenerationRequest) -> None:
-        """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`."""
-        self._checked(with_adapter_defaults(request, self.limits))
+    def validate(self, request: GenerationRequest, embedding: PromptEmbedding | None = None) -> None:
+        """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`;
+        `embedding`: a fl2va / ref2va request's, prepared elsewhere (its `Conditions`: a denoiser-only engine)."""
+        self._checked(with_adapter_defaults(request, self.limits), embedding)
 
     def _checked(self, request: GenerationRequest, embedding: PromptEmbedding | None = None,
                  ) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:

@@ -89,6 +89,7 @@ def test_split_equals_fused_bit_for_bit(prepare, engines, case):
     assert isinstance(embedding.conditions, Conditions) and embedding.conditions.visual
     assert embedding.conditions.reference_audio == (case == "ref2va-image-and-soundtrack")
     received = pickle.loads(pickle.dumps(embedding, protocol=5))  # what a Serve hop delivers
+    denoiser.validate(request(**fields), received)  # the Worker's check before its stream starts
     split = denoiser.denoise(request(**fields), received)
     whole = fused.generate(request(**fields))
     assert torch.equal(split.video, whole.video) and torch.equal(split.audio, whole.audio)
