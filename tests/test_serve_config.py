@@ -432,9 +432,31 @@ def bound_deployments(app) -> dict:
     ingress = app._bound_deployment
     found = {ingress.name: ingress}
     for arg in ingress.init_args:
-        if isinstance(arg, Application):
-            found.update(bound_deployments(arg))
+        for item in arg if isinstance(arg, list) else [arg]:  # the Workers of the other partitions: a list
+            if isinstance(item, Application):
+                found.update(bound_deployments(item))
     return found
+
+
+@pytest.mark.parametrize("stages, stage_names", [("split", {"TextEncoder", "Decoder"}), ("fused", set())])
+def test_an_app_of_both_partitions_binds_a_worker_each_behind_one_ingress(stages, stage_names):
+    """partitions: [fl2va, ref2va]: `Worker` (FL2VA) and `Worker-ref2va` (Ref2VA), each its engine's partition and
+    the worker options (its own router); a split app's one TextEncoder prepares both partitions' tasks."""
+    from deployments.app import build_application
+    from tests.fake_engine import FakeEngine
+
+    config = AppConfig.model_validate({"stages": stages, "partitions": ["fl2va", "ref2va"]})
+    deployments = bound_deployments(build_application(config, FakeEngine))
+    assert set(deployments) == {"Ingress", "Worker", "Worker-ref2va"} | stage_names
+    for name, partition in (("Worker", "fl2va"), ("Worker-ref2va", "ref2va")):
+        worker = deployments[name]
+        assert worker.init_args[0]["partition"] == partition
+        assert worker._deployment_config.request_router_config.request_router_class.endswith("ScheduleAffinityRouter")
+    ingress_args = deployments["Ingress"].init_args
+    assert ingress_args[-2] == ["fl2va", "ref2va"] and len(ingress_args[-1]) == 1  # the partitions, more_workers
+    if stages == "split":
+        assert deployments["TextEncoder"].init_args[1] == ["fl2va", "ref2va"]
+        assert deployments["TextEncoder"].init_args[0]["partition"] == "fl2va"  # the first's checkpoint components
 
 
 @pytest.mark.parametrize("stages, names", [("split", {"Ingress", "Worker", "TextEncoder", "Decoder"}),
