@@ -4,8 +4,10 @@ Each partition is a Worker (denoiser) deployment of its own, with its own AdaLN 
 `GenerationRunner` over it (split: sharing the app's TextEncoder and Decoder; fused: the worker alone). The
 ingress describes each worker once (its model card: name, tasks, limits) and picks the partition of a request by
 its task and its `model` field (`jobs.model_choice.choose_model`, which the video jobs use too), so
-`/v1/generations` and `/v1/videos` send a request to the same model. The first partition is the app's default:
-health, admin weight updates and its routing metrics are the `Worker` deployment's.
+`/v1/generations` and `/v1/videos` send a request to the same model. The first partition is the app's default
+(`Worker`): an admin weight update is validated on it, then every Worker of the app (both partitions') applies the
+fleet target, each loading its own partition's transformer from the path (a released root holds both; a path
+holding one partition leaves the other's Workers on their weights, reported as failed).
 """
 
 from __future__ import annotations
