@@ -45,7 +45,7 @@ from deployments.errors import (RequestError, install_client_error_log_filter, i
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import PendingGenerationsGauge, RetryAfterResponses, RoutingMetrics
 from deployments.moving_mean import moving_mean
-from deployments.partitions import ServedModels, ServedPartition
+from deployments.partitions import PartitionName, ServedModels, ServedPartition
 from deployments.playground import playground_response
 from deployments.schemas import (
     AdminOptions,
@@ -166,7 +166,7 @@ class Ingress:
         self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None,
         jobs: dict[str, Any] | None = None, auth: dict[str, Any] | None = None, videos: dict[str, Any] | None = None,
         text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None,
-        partitions: list[str] | None = None, more_workers: list[DeploymentHandle] | None = None,
+        partitions: list[PartitionName] | None = None, more_workers: list[DeploymentHandle] | None = None,
     ) -> None:
         """`text_encoder` and `decoder`: the other stages of a split app (both or neither); both APIs then run
         the pipeline here over the three handles (`deployments/generation.py`). `partitions`: what `worker` and

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ray.serve.handle import DeploymentHandle
 
@@ -26,10 +26,13 @@ from engine.limits import ModelLimits
 from jobs.errors import InvalidVideoRequest
 from jobs.model_choice import choose_model
 
-__all__ = ["ServedPartition", "ServedModels", "task_field", "worker_deployment_name"]
+__all__ = ["PartitionName", "ServedPartition", "ServedModels", "task_field", "worker_deployment_name"]
+
+#: A MiniMax-H3 partition as the config names it (`engine.partition`, `AppConfig.partitions`).
+PartitionName = Literal["fl2va", "ref2va"]
 
 
-def worker_deployment_name(index: int, partition: str) -> str:
+def worker_deployment_name(index: int, partition: PartitionName) -> str:
     """The Worker deployment of the app's `index`-th partition: `Worker` for the first (the default model, the name
     single-partition apps always had), `Worker-<partition>` for the others."""
     return "Worker" if index == 0 else f"Worker-{partition}"
@@ -44,7 +47,7 @@ def task_field(request: GenerationRequest) -> str:
 class ServedPartition:
     """One partition behind the ingress: its Worker deployment and how a generation runs on it."""
 
-    partition: str  # "fl2va" | "ref2va"
+    partition: PartitionName
     worker: DeploymentHandle
     runner: GenerationRunner
 
