@@ -6,7 +6,8 @@ the worker asks for one GPU per replica when the cluster has GPUs at build time,
 `stages: split` (the default) binds three stage deployments, TextEncoder -> Worker (denoiser) -> Decoder,
 each with its own resources and autoscaling; on a GPU cluster they share each device by fractions
 (`schemas.SPLIT_WORKER_GPUS`, `SPLIT_STAGE_GPUS`). `stages: fused`, and any sequence-parallel engine, bind
-the one Worker that runs every stage.
+the one Worker that runs every stage. Either way one Worker per served partition (`AppConfig.partitions`:
+`Worker`, `Worker-ref2va`), each with the worker options; a split app's TextEncoder and Decoder serve them all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import Ingress
+from deployments.partitions import worker_deployment_name
 from deployments.routing.router import ScheduleAffinityRouter
 from deployments.schemas import (
     SPLIT_STAGE_GPUS, SPLIT_WORKER_GPUS, AppConfig, AutoscalingOptions, StageOptions, WorkerOptions,
@@ -216,28 +218,37 @@ def resolve_jobs_config(jobs: JobsConfig, checkpoint_root: str) -> JobsConfig:
 
 
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
-    """Ingress bound to a Worker. `engine_factory` (default: the real `engine.engine.Engine`) lets tests pass a fake engine."""
+    """Ingress bound to a Worker per served partition (`AppConfig.partitions`), and in a split app to the one
+    TextEncoder and Decoder they share. `engine_factory` (default: the real `engine.engine.Engine`) lets tests
+    pass a fake engine."""
     engine = resolve_engine_config(config.engine)
     jobs = resolve_jobs_config(config.jobs, engine.checkpoint_root)
     num_gpus = cluster_num_gpus()
     split = config.stages == "split" and engine.parallel.sp == 1
     if config.stages == "split" and not split:
         logger.info("ditserve: engine.parallel.sp=%d runs the stages fused (rank 0 decodes)", engine.parallel.sp)
+    partitions = config.served_partitions
+    # Each partition's engine: the same settings, its own transformer (and so its own plan cache and router).
+    engines = [engine.model_copy(update={"partition": partition}) for partition in partitions]
     options = worker_deployment_options(config.worker, num_gpus, engine, split)
-    logger.info("ditserve: stages %s, worker options %s, engine %s", "split" if split else "fused", options,
-                engine.model_dump())
+    logger.info("ditserve: stages %s, partitions %s, worker options %s, engine %s", "split" if split else "fused",
+                list(partitions), options, engine.model_dump())
     text_encoder = decoder = None
     if split:
         text_encoder_options = stage_deployment_options(config.text_encoder, num_gpus,
                                                         on_cpu(engine, engine.text_encoder.device))
         decoder_options = stage_deployment_options(config.decoder, num_gpus, on_cpu(engine, engine.decode.device))
-        check_split_fits({"worker": options, "text_encoder": text_encoder_options, "decoder": decoder_options},
-                         num_gpus)
-        text_encoder = TextEncoder.options(**text_encoder_options).bind(engine.model_dump())
-        decoder = Decoder.options(**decoder_options).bind(engine.model_dump())
-        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory or denoiser_engine_factory)
-    else:
-        worker = Worker.options(**options).bind(engine.model_dump(), engine_factory)
+        check_split_fits({**{worker_deployment_name(i, p): options for i, p in enumerate(partitions)},
+                          "text_encoder": text_encoder_options, "decoder": decoder_options}, num_gpus)
+        # One prepare and one decode stage for every partition: they share the text encoder and the VAEs. The
+        # first partition's checkpoint holds them; the prepare stage takes every served partition's tasks.
+        text_encoder = TextEncoder.options(**text_encoder_options).bind(engines[0].model_dump(), list(partitions))
+        decoder = Decoder.options(**decoder_options).bind(engines[0].model_dump())
+    workers = [
+        Worker.options(name=worker_deployment_name(index, partition), **options).bind(
+            engine_config.model_dump(), engine_factory or (denoiser_engine_factory if split else None))
+        for index, (partition, engine_config) in enumerate(zip(partitions, engines))
+    ]
     admin = config.admin.model_copy(
         update={"weight_roots": [os.path.abspath(os.path.expanduser(r)) for r in config.admin.weight_roots]
                 or [engine.checkpoint_root]}
@@ -250,8 +261,8 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
         **shutdown_options(ingress_graceful_shutdown_s(config, split)),
     )
     return ingress.bind(
-        worker, config.http.model_dump(), admin.model_dump(), jobs.model_dump(), config.auth.model_dump(),
-        config.videos.model_dump(), text_encoder, decoder,
+        workers[0], config.http.model_dump(), admin.model_dump(), jobs.model_dump(), config.auth.model_dump(),
+        config.videos.model_dump(), text_encoder, decoder, list(partitions), workers[1:],
     )
 
 

@@ -3,7 +3,8 @@
 Both APIs (`/v1/generations` and the video job runner) hold one `GenerationRunner`, chosen when the app is
 built (`runner_for`):
 
-- `stages: split`: the ingress runs the one `Pipeline` itself over handle-backed steps: `TextEncoder.encode`,
+- `stages: split`: the ingress runs the one `Pipeline` itself over handle-backed steps: `TextEncoder.encode`
+  (for fl2va / ref2va the embedding carries the keyframes' and references' condition latents),
   `Worker.denoise_stream`, `Decoder.decode`. The Worker replica is a pure denoiser: its request slot, and the
   ongoing count it reports to the router, cover denoising only (never a wait on the Decoder).
 - `stages: fused`: the worker's engine holds every stage and runs the same `Pipeline` in its process
@@ -76,17 +77,8 @@ async def follow(stream: Any, on_progress: ProgressFn, cancelled: CancelledFn) -
             await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
 
 
-#: What a split app runs: a keyframe's or reference's VAE encode and vision prompt run beside a fused engine's
-#: denoiser (`deployments.stages` refuses the rest with a 422 naming `stages: fused`).
-SPLIT_TASKS = ("t2va",)
-
-
 class GenerationRunner(Protocol):
     """A generation as the ingress runs it (split or fused)."""
-
-    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
-        """Of the tasks the engine's partition serves, those this app runs (what `GET /v1/models` lists and the
-        video API admits)."""
 
     async def check(self, request: GenerationRequest) -> None:
         """ClientError if what holds the tokenizer refuses the request's prompt (cheap; one call)."""
@@ -147,9 +139,6 @@ class SplitRunner:
         self._pipeline = Pipeline(TextEncoderStep(stages.text_encoder), WorkerDenoiseStep(stages.worker),
                                   DecoderStep(stages.decoder))
 
-    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(task for task in partition_tasks if task in SPLIT_TASKS)
-
     async def check(self, request: GenerationRequest) -> None:
         await self._text_encoder.validate.remote(request)  # the TextEncoder holds the tokenizer
 
@@ -169,9 +158,6 @@ class FusedRunner:
 
     def __init__(self, worker: DeploymentHandle) -> None:
         self._worker = worker
-
-    def served_tasks(self, partition_tasks: tuple[str, ...]) -> tuple[str, ...]:
-        return partition_tasks
 
     async def check(self, request: GenerationRequest) -> None:
         await self._worker.validate.remote(request)  # the fused engine holds the tokenizer

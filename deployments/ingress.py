@@ -1,4 +1,7 @@
-"""HTTP + handle front door: validates requests, holds the worker handle, encodes responses.
+"""HTTP + handle front door: validates requests, holds the worker handles, encodes responses.
+
+One ingress serves every partition of the app (`deployments/partitions.py`): the request's task (and `model`)
+picks the partition's Worker; `GET /v1/models` lists each served model, `/healthz` checks each Worker.
 
 Video jobs (`/v1/videos`: create, get, list, content with Range, events, cancel, delete, sync; routes and
 statuses in deployments/videos.py) run through the replica's `JobService`, which `deployments/video_jobs.py`
@@ -42,6 +45,7 @@ from deployments.errors import (RequestError, install_client_error_log_filter, i
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import PendingGenerationsGauge, RetryAfterResponses, RoutingMetrics
 from deployments.moving_mean import moving_mean
+from deployments.partitions import PartitionName, ServedModels, ServedPartition
 from deployments.playground import playground_response
 from deployments.schemas import (
     AdminOptions,
@@ -55,7 +59,7 @@ from deployments.schemas import (
 from deployments.video_jobs import VideoJobs
 from deployments.videos import VideoApiSlot, videos_router
 from engine.api import GenerationRequest, with_adapter_defaults
-from engine.limits import ModelLimits
+from engine.errors import ClientError
 from engine.pipeline import PipelineResult
 from jobs.config import AuthConfig, JobsConfig
 
@@ -149,12 +153,10 @@ def _new_id() -> str:
     return f"gen-{uuid.uuid4().hex[:24]}"
 
 
-def served_model(card: dict[str, Any], runner: GenerationRunner) -> dict[str, Any]:
-    """A `GET /v1/models` entry: the worker's `describe()` with the tasks this app runs (`tasks`, and in
-    `limits.tasks`): the partition's, less what a split app refuses."""
+def served_model(card: dict[str, Any]) -> dict[str, Any]:
+    """A `GET /v1/models` entry: the worker's `describe()` with its tasks beside its limits (`limits.tasks`)."""
     limits = card.get("limits") or {}
-    tasks = list(runner.served_tasks(tuple(limits.get("tasks", ("t2va",)))))
-    return {**card, "tasks": tasks, "limits": {**limits, "tasks": tasks}}
+    return {**card, "tasks": list(limits.get("tasks", ("t2va",)))}
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -164,23 +166,29 @@ class Ingress:
         self, worker: DeploymentHandle, http: dict[str, Any] | None = None, admin: dict[str, Any] | None = None,
         jobs: dict[str, Any] | None = None, auth: dict[str, Any] | None = None, videos: dict[str, Any] | None = None,
         text_encoder: DeploymentHandle | None = None, decoder: DeploymentHandle | None = None,
+        partitions: list[PartitionName] | None = None, more_workers: list[DeploymentHandle] | None = None,
     ) -> None:
         """`text_encoder` and `decoder`: the other stages of a split app (both or neither); both APIs then run
-        the pipeline here over the three handles (`deployments/generation.py`)."""
+        the pipeline here over the three handles (`deployments/generation.py`). `partitions`: what `worker` and
+        each of `more_workers` serve, in that order (`AppConfig.partitions`; default: `worker` serves FL2VA);
+        the task picks one (`deployments/partitions.py`)."""
         install_client_error_log_filter()  # a handle caller's bad request is one INFO line, not an ERROR traceback
-        self._worker = worker
-        self._runner = runner_for(worker, text_encoder, decoder)
+        self._worker = worker  # the default partition's: health, admin weight updates
+        workers = [worker, *(more_workers or ())]
+        partitions = partitions or ["fl2va"]
+        if len(partitions) != len(workers):
+            raise ValueError(f"partitions {partitions} and {len(workers)} worker handles: one worker per partition")
         self._http = HttpOptions.model_validate(http or {})
+        self._models = ServedModels(
+            [ServedPartition(partition, handle, runner_for(handle, text_encoder, decoder))
+             for partition, handle in zip(partitions, workers)], self._http.health_timeout_s)
         self._pending = PendingGenerations(self._http.max_pending_generations, PendingGenerationsGauge().set)
         context = serve.get_replica_context()
         self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
         self._routing_metrics = RoutingMetrics()
-        self._model_card: dict[str, Any] | None = None
-        self._model_limits: ModelLimits | None = None  # the card's limits, parsed once
         self._videos = VideoJobs(
-            worker, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
+            self._models, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
             VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,
-            describe_timeout_s=self._http.health_timeout_s, runner=self._runner,
         )
         self._videos.start()
 
@@ -197,8 +205,10 @@ class Ingress:
         this replica got the request)."""
         with self._pending.admit():
             try:
-                request = await self._with_adapter_defaults(request)
-                finished = await asyncio.wait_for(self._runner.run(request), timeout=self._http.request_timeout_s)
+                runner, request = await self._routed(request)
+                finished = await asyncio.wait_for(runner.run(request), timeout=self._http.request_timeout_s)
+            except RequestError:
+                raise
             except asyncio.TimeoutError:  # the run was cancelled: the engine stops at its next step
                 raise self._timeout_error() from None
             except Exception as exc:  # noqa: BLE001 - sorted by worker_error
@@ -219,21 +229,20 @@ class Ingress:
             decode_call_s=calls.decode_call_s, respond_s=done - encoding)
         return response
 
-    async def _with_adapter_defaults(self, request: GenerationRequest) -> GenerationRequest:
-        """`request` with its adapters' steps and shifts where it set none, resolved here rather than only in the
-        engine: the router's schedule key and the progress it reports must be those of the schedule it runs."""
-        if not request.adapters:
-            return request
-        if self._model_limits is None:
-            self._model_limits = ModelLimits.model_validate((await self._describe())["limits"])
-        return with_adapter_defaults(request, self._model_limits)
-
-    async def _describe(self) -> dict[str, Any]:
-        """The worker's `describe()`, asked once per replica."""
-        if self._model_card is None:
-            self._model_card = await asyncio.wait_for(self._worker.describe.remote(),
-                                                      timeout=self._http.health_timeout_s)
-        return self._model_card
+    async def _routed(self, request: GenerationRequest) -> tuple[GenerationRunner, GenerationRequest]:
+        """The runner of the partition that serves `request` (its task, its `model`: RequestError 422 when none
+        does), and `request` with its adapters' steps and shifts where it set none, resolved here rather than only
+        in the engine: the router's schedule key and the progress it reports must be those of the schedule it
+        runs."""
+        try:
+            index = await self._models.choose(request)
+            if request.adapters:
+                request = with_adapter_defaults(request, await self._models.limits(index))
+        except (RequestError, ClientError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a worker that does not describe its model cannot take requests
+            raise RequestError(503, "unavailable", f"worker describe failed: {type(exc).__name__}") from None
+        return self._models.partitions[index].runner, request
 
     def _timeout_error(self) -> RequestError:
         return RequestError(
@@ -252,10 +261,12 @@ class Ingress:
                 events.put_nowait(ProgressEvent(step=step, steps=steps, elapsed_s=time.perf_counter() - start))
 
             try:
-                request = await self._with_adapter_defaults(request)
+                runner, request = await self._routed(request)
+            except RequestError:
+                raise
             except Exception as exc:  # noqa: BLE001 - sorted by worker_error
                 raise worker_error(exc, request_id) from None
-            run = asyncio.ensure_future(self._runner.run(request, on_progress))
+            run = asyncio.ensure_future(runner.run(request, on_progress))
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._http.request_timeout_s
             try:
@@ -414,20 +425,26 @@ class Ingress:
     async def playground(self) -> Response:
         return playground_response(self._http.playground)
 
-    @api.get("/healthz", summary="200 when a worker replica answers its health check.")
+    @api.get("/healthz", summary="200 when a worker replica of every served partition answers its health check.")
     async def healthz(self) -> JSONResponse:
-        try:
-            worker = await asyncio.wait_for(self._worker.health.remote(), timeout=self._http.health_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - any failure means not healthy
-            message = f"worker health check failed: {type(exc).__name__}"
-            return RequestError(503, "unavailable", message).response()
-        return JSONResponse(content={"status": "ok", "worker": worker})
+        workers = {}
+        for served in self._models.partitions:
+            try:
+                workers[served.partition] = await asyncio.wait_for(served.worker.health.remote(),
+                                                                   timeout=self._http.health_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+                message = f"worker health check failed ({served.partition}): {type(exc).__name__}"
+                return RequestError(503, "unavailable", message).response()
+        body = {"status": "ok", "worker": workers[self._models.default.partition]}
+        return JSONResponse(content={**body, "workers": workers} if len(workers) > 1 else body)
 
-    @api.get("/v1/models", summary="The served model, its limits and engine config.")
+    @api.get("/v1/models", summary="The served models (one per partition), each with its tasks, limits and engine "
+             "config.")
     async def models(self) -> JSONResponse:
         try:
-            card = await self._describe()
+            cards = await self._models.cards()
         except Exception as exc:  # noqa: BLE001
             return RequestError(503, "unavailable", f"worker describe failed: {type(exc).__name__}").response()
-        return JSONResponse(content={"object": "list", "data": [served_model(card, self._runner)]})
+        return JSONResponse(content={"object": "list", "data": [
+            served_model(card) for card in cards]})
 

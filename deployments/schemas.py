@@ -418,10 +418,27 @@ class AppConfig(BaseModel):
     auth: AuthConfig = Field(default_factory=AuthConfig, description="Optional API keys of the video routes.")
     videos: VideoOptions = Field(default_factory=VideoOptions, description="What video jobs ask the engine for.")
 
+    partitions: tuple[Literal["fl2va", "ref2va"], ...] | None = Field(
+        None, min_length=1,
+        description="The MiniMax-H3 partitions this app serves behind its one ingress, each a Worker (denoiser) "
+        "deployment of its own, with its own AdaLN plan cache (keyed by its transformer's weights) and router; the "
+        "request's task picks one (t2va, fl2va -> fl2va; ref2va -> ref2va), GET /v1/models lists each. The first "
+        "is the `Worker` deployment, the others `Worker-<partition>`. split: one TextEncoder and one Decoder serve "
+        "them all (the text encoder and VAEs are loaded once); fused: each Worker holds its own. null: "
+        "engine.partition alone.")
+
     @model_validator(mode="after")
-    def _split_serves_t2va(self) -> AppConfig:
-        # A split app runs t2va only (deployments.generation.SPLIT_TASKS): the Ref2VA partition would serve nothing.
-        if self.engine.partition == "ref2va" and self.stages == "split" and self.engine.parallel.sp == 1:
-            raise ValueError("engine.partition: ref2va serves references, which need stages: fused (a split app "
-                             "runs t2va only)")
+    def _partitions_once(self) -> AppConfig:
+        if self.partitions is None:
+            return self
+        if len(set(self.partitions)) != len(self.partitions):
+            raise ValueError(f"partitions: {list(self.partitions)} lists a partition twice")
+        if "partition" in self.engine.model_fields_set and self.engine.partition not in self.partitions:
+            raise ValueError(f"engine.partition: {self.engine.partition} is not in partitions: "
+                             f"{list(self.partitions)}; leave engine.partition out (partitions names what is served)")
         return self
+
+    @property
+    def served_partitions(self) -> tuple[Literal["fl2va", "ref2va"], ...]:
+        """The partitions served, the first the app's default model (`Worker`)."""
+        return self.partitions if self.partitions is not None else (self.engine.partition,)

@@ -1,5 +1,7 @@
-"""The stage deployments of `stages: split`: `TextEncoder` (prompt -> embedding, with the prompt-embedding
-cache) and `Decoder` (video + audio VAE decode, MP4 mux).
+"""The stage deployments of `stages: split`: `TextEncoder` (the prepare side: prompt -> embedding, with the
+prompt-embedding cache; for fl2va / ref2va also Qwen3-VL's vision tower and the VAE encodes of the keyframes and
+references, whose latents travel to the Worker in the embedding: `engine.prepare`) and `Decoder` (video + audio VAE
+decode, MP4 mux). One of each serves every partition of the app (they share the text encoder and the VAEs).
 
 With them the `Worker` holds the denoiser alone (`engine.engine.EngineParts.DENOISER`) and is free for the next
 request the moment its denoising loop ends; the ingress runs the pipeline over the three
@@ -20,9 +22,8 @@ from ray import serve
 
 from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
-from engine.api import GenerationRequest, Latents, Task
+from engine.api import GenerationRequest, Latents
 from engine.config import EngineConfig
-from engine.errors import ClientError
 from engine.stages import DecodedVideo, PromptEmbedding
 from engine.startup import ReplicaStartup, process_started_at
 
@@ -45,45 +46,37 @@ def replica_startup(role: str, constructor_at: float, build_started_at: float) -
                           preloaded=PRELOADED)
 
 
-def _check_task(request: GenerationRequest) -> None:
-    """A split app serves t2va: the keyframes' and references' VAE encodes run beside a fused engine's denoiser."""
-    if request.task is not Task.T2VA:
-        raise ClientError("keyframes" if request.keyframes else "references",
-                          f"{request.task.value} requests are served with stages: fused; this app runs stages: split",
-                          "stages=fused")
-
-
 @serve.deployment(name="TextEncoder", ray_actor_options={"num_cpus": 0.5})
 class TextEncoder:
-    """Qwen3-VL on its device (`engine.text_encoder.device`) and the LRU prompt-embedding cache."""
+    """Qwen3-VL on its device (`engine.text_encoder.device`), the LRU prompt-embedding cache and, when the app
+    serves keyframes or references, the vision tower and the VAEs' encoder halves."""
 
-    def __init__(self, engine_config: dict[str, Any]) -> None:
+    def __init__(self, engine_config: dict[str, Any], partitions: list[str] | None = None) -> None:
+        """`partitions`: every partition the app serves (default: engine.partition): their tasks are prepared."""
         constructor_at = time.time()
-        from engine.engine import prompt_stage  # loads the model: not at import time
+        from engine.prepare import prepare_stage  # loads the models: not at import time
 
         build_started_at = time.time()
         install_client_error_log_filter()
-        self._stage = prompt_stage(EngineConfig.model_validate(engine_config))
+        self._stage = prepare_stage(EngineConfig.model_validate(engine_config), partitions)
         self._startup = replica_startup("text_encoder", constructor_at, build_started_at)
         logger.info("%s", self._startup.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
     async def validate(self, request: GenerationRequest) -> int:
-        """The prompt's tokens; ClientError (message `prompt: ...`) when the encoder cannot take it. Cheap."""
-        _check_task(request)
-        return await asyncio.to_thread(self._stage.check, request.prompt)
+        """The prompt's tokens; ClientError naming the field when the encoder cannot take the prompt, or a keyframe
+        or reference is bad (decoded and checked, not encoded). Cheap."""
+        return await asyncio.to_thread(self._stage.check, request)
 
     async def describe(self) -> dict[str, Any]:
         """This replica's start-up timings."""
         return {"startup": self._startup.as_dict()}
 
     async def encode(self, request: GenerationRequest) -> PromptEmbedding:
-        """`request`'s prompt embedding on the CPU (ClientError for a prompt the encoder refuses, or a request
-        with keyframes or references: their vision and VAE encodes run in a fused engine)."""
-        _check_task(request)
+        """`request`'s prompt embedding on the CPU, for fl2va / ref2va with its `Conditions` (the canvas and the
+        VAE condition latents); ClientError naming the field for what the encoders refuse."""
         loop = asyncio.get_running_loop()
-        embedding = await loop.run_in_executor(self._executor, self._stage.encode, request.prompt)
-        return embedding.cpu()
+        return await loop.run_in_executor(self._executor, self._stage.encode, request)
 
     async def check_health(self) -> None:
         pass

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +55,7 @@ from jobs.errors import InvalidVideoRequest
 __all__ = [
     "LOSSLESS_CACHE_DIT",
     "ModelCard",
+    "ModelsVideoBackend",
     "VIDEO_FIELDS",
     "PipelineVideoBackend",
     "generation_request",
@@ -274,3 +276,25 @@ class PipelineVideoBackend:
         except Exception as exc:  # noqa: BLE001 - sorted by backend_error
             raise backend_error(exc, run.cancelled(), spec) from exc
         return video_output(finished, time.perf_counter() - start)
+
+
+class ModelsVideoBackend:
+    """`jobs.backend.VideoBackend` of an app serving several models (one per partition): a job runs on the backend
+    of the model it was resolved to (`spec.model`, chosen by its task or named: `jobs.model_choice`)."""
+
+    def __init__(self, backends: Mapping[str, PipelineVideoBackend]) -> None:
+        if not backends:
+            raise ValueError("ModelsVideoBackend needs at least one model's backend")
+        self._backends = dict(backends)
+
+    def _backend(self, spec: VideoSpec) -> PipelineVideoBackend:
+        backend = self._backends.get(spec.model)
+        if backend is None:  # a job queued for a model this replica does not serve (the job service claims its own)
+            raise VideoServerError(f"model {spec.model!r} is not served by this replica: {sorted(self._backends)}")
+        return backend
+
+    async def validate(self, spec: VideoSpec) -> None:
+        await self._backend(spec).validate(spec)
+
+    async def run(self, spec: VideoSpec, run: VideoRun) -> VideoOutput:
+        return await self._backend(spec).run(spec, run)

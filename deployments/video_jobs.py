@@ -1,8 +1,9 @@
 """The ingress replica's video job service, from start to stop.
 
 `VideoJobs.start()` (called from the ingress's async constructor) returns at once and brings the service
-up in the background: ask the Worker deployment to describe the served model (waiting while no worker
-replica is up yet, e.g. a large checkpoint still loading), take the served `ModelLimits` from it, open the
+up in the background: ask each served partition's Worker deployment to describe its model (waiting while no
+worker replica is up yet, e.g. a large checkpoint still loading), take the served `ModelLimits` from them (a job's
+`model`, or its task, picks one: `jobs.model_choice`), open the
 job database and the output store, start a `JobService` (runners, lease keeper, reaper) on this replica's
 event loop, and hand it to the `/v1/videos` routes through their `VideoApiSlot`. Until then the routes
 answer 503 with the reason. A database that cannot be opened yet (PostgreSQL still starting) is retried; a
@@ -19,12 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ray.serve.handle import DeploymentHandle
-
 from deployments.schemas import VideoOptions
-from deployments.generation import GenerationRunner
 from deployments.metrics import VideoJobMetrics
-from deployments.video_backend import ModelCard, PipelineVideoBackend
+from deployments.partitions import ServedModels
+from deployments.video_backend import ModelCard, ModelsVideoBackend, PipelineVideoBackend
 from deployments.videos import VideoApi, VideoApiSlot
 from jobs.config import AuthConfig, JobsConfig
 from jobs.outputs import OutputStore
@@ -43,14 +42,12 @@ class VideoJobs:
     """Owns one replica's JobService and publishes it into `slot` once started."""
 
     def __init__(
-        self, worker: DeploymentHandle, slot: VideoApiSlot, jobs: JobsConfig, auth: AuthConfig,
-        videos: VideoOptions, replica_id: str, describe_timeout_s: float, runner: GenerationRunner,
+        self, models: ServedModels, slot: VideoApiSlot, jobs: JobsConfig, auth: AuthConfig,
+        videos: VideoOptions, replica_id: str,
     ) -> None:
-        self._worker, self._slot = worker, slot
+        self._models, self._slot = models, slot
         self._jobs, self._auth, self._videos = jobs, auth, videos
         self._replica_id = replica_id
-        self._describe_timeout_s = describe_timeout_s
-        self._runner = runner
         self._service: JobService | None = None
         self._store: JobStore | None = None
         self._starting: asyncio.Task[None] | None = None
@@ -72,12 +69,16 @@ class VideoJobs:
             await asyncio.gather(self._starting, return_exceptions=True)
 
     async def _start(self) -> None:
-        card = await self._describe()
-        if card is None:
-            return
-        # The engine's own limits (what the video API resolves and checks jobs against), with the tasks this app runs.
-        limits = card.limits.model_copy(update={"tasks": self._runner.served_tasks(card.limits.tasks)})
-        backend = PipelineVideoBackend(self._runner, card, self._videos.high_quality, self._videos.validate_timeout_s)
+        backends, models = {}, []
+        for index, served in enumerate(self._models.partitions):
+            card = await self._describe(index)
+            if card is None:
+                return
+            # The engine's own limits (what the video API resolves and checks jobs against): one model per partition.
+            models.append(card.limits)
+            backends[card.limits.name] = PipelineVideoBackend(served.runner, card, self._videos.high_quality,
+                                                              self._videos.validate_timeout_s)
+        backend = ModelsVideoBackend(backends)
         while True:
             try:
                 store = await asyncio.to_thread(open_job_store, self._jobs.resolved_database_url)
@@ -91,20 +92,20 @@ class VideoJobs:
                 logger.warning("video jobs: cannot open %s / %s yet: %s", self._jobs.resolved_database_url,
                                self._jobs.resolved_output_url, exc)
                 await asyncio.sleep(RETRY_S)
-        service = JobService(store=store, outputs=outputs, backend=backend, models=[limits], config=self._jobs,
+        service = JobService(store=store, outputs=outputs, backend=backend, models=models, config=self._jobs,
                              replica_id=self._replica_id, metrics=VideoJobMetrics())
         await service.start()
         self._service, self._store = service, store
         self._slot.set(VideoApi(service=service, auth=self._auth))
-        logger.info("video jobs serving model %r (jobs in %s, outputs in %s)", limits.name,
+        logger.info("video jobs serving models %s (jobs in %s, outputs in %s)", [m.name for m in models],
                     self._jobs.resolved_database_url, self._jobs.resolved_output_url)
 
-    async def _describe(self) -> ModelCard | None:
-        """The worker's description of the served model, asked until a worker replica answers; None (and the
-        routes stay unavailable) when it is not one the video API can read."""
+    async def _describe(self, index: int) -> ModelCard | None:
+        """The `index`-th partition's worker's description of its model, asked until a worker replica answers;
+        None (and the routes stay unavailable) when it is not one the video API can read."""
         while True:
             try:
-                described = await asyncio.wait_for(self._worker.describe.remote(), timeout=self._describe_timeout_s)
+                described = await self._models.card(index)
             except Exception as exc:  # noqa: BLE001 - no worker yet, or a busy one: ask again
                 logger.info("video jobs: the worker did not describe the model yet (%s)", type(exc).__name__)
                 await asyncio.sleep(RETRY_S)

@@ -224,8 +224,12 @@ class Worker(ScheduleAffinityReporter):
         for `request.prompt`. Yields progress events as `generate_stream`, then the `GenerationResult` with
         the latents and no MP4 (the Decoder decodes them). The replica takes its next request as soon as this
         one's loop ends."""
-        # Off the loop: a multi-GPU engine asks its rank 0 actor (a Ray round trip).
-        await asyncio.to_thread(self._engine.validate, request)
+        # Off the loop: a multi-GPU engine asks its rank 0 actor (a Ray round trip). A fl2va / ref2va request is
+        # planned from its embedding's `Conditions` (this engine holds neither the media encoders nor the VAEs).
+        if embedding.conditions is not None:
+            await asyncio.to_thread(self._engine.validate, request, embedding)
+        else:
+            await asyncio.to_thread(self._engine.validate, request)
         async for event in self._stream(request, schedule_key, embedding):
             yield event
 

@@ -108,6 +108,9 @@ class GenerationRequest(BaseModel):
 
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS,
                         description="Text prompt, tokenized verbatim (no chat template); the server limits its tokens.")
+    model: str | None = Field(None, min_length=1, max_length=128,
+                              description="A served model's name (`GET /v1/models`: `limits.name`); null: the one "
+                              "that serves the request's task (an app serving both partitions: the task picks it).")
     steps: int = Field(50, ge=2, le=MAX_STEPS,
                        description="Sampling grid points including the final 0: `steps - 1` transformer forwards.")
     seconds: float = Field(5.0, gt=0, le=60, allow_inf_nan=False,

@@ -2,13 +2,16 @@
 
     stage = ConditioningStage(checkpoint, prompt_stage, decode_stage, limits)
     geometry, schedule = stage.check(request)        # decode the uploads (limits first), canvas, geometry, plans
-    embedding = stage.encode(request)                # Qwen3-VL presentation, through the prompt-embedding cache
-    conditions = stage.conditions(request)           # VAE condition latents, for `model.denoise.Denoiser`
+    embedding = stage.encode(request)                # Qwen3-VL presentation, through the prompt-embedding cache,
+                                                     # with its `Conditions`: the canvas, the VAE condition latents
+    geometry, schedule = conditioned_plan(request, embedding.conditions, limits)   # the denoiser's side
 
-`check` is cheap enough for `Engine.validate` (the media decode and the canvas, no model call); `encode` and
-`conditions` run the models once per request: the preparation is kept for the last few request objects, so the
-three calls of one generation decode and encode once. Every input error is a `ClientError` naming the field
-(`keyframes[0].image`, `references[2]`).
+`check` is cheap enough for `Engine.validate` (the media decode and the canvas, no model call); `encode` runs the
+models once per request: the preparation is kept for the last few request objects, so the calls of one
+generation decode and encode once. The embedding carries everything the denoiser needs of the keyframes and
+references, so the prepare side may be another process (`stages: split`: `engine.prepare.PrepareStage` in the
+TextEncoder deployment) and `conditioned_plan` gives the denoiser the same geometry and schedule `check` gave.
+Every input error is a `ClientError` naming the field (`keyframes[0].image`, `references[2]`).
 """
 
 from __future__ import annotations
@@ -20,20 +23,26 @@ from dataclasses import dataclass
 
 from engine.api import GenerationRequest, field_error
 from engine.errors import ClientError
-from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
-from engine.stages import DecodeStage, PromptEmbedding, PromptStage
+from engine.media import MediaError, MediaLimits, decode_audio, decode_image
+from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage
 from model.canvas import CanvasError, CanvasRule
 from model.conditioning import (AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
-                                KeyframeAnchor, Reference, VideoReference)
-from model.denoise import ConditionLatents
+                                KeyframeAnchor, Reference)
 from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.geometry import GeometryError, GeometryLimits, VideoGeometry, frames_for_seconds, snap_num_frames
 from model.layout import H3Checkpoint
 from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning, request_canvas
 from model.schedule import H3Schedule, ScheduleError, Task
 
-#: Request objects whose preparation is kept (one generation calls check, encode, conditions in turn).
+#: Request objects whose preparation is kept (one generation calls check, then encode).
 PREPARED_KEPT = 4
+
+#: Why a video reference is refused (before its file is decoded): Qwen3-VL's video processor needs torchvision, and
+#: the only torchvision wheel for our torch is a CUDA build that does not import against the CPU torch (its
+#: `torchvision::nms` operator is missing), so the server ships without it.
+VIDEO_REFERENCES_UNSERVED = ("video references are not served: Qwen3-VL's video processor needs torchvision, which "
+                             "this server does not ship (its wheel does not load against the server's torch); send "
+                             "image references and an audio reference (the video's soundtrack) instead")
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,9 +59,13 @@ class ConditioningStage:
     decode stage's VAEs (their encoder halves)."""
 
     def __init__(self, checkpoint: H3Checkpoint, prompt_stage: PromptStage, decode_stage: DecodeStage,
-                 limits: GeometryLimits, media_limits: MediaLimits = MediaLimits()) -> None:
+                 limits: GeometryLimits, media_limits: MediaLimits = MediaLimits(),
+                 tasks: tuple[str, ...] | None = None) -> None:
+        """`tasks`: what it prepares (default: the checkpoint's partition's; the prepare stage of an app serving
+        both partitions: both's)."""
         self.checkpoint, self.prompt_stage, self.limits, self.media_limits = (checkpoint, prompt_stage, limits,
                                                                               media_limits)
+        self._tasks = tasks if tasks is not None else checkpoint.tasks
         self.rule = CanvasRule.of(checkpoint)
         encoder = prompt_stage.encoder
         self.encoders = ConditionEncoders(encoder.tokenizer, encoder.image_processor,
@@ -63,8 +76,8 @@ class ConditioningStage:
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        """The conditioned tasks this engine serves: its partition's."""
-        return tuple(task for task in self.checkpoint.tasks if task != Task.T2VA.value)
+        """The conditioned tasks this stage serves: its partition's (or those it was given)."""
+        return tuple(task for task in self._tasks if task != Task.T2VA.value)
 
     def check(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule]:
         """The request's geometry and schedule; ClientError naming the field for any bad input."""
@@ -77,10 +90,10 @@ class ConditioningStage:
         # The prompt's own tokens were checked against max_prompt_tokens (`PromptStage.check`); the vision blocks
         # are the canvas's, bounded by the media limits.
         embeds = cache.get_or_encode_presentation(self.prompt_stage.encoder, entry.prepared.presentation)
-        return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=cache.stats())
-
-    def conditions(self, request: GenerationRequest) -> ConditionLatents:
-        return self._prepared(request).prepared.conditions
+        conditions = Conditions.of(entry.geometry.width, entry.geometry.height, entry.schedule.reference_audio,
+                                   entry.prepared.conditions)
+        return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=cache.stats(),
+                               conditions=conditions)
 
     # --- Internals -------------------------------------------------------------------------------------
 
@@ -91,8 +104,8 @@ class ConditioningStage:
                 return entry
         if request.task.value not in self.tasks:
             raise ClientError("keyframes" if request.keyframes else "references",
-                              f"{request.task.value} is not served by this model (the {self.checkpoint.partition.native_dir_name} partition "
-                              f"serves {', '.join(self.checkpoint.tasks)})")
+                              f"{request.task.value} is not served by this model (it serves "
+                              f"{', '.join(self._tasks)})")
         try:
             conditioning = self._decoded(request)
             size = (request.width, request.height) if request.size_given else None
@@ -143,8 +156,8 @@ class ConditioningStage:
             if reference.kind == "image":
                 references.append(ImageReference(decode_image(reference.data, field, limits)))
             elif reference.kind == "video":
-                video = decode_video(reference.data, field, limits)
-                references.append(VideoReference(video.frames, video.fps, video.audio, video.sample_rate))
+                # Refused before its file is decoded (`model.presentation` could not present it).
+                raise ClientError(field, VIDEO_REFERENCES_UNSERVED, "video references: none")
             else:
                 audio = decode_audio(reference.data, field, limits)
                 references.append(AudioReference(audio.audio, audio.sample_rate))
@@ -164,10 +177,23 @@ def checked_conditioning(stage: ConditioningStage | None, request: GenerationReq
     """`stage`, or the ClientError a keyframe / reference request gets from an engine that cannot serve it."""
     if stage is None:
         field = "keyframes" if request.keyframes else "references"
-        raise ClientError(field, f"{request.task.value} is not served by this engine (it needs the vision "
-                          f"encoder and the VAEs in the same fused engine: text_encoder.vision, stages: fused); "
-                          f"it serves t2va")
+        raise ClientError(field, f"{request.task.value} is not served by this engine (it needs Qwen3-VL's vision "
+                          f"tower beside the VAEs: engine.text_encoder.vision: true); it serves t2va",
+                          "engine.text_encoder.vision=true")
     return stage
+
+
+def conditioned_plan(request: GenerationRequest, conditions: Conditions,
+                     limits: GeometryLimits) -> tuple[VideoGeometry, H3Schedule]:
+    """The geometry and schedule of a fl2va / ref2va `request` from what its prepare side made (`conditions`):
+    what `ConditioningStage.check` gave there, without the media or the models. Errors as `check`'s."""
+    try:
+        geometry = VideoGeometry.from_seconds(conditions.width, conditions.height, request.seconds, limits)
+        schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, request.task,
+                                    conditions.reference_audio)
+    except (GeometryError, ScheduleError) as exc:
+        raise field_error(exc, request) from None
+    return geometry, schedule
 
 
 def _client_error(exc: MediaError | ConditioningError | CanvasError) -> ClientError:

@@ -258,7 +258,7 @@ class EngineConfig(BaseModel):
     partition: Literal["fl2va", "ref2va"] = Field(
         "fl2va", description="The checkpoint partition this engine serves: fl2va (the FL2VA transformer: t2va and "
         "keyframes) or ref2va (the Ref2VA transformer, `transformer_ref/` in the diffusers layout: references). "
-        "Both share the text encoder and VAEs; serving both is two applications (README).")
+        "Both share the text encoder and VAEs; an app serving both lists them in `partitions` (README).")
     device: DeviceName = Field("auto", description="auto: cuda when this process sees a GPU, else cpu.")
     max_steps: int = Field(MAX_STEPS, ge=2, le=MAX_STEPS, description="Most sampling steps one request may ask for.")
     geometry: GeometryConfig | None = Field(

@@ -69,12 +69,12 @@ from engine.limits import ModelLimits, served_limits
 from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
-from engine.conditioning import checked_conditioning, conditioning_stage
+from engine.conditioning import checked_conditioning, conditioned_plan, conditioning_stage
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adapters import AdapterError
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VideoDecoder
-from model.denoise import Denoiser
+from model.denoise import ConditionLatents, Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
@@ -388,13 +388,17 @@ class Engine:
 
     # --- API ---------------------------------------------------------------------------------------
 
-    def validate(self, request: GenerationRequest) -> None:
-        """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`."""
-        self._checked(with_adapter_defaults(request, self.limits))
+    def validate(self, request: GenerationRequest, embedding: PromptEmbedding | None = None) -> None:
+        """ClientError (a ValueError) naming the field and the limit if the server cannot take `request`;
+        `embedding`: a fl2va / ref2va request's, prepared elsewhere (its `Conditions`: a denoiser-only engine)."""
+        self._checked(with_adapter_defaults(request, self.limits), embedding)
 
-    def _checked(self, request: GenerationRequest) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
+    def _checked(self, request: GenerationRequest, embedding: PromptEmbedding | None = None,
+                 ) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
         """The request's geometry, schedule and Cache-DiT config; its prompt is checked by the prompt stage
-        (here when this engine holds it, else in the TextEncoder deployment, before encoding)."""
+        (here when this engine holds it, else in the TextEncoder deployment, before encoding). A fl2va / ref2va
+        `embedding` carries its `Conditions` (canvas, reference soundtrack): the denoiser needs neither the media
+        nor the encoders to plan it (`stages: split`)."""
         if request.guidance_scale != 1.0:
             raise ClientError(
                 "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
@@ -412,6 +416,13 @@ class Engine:
                 geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
                                                       self._geometry_limits, H3_LATENTS)
                 schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
+            elif embedding is not None and embedding.conditions is not None:
+                if request.task.value not in self.checkpoint.tasks:
+                    raise ClientError("keyframes" if request.keyframes else "references",
+                                      f"{request.task.value} is not served by this model (the "
+                                      f"{self.checkpoint.partition.native_dir_name} partition serves "
+                                      f"{', '.join(self.checkpoint.tasks)})")
+                geometry, schedule = conditioned_plan(request, embedding.conditions, self._geometry_limits)
             else:
                 geometry, schedule = checked_conditioning(self.conditioning, request).check(request)
         except (GeometryError, ScheduleError) as exc:
@@ -488,7 +499,7 @@ class Engine:
         (`encode` of it, in any process). Returns the latents (no MP4: the decode stage decodes them); timings
         `plan_s`, `denoise_s`. Errors as `generate`."""
         request = with_adapter_defaults(request, self.limits)  # its adapters' steps and shifts, where it set none
-        geometry, schedule, cache_dit = self._checked(request)
+        geometry, schedule, cache_dit = self._checked(request, embedding)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
             raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
                              "noise); the coordinator (actors.gpu_worker.ParallelEngine) draws it")
@@ -721,8 +732,7 @@ class Engine:
             adapter_stats = self.adapters.apply(request.adapters, cancelled if self.group is None else None)
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
-            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, None if request.task is Task.T2VA
-                                else checked_conditioning(self.conditioning, request).conditions(request))
+            denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, _condition_latents(request, embedding))
             latents = denoiser.initial_latents(seed)
             late = LateFlag(self.group) if self.group is not None else None
             if self.sequence_parallel is not None:
@@ -816,12 +826,15 @@ def _translated(exc: BaseException) -> BaseException:
     return exc
 
 
-def prompt_stage(config: EngineConfig) -> PromptStage:
-    """The prompt stage `config` describes, on its own (the app's TextEncoder deployment)."""
-    checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config),
-                                   require_components=True)
-    return PromptStage(config.text_encoder, checkpoint,
-                       resolve_device(config.text_encoder.device, resolve_device(config.device)))
+def _condition_latents(request: GenerationRequest, embedding: PromptEmbedding) -> ConditionLatents | None:
+    """The VAE condition latents of a fl2va / ref2va request, made with its embedding (`engine.conditioning`: in
+    this process, or in the prepare stage of a split app); None for t2va."""
+    if request.task is Task.T2VA:
+        return None
+    if embedding.conditions is None:
+        raise ServerFault(f"the {request.task.value} request's embedding holds no conditions: its prepare stage "
+                          "did not encode the keyframes or references", FaultCause.STAGE_MISSING)
+    return embedding.conditions.latents
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:

@@ -5,7 +5,8 @@ plans, the denoising loop) -> `DecodeStage` (video + audio VAE decode, MP4 mux),
 `engine.pipeline.Pipeline`: in one process (`Engine.generate`: tests, a fused replica, every rank of a
 sequence-parallel replica, where only rank 0 decodes), or with each stage in its own deployment
 (`deployments/stages.py`), so the denoiser never waits for a prompt encode or a VAE decode. What crosses
-between the stages is small and typed: `PromptEmbedding` (on the CPU) and the latents.
+between the stages is small and typed: `PromptEmbedding` (on the CPU; for fl2va / ref2va with the request's
+`Conditions`: the canvas and the VAE condition latents, made beside the prompt encoder) and the latents.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 from engine.api import ClipFacts
 from engine.config import TextEncoderConfig
 from engine.errors import ClientError
-from engine.wire import TensorsAsArrays
+from engine.wire import TensorsAsArrays, WireTensor
 from model.decode import AudioDecoder, DecoderLoadError, VideoDecoder
+from model.denoise import ConditionLatents
+from model.packing import ConditionBlock
 from model.geometry import H3_LATENTS, LatentSpec
 from model.layout import H3Checkpoint
 from model.mp4 import thumbnail_png, write_mp4
@@ -29,7 +32,46 @@ from model.text_encoder import (LanguageModelSplit, PromptCacheStats, PromptEmbe
                                 TextEncoderLoadError)
 from model.weights import CONFIG_FILE, H3TransformerConfig
 
-__all__ = ["DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
+__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
+
+
+@dataclass(frozen=True, eq=False)
+class Conditions(TensorsAsArrays):
+    """A fl2va / ref2va request as the prepare side made it for the denoiser: the canvas it resolved (the first
+    keyframe's aspect ratio on the model's canvas rule when the request names no size), whether a reference
+    soundtrack adds the t = 1 rows to every AdaLN plan, and the VAE condition latents. With them a denoiser that
+    holds neither the VAEs nor the vision tower (`stages: split`) runs the request as a fused engine does."""
+
+    width: int
+    height: int
+    reference_audio: bool
+    text_token_tags: torch.Tensor  # ConditionLatents' fields, flat: each tensor crosses as an array
+    blocks: tuple[ConditionBlock, ...]  # the packed layout's condition blocks (no tensors)
+    visual: tuple[torch.Tensor, ...]
+    audio: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, width: int, height: int, reference_audio: bool, latents: ConditionLatents) -> Conditions:
+        return cls(width, height, reference_audio, latents.text_token_tags, latents.blocks, latents.visual,
+                   latents.audio)
+
+    @property
+    def latents(self) -> ConditionLatents:
+        return ConditionLatents(self.text_token_tags, self.blocks, self.visual, self.audio)
+
+    def cpu(self) -> Conditions:
+        return dataclasses.replace(self, text_token_tags=self.text_token_tags.cpu(),
+                                   visual=tuple(t.cpu() for t in self.visual), audio=tuple(t.cpu() for t in self.audio))
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()  # the top-level tensor; the tuples' tensors below
+        for name in ("visual", "audio"):
+            state[name] = tuple(WireTensor.of(t) for t in state[name])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = {**state, **{name: tuple(t.tensor() for t in state[name]) for name in ("visual", "audio")}}
+        super().__setstate__(state)
 
 
 @dataclass(frozen=True)
@@ -40,6 +82,7 @@ class PromptEmbedding(TensorsAsArrays):
     embeds: torch.Tensor  # [num_tokens, text_dim] in the text encoder's dtype
     encode_s: float  # seconds the stage spent (a cache hit: ~0)
     cache: PromptCacheStats  # the prompt-embedding cache's counters after this call
+    conditions: Conditions | None = None  # fl2va / ref2va: what the prepare side made of the keyframes / references
 
     @property
     def num_tokens(self) -> int:
@@ -47,7 +90,8 @@ class PromptEmbedding(TensorsAsArrays):
 
     def cpu(self) -> PromptEmbedding:
         """The same embedding on the CPU (what travels between processes)."""
-        return dataclasses.replace(self, embeds=self.embeds.cpu())
+        return dataclasses.replace(self, embeds=self.embeds.cpu(),
+                                   conditions=self.conditions.cpu() if self.conditions is not None else None)
 
 
 class PromptStage:

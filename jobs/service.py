@@ -51,8 +51,9 @@ from jobs.backend import (
 )
 from engine.limits import ModelLimits
 from jobs.config import JobsConfig
-from jobs.errors import InvalidVideoRequest, JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
+from jobs.errors import JobConflict, JobNotFound, OutputExpired, QueueFull, StoreUnavailable
 from jobs.events import ChangeFeed
+from jobs.model_choice import choose_model
 from jobs.limits import resolve_spec
 from jobs.media import VideoMedia
 from jobs.metrics import NO_JOB_METRICS, JobMetrics, JobOutcome
@@ -135,7 +136,6 @@ class JobService:
         self._models = {m.name: m for m in models}
         if len(self._models) != len(models):
             raise ValueError(f"model names must be unique, got {[m.name for m in models]}")
-        self._default_model = models[0].name
         self._store, self._outputs, self._backend, self._config = store, outputs, backend, config
         self._metrics = metrics
         self.replica_id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -183,10 +183,9 @@ class JobService:
     def resolve(self, request: VideoCreateRequest, media: VideoMedia | None = None) -> VideoSpec:
         """The request (and its uploads) checked against its model's limits (InvalidVideoRequest names field and
         limit)."""
-        name = request.model or self._default_model
-        limits = self._models.get(name)
-        if limits is None:
-            raise InvalidVideoRequest("model", f"{name!r} is not served here; served: {sorted(self._models)}")
+        task = media.task if media is not None else "t2va"
+        field = "prompt" if media is None else (media.keyframes or media.references)[0].field
+        limits = choose_model(list(self._models.values()), task, request.model, field)  # the task picks the model
         return resolve_spec(request, limits, media=media)
 
     async def submit(self, spec: VideoSpec, owner: str | None) -> JobRecord:

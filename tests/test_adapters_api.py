@@ -92,17 +92,28 @@ def test_the_ingress_routes_an_adapter_generation_by_the_schedule_it_runs():
     from types import SimpleNamespace
 
     from deployments.ingress import Ingress
+    from deployments.partitions import ServedModels, ServedPartition
+
+    asked = []
 
     async def describe() -> dict:
+        asked.append(1)
         return {"limits": LIMITS.model_dump(mode="json")}
 
-    resolve = Ingress.func_or_class._with_adapter_defaults
-    stand_in = SimpleNamespace(_describe=describe, _model_limits=None)
+    worker = SimpleNamespace(describe=SimpleNamespace(remote=describe))
+    models = ServedModels([ServedPartition("fl2va", worker, runner="the fl2va runner")], describe_timeout_s=5.0)
+    stand_in = SimpleNamespace(_models=models)
+
+    def resolve(request):
+        return Ingress.func_or_class._routed(stand_in, request)
+
     request = GenerationRequest(prompt="a fox", adapters=({"name": "turbo"},))
-    resolved = asyncio.run(resolve(stand_in, request))
+    runner, resolved = asyncio.run(resolve(request))
+    assert runner == "the fl2va runner"
     assert resolved.steps == 9 and resolved.schedule_key == with_adapter_defaults(request, LIMITS).schedule_key
     assert resolved.schedule_key != request.schedule_key
     plain = GenerationRequest(prompt="a fox")
-    assert asyncio.run(resolve(stand_in, plain)) is plain  # no adapter: nothing asked of the worker
+    assert asyncio.run(resolve(plain))[1] is plain  # no adapter: the request as sent
+    assert len(asked) == 1  # the worker's card, asked once (for the adapter's defaults)
     with pytest.raises(ClientError, match="adapters"):
-        asyncio.run(resolve(stand_in, GenerationRequest(prompt="a fox", adapters=({"name": "nope"},))))
+        asyncio.run(resolve(GenerationRequest(prompt="a fox", adapters=({"name": "nope"},))))

@@ -1,10 +1,12 @@
-"""Keyframes (fl2va) through Ray Serve on CPU with the tiny real checkpoint, over both APIs: `GET /v1/models`
-lists each app's tasks and limits, `/v1/generations` takes typed keyframes, `/v1/videos` takes a PNG upload and
-answers a playable MP4 (H.264 + AAC, the snapped length) with the bytes `/v1/generations` gives for the same
-request, bad uploads are 4xx naming the field and leave `/healthz` at 200, and a split app refuses fl2va clearly.
-
-And references (ref2va) through a third app serving the Ref2VA partition (`engine.partition: ref2va`). One
-cluster for the module; the apps side by side.
+"""Both MiniMax-H3 partitions behind one ingress, through Ray Serve on CPU with the tiny real checkpoints: two
+apps, each serving `partitions: [fl2va, ref2va]` (a Worker per partition), one fused and one split (the shipped
+default: one TextEncoder and one Decoder shared by both Workers, the keyframes' and references' encodes in the
+TextEncoder). Over both APIs: `GET /v1/models` lists both models with their tasks and limits, the task picks the
+partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/generations` takes typed
+keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped length)
+with the bytes `/v1/generations` gives for the same request, split == fused bit for bit (latents and MP4), and
+bad uploads, wrong models and video references are 4xx naming the field while `/healthz` stays 200. One cluster for
+the module; the apps side by side.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "ma
 PROMPT = "a red fox runs across a snowy field at dawn"
 #: 1 s at 24 fps: 25 frames snapped up to 17n + 5 = 39.
 SECONDS, NUM_FRAMES, STEPS, SEED = 1.0, 39, 3, 4
-#: app name -> (stages, engine.partition)
-APPS = {"fused": ("fused", "fl2va"), "split": ("split", "fl2va"), "ref2va": ("fused", "ref2va")}
+#: app name -> stages; each app serves both partitions
+APPS = {"fused": "fused", "split": "split"}
+MODELS = {"minimax-h3": ["t2va", "fl2va"], "minimax-h3-ref2va": ["ref2va"]}
 WAIT_S = 300.0
 
 
@@ -52,10 +55,10 @@ def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("fl2va-serve")
     with serve_cluster(num_cpus=8) as url:
         urls = {}
-        for name, (stages, partition) in APPS.items():
+        for name, stages in APPS.items():
             args = serve_config_args(root / "checkpoints")
-            args["stages"] = stages
-            args["engine"].update({"device": "cpu", "geometry": GEOMETRY, "partition": partition})
+            args.update({"stages": stages, "partitions": ["fl2va", "ref2va"]})
+            args["engine"].update({"device": "cpu", "geometry": GEOMETRY})
             args["jobs"].update({"state_dir": str(root / f"state-{name}"), "poll_s": 0.2, "events_poll_s": 0.2})
             run_app(url, args, name=name, route_prefix=f"/{name}")
             urls[name] = f"{url}/{name}"
@@ -89,13 +92,30 @@ def completed_job(base_url: str, video_id: str) -> dict:
         time.sleep(0.2)
 
 
-def test_models_lists_the_tasks_each_app_runs_and_its_limits(apps):
-    for name, model, tasks in (("fused", "minimax-h3", ["t2va", "fl2va"]), ("split", "minimax-h3", ["t2va"]),
-                               ("ref2va", "minimax-h3-ref2va", ["ref2va"])):
-        (card,) = requests.get(f"{apps[name]}/v1/models", timeout=30).json()["data"]
-        assert card["tasks"] == tasks and card["limits"]["tasks"] == tasks, (name, card["tasks"])
-        assert card["id"].startswith(model + "@") and card["limits"]["name"] == model
-        assert card["limits"]["max_pixels"] == GEOMETRY["max_pixels"]
+def test_models_lists_both_partitions_models_with_their_tasks_and_limits(apps):
+    for name in APPS:
+        cards = requests.get(f"{apps[name]}/v1/models", timeout=30).json()["data"]
+        assert {card["limits"]["name"]: card["tasks"] for card in cards} == MODELS, name
+        for card in cards:
+            assert card["limits"]["tasks"] == card["tasks"] and card["id"].startswith(card["limits"]["name"] + "@")
+            assert card["limits"]["max_pixels"] == GEOMETRY["max_pixels"]
+        assert cards[0]["fingerprint"] != cards[1]["fingerprint"]  # two transformers, each its own plan cache key
+        health = requests.get(f"{apps[name]}/healthz", timeout=30).json()
+        assert set(health["workers"]) == {"fl2va", "ref2va"}
+
+
+@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("fields, model", [
+    ({}, "minimax-h3"),
+    ({"keyframes": [{"image": base64.b64encode(FIRST).decode(), "anchor": "first"}]}, "minimax-h3"),
+    ({"references": [{"kind": "image", "data": base64.b64encode(FIRST).decode()}]}, "minimax-h3-ref2va"),
+])
+def test_the_task_picks_the_partition(apps, app, fields, model):
+    body = {"prompt": PROMPT, "steps": STEPS, "seconds": SECONDS, "seed": SEED, "width": 64, "height": 32,
+            "return_video": False, **fields}
+    response = requests.post(f"{apps[app]}/v1/generations", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"].startswith(model + "@")
 
 
 @pytest.mark.parametrize("case, keyframes", [
@@ -103,14 +123,20 @@ def test_models_lists_the_tasks_each_app_runs_and_its_limits(apps):
     ("last", [keyframe(FIRST, frame_index=-1)]),
     ("first-and-last", [keyframe(FIRST, anchor="first"), keyframe(LAST, anchor="last")]),
 ])
-def test_generations_take_typed_keyframes(apps, case, keyframes):
-    response = requests.post(f"{apps['fused']}/v1/generations", json=generation(keyframes), timeout=300)
-    assert response.status_code == 200, response.text
-    body = response.json()
+def test_generations_take_typed_keyframes_split_as_fused(apps, case, keyframes):
+    bodies = {}
+    for app in APPS:
+        response = requests.post(f"{apps[app]}/v1/generations", json=generation(keyframes), timeout=300)
+        assert response.status_code == 200, (app, response.text)
+        bodies[app] = response.json()
+    body = bodies["split"]
     video_codec, audio_codec, frames, size = mp4_facts(base64.b64decode(body["video_mp4"]))
     assert (video_codec, audio_codec, frames) == ("h264", "aac", NUM_FRAMES)
     assert min(size) == 32  # the tiny checkpoint's canvas_short_edge, from the first keyframe's aspect ratio
-    assert decode_latents(body["latents"])["video"].shape[1] == (NUM_FRAMES - 5) // 17 * 5 + 2
+    split, fused = (decode_latents(bodies[app]["latents"]) for app in ("split", "fused"))
+    assert split["video"].shape[1] == (NUM_FRAMES - 5) // 17 * 5 + 2
+    assert all((split[name] == fused[name]).all() for name in ("video", "audio"))  # split == fused, bit for bit
+    assert body["video_mp4"] == bodies["fused"]["video_mp4"]
 
 
 def test_a_keyframe_changes_the_clip(apps):
@@ -124,15 +150,16 @@ def test_a_keyframe_changes_the_clip(apps):
     assert not (with_video == text_video).all()
 
 
-def test_a_png_upload_makes_a_video_job_whose_mp4_is_the_generations_mp4(apps):
-    base_url = apps["fused"]
+@pytest.mark.parametrize("app", APPS)
+def test_a_png_upload_makes_a_video_job_whose_mp4_is_the_generations_mp4(apps, app):
+    base_url = apps[app]
     created = requests.post(f"{base_url}/v1/videos", timeout=60,
                             files={"input_reference": ("f.png", FIRST, "image/png")},
                             data={"prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS),
                                   "seed": str(SEED), "frame_indices": "0"})
     assert created.status_code == 200, created.text
     job = completed_job(base_url, created.json()["id"])
-    assert (job["task"], job["size"]) == ("fl2va", "auto")
+    assert (job["task"], job["size"], job["model"]) == ("fl2va", "auto", "minimax-h3")
     mp4 = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
     assert mp4_facts(mp4)[:3] == ("h264", "aac", NUM_FRAMES)
     direct = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, frame_index=0)]),
@@ -156,28 +183,33 @@ def test_first_and_last_keyframes_as_data_urls_on_the_sync_route(apps):
      "input_reference: GIF images are not accepted"),
     ("url", {"json": {"prompt": PROMPT, "input_reference": "http://127.0.0.1:8265/api/jobs"}}, 422,
      "input_reference: 'http://127.0.0.1:8265/api/jobs' is not a data: URL"),
-    ("references-on-fl2va", {"files": {"image_reference": ("f.png", FIRST, "image/png")}}, 422,
-     "image_reference: ref2va is not served by minimax-h3 (it serves t2va, fl2va)"),
+    ("references-to-the-fl2va-model", {"files": {"image_reference": ("f.png", FIRST, "image/png")},
+                                       "data": {"prompt": PROMPT, "model": "minimax-h3"}}, 422,
+     "model: minimax-h3 serves t2va, fl2va, not ref2va; ref2va is served by minimax-h3-ref2va"),
+    ("text-to-the-ref2va-model", {"json": {"prompt": PROMPT, "model": "minimax-h3-ref2va"}}, 422,
+     "model: minimax-h3-ref2va serves ref2va, not t2va; t2va is served by minimax-h3"),
+    ("unknown-model", {"json": {"prompt": PROMPT, "model": "sora-2"}}, 422,
+     "model: 'sora-2' is not served here; served: ['minimax-h3', 'minimax-h3-ref2va']"),
+    ("video-reference", {"files": {"video_reference": ("v.mp4", b"an mp4 is never decoded", "video/mp4")}}, 422,
+     "video_reference: video references are not served: Qwen3-VL's video processor needs torchvision"),
 ])
 def test_bad_uploads_are_4xx_naming_the_field_and_the_replica_stays_healthy(apps, case, send, status, message):
-    base_url = apps["fused"]
+    base_url = apps["split"]
     if "files" in send:
-        send = {**send, "data": {"prompt": PROMPT}}
+        send = {"data": {"prompt": PROMPT}, **send}
     response = requests.post(f"{base_url}/v1/videos", timeout=60, **send)
     assert response.status_code == status and message in response.json()["error"]["message"], response.text
     assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
 
 
-def test_a_split_app_refuses_keyframes_naming_stages_fused(apps):
-    base_url = apps["split"]
-    response = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, anchor="first")]),
-                             timeout=60)
-    assert response.status_code == 422 and "stages: fused" in response.json()["error"]["message"], response.text
-    job = requests.post(f"{base_url}/v1/videos", timeout=60, data={"prompt": PROMPT},
-                        files={"input_reference": ("f.png", FIRST, "image/png")})
-    assert job.status_code == 422, job.text
-    assert "input_reference: fl2va is not served by minimax-h3 (it serves t2va)" in job.json()["error"]["message"]
-    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+def test_generations_refuse_a_model_that_does_not_serve_the_task(apps):
+    for app in APPS:
+        wrong = requests.post(f"{apps[app]}/v1/generations", timeout=60, json=generation(
+            [keyframe(FIRST, anchor="first")], model="minimax-h3-ref2va"))
+        assert wrong.status_code == 422, wrong.text
+        error = wrong.json()["error"]
+        assert error["errors"][0]["loc"] == ["model"] and "serves ref2va, not fl2va" in error["message"]
+        assert requests.get(f"{apps[app]}/healthz", timeout=30).status_code == 200
 
 
 def wav(seconds: float, rate: int = 16000) -> bytes:
@@ -199,22 +231,15 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
     ("image-and-soundtrack", [("image_references", ("a.png", FIRST, "image/png")),
                               ("audio_reference", ("s.wav", wav(1.0), "audio/wav"))]),
 ])
-def test_references_make_a_ref2va_job_on_the_ref2va_app(apps, case, files):
-    base_url = apps["ref2va"]
-    created = requests.post(f"{base_url}/v1/videos", timeout=60, files=files, data={
-        "prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS), "seed": str(SEED)})
-    assert created.status_code == 200, created.text
-    job = completed_job(base_url, created.json()["id"])
-    assert job["task"] == "ref2va" and job["model"] == "minimax-h3-ref2va"
-    mp4 = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
-    assert mp4_facts(mp4)[:3] == ("h264", "aac", NUM_FRAMES)
-
-
-def test_the_ref2va_app_refuses_text_alone_and_keyframes_naming_what_it_serves(apps):
-    base_url = apps["ref2va"]
-    text = requests.post(f"{base_url}/v1/videos", json={"prompt": PROMPT}, timeout=60)
-    assert text.status_code == 422 and "minimax-h3-ref2va serves ref2va, not text alone" in text.text, text.text
-    keyframes = requests.post(f"{base_url}/v1/generations", json=generation([keyframe(FIRST, anchor="first")]),
-                              timeout=60)
-    assert keyframes.status_code == 422 and "fl2va is not served" in keyframes.text, keyframes.text
-    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
+def test_references_make_a_ref2va_job_split_as_fused(apps, case, files):
+    mp4s = {}
+    for app in APPS:
+        base_url = apps[app]
+        created = requests.post(f"{base_url}/v1/videos", timeout=60, files=files, data={
+            "prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS), "seed": str(SEED)})
+        assert created.status_code == 200, created.text
+        job = completed_job(base_url, created.json()["id"])
+        assert job["task"] == "ref2va" and job["model"] == "minimax-h3-ref2va"  # the task picked the partition
+        mp4s[app] = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
+        assert mp4_facts(mp4s[app])[:3] == ("h264", "aac", NUM_FRAMES)
+    assert mp4s["split"] == mp4s["fused"]  # split == fused, bit for bit

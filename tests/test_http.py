@@ -177,10 +177,10 @@ def test_models_lists_the_loaded_checkpoint(base_url, local_engine):
     body = requests.get(f"{base_url}/v1/models", timeout=30).json()
     (card,) = body["data"]
     assert card["id"] == local_engine.model_name and card["id"].startswith("minimax-h3@") and card["device"] == "cpu"
-    # The engine's own ModelLimits, what both APIs check requests against.
-    # less fl2va: the shipped config splits the stages, and a split app serves t2va (deployments.generation).
-    assert ModelLimits.model_validate(card["limits"]) == local_engine.limits.model_copy(update={"tasks": ("t2va",)})
-    assert card["tasks"] == ["t2va"] and local_engine.limits.tasks == ("t2va", "fl2va")
+    # The engine's own ModelLimits, what both APIs check requests against: the shipped config splits the stages,
+    # and a split app serves fl2va too (its TextEncoder prepares the keyframes).
+    assert ModelLimits.model_validate(card["limits"]) == local_engine.limits
+    assert card["tasks"] == ["t2va", "fl2va"] and local_engine.limits.tasks == ("t2va", "fl2va")
     assert {k: card["limits"][k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",
                                            "size_multiple", "fps", "max_prompt_tokens", "default_size")} == {
         "max_steps": 65, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0, "max_seconds": 15.0,

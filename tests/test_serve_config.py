@@ -19,7 +19,6 @@ from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import resolve_engine_config, resolve_jobs_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
-from engine.engine import served_model_name
 from engine.api import GenerationResult, GenerationStats, GenerationTimings
 from model.mp4 import thumbnail_png
 
@@ -44,19 +43,33 @@ def test_serve_config_is_a_valid_serve_deploy_config_and_app_config():
     assert args.engine.checkpoint_layout == "diffusers" and args.engine.adaln.mode == "online"
 
 
-def test_the_partitions_config_serves_both_partitions_as_two_fused_apps():
+def test_the_partitions_config_serves_both_partitions_behind_one_ingress():
     config = yaml.safe_load((ROOT / "serve_config.partitions.yaml").read_text())
     ServeDeploySchema.model_validate(config)
-    apps = {app["name"]: (app["route_prefix"], AppConfig.model_validate(app["args"])) for app in config["applications"]}
-    assert {name: (prefix, args.engine.partition, args.stages) for name, (prefix, args) in apps.items()} == {
-        "fl2va": ("/", "fl2va", "fused"), "ref2va": ("/ref2va", "ref2va", "fused")}
-    assert len({served_model_name(args.engine) for _, args in apps.values()}) == 2  # minimax-h3, minimax-h3-ref2va
-    assert len({args.jobs.state_dir for _, args in apps.values()}) == 2
+    (app,) = config["applications"]
+    args = AppConfig.model_validate(app["args"])
+    assert (app["route_prefix"], args.served_partitions, args.stages) == ("/", ("fl2va", "ref2va"), "split")
 
 
-def test_ref2va_needs_the_fused_stages():
-    with pytest.raises(ValueError, match="engine.partition: ref2va serves references, which need stages: fused"):
-        AppConfig.model_validate({"engine": {"partition": "ref2va"}})
+@pytest.mark.parametrize("args, partitions", [
+    ({}, ("fl2va",)),  # today's serve_config.yaml: the FL2VA partition alone
+    ({"engine": {"partition": "ref2va"}}, ("ref2va",)),  # split serves references too
+    ({"partitions": ["ref2va", "fl2va"]}, ("ref2va", "fl2va")),
+    ({"partitions": ["fl2va", "ref2va"], "engine": {"partition": "fl2va"}, "stages": "fused"}, ("fl2va", "ref2va")),
+])
+def test_the_served_partitions(args, partitions):
+    assert AppConfig.model_validate(args).served_partitions == partitions
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"partitions": ["fl2va", "fl2va"]}, "lists a partition twice"),
+    ({"partitions": []}, "at least 1 item"),
+    ({"partitions": ["t2va"]}, "'fl2va' or 'ref2va'"),
+    ({"partitions": ["fl2va"], "engine": {"partition": "ref2va"}}, "engine.partition: ref2va is not in partitions"),
+])
+def test_bad_partitions_are_refused_naming_the_field(args, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig.model_validate(args)
 
 
 #: Sections the shipped yaml spells out whole; the plan cache's reader tuning, `offload` and `cache_dit` are
@@ -419,9 +432,31 @@ def bound_deployments(app) -> dict:
     ingress = app._bound_deployment
     found = {ingress.name: ingress}
     for arg in ingress.init_args:
-        if isinstance(arg, Application):
-            found.update(bound_deployments(arg))
+        for item in arg if isinstance(arg, list) else [arg]:  # the Workers of the other partitions: a list
+            if isinstance(item, Application):
+                found.update(bound_deployments(item))
     return found
+
+
+@pytest.mark.parametrize("stages, stage_names", [("split", {"TextEncoder", "Decoder"}), ("fused", set())])
+def test_an_app_of_both_partitions_binds_a_worker_each_behind_one_ingress(stages, stage_names):
+    """partitions: [fl2va, ref2va]: `Worker` (FL2VA) and `Worker-ref2va` (Ref2VA), each its engine's partition and
+    the worker options (its own router); a split app's one TextEncoder prepares both partitions' tasks."""
+    from deployments.app import build_application
+    from tests.fake_engine import FakeEngine
+
+    config = AppConfig.model_validate({"stages": stages, "partitions": ["fl2va", "ref2va"]})
+    deployments = bound_deployments(build_application(config, FakeEngine))
+    assert set(deployments) == {"Ingress", "Worker", "Worker-ref2va"} | stage_names
+    for name, partition in (("Worker", "fl2va"), ("Worker-ref2va", "ref2va")):
+        worker = deployments[name]
+        assert worker.init_args[0]["partition"] == partition
+        assert worker._deployment_config.request_router_config.request_router_class.endswith("ScheduleAffinityRouter")
+    ingress_args = deployments["Ingress"].init_args
+    assert ingress_args[-2] == ["fl2va", "ref2va"] and len(ingress_args[-1]) == 1  # the partitions, more_workers
+    if stages == "split":
+        assert deployments["TextEncoder"].init_args[1] == ["fl2va", "ref2va"]
+        assert deployments["TextEncoder"].init_args[0]["partition"] == "fl2va"  # the first's checkpoint components
 
 
 @pytest.mark.parametrize("stages, names", [("split", {"Ingress", "Worker", "TextEncoder", "Decoder"}),

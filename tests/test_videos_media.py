@@ -146,6 +146,19 @@ def test_references_reach_the_job_images_then_video_then_soundtrack(serve):
         ("video_reference", "video", video), ("audio_reference", "audio", audio)]
 
 
+@pytest.mark.parametrize("send, model", [
+    ({"data": {"prompt": PROMPT}}, "tiny"),
+    ({"data": {"prompt": PROMPT}, "files": {"input_reference": ("a.png", RED, "image/png")}}, "tiny"),
+    ({"data": {"prompt": PROMPT}, "files": {"image_reference": ("a.png", RED, "image/png")}}, "tiny-ref"),
+])
+def test_without_a_model_the_task_picks_it(serve, send, model):
+    client, backend = serve()
+    response = client.post("/v1/videos", **send)
+    assert response.status_code == 200, response.text
+    job = completed(client, response.json()["id"])
+    assert job["model"] == backend.specs[job["id"]].model == model
+
+
 def test_sync_takes_a_keyframe_too(serve):
     client, backend = serve()
     response = client.post("/v1/videos/sync", data={"prompt": PROMPT},
@@ -204,12 +217,12 @@ BAD_UPLOADS = [
     ("soundtrack-alone", {"data": {"prompt": PROMPT, "model": "tiny-ref"},
                           "files": {"audio_reference": ("s.wav", b"wav", "audio/wav")}}, 422, "audio_reference",
      "needs an image or video reference"),
-    ("references-to-fl2va-model", {"json": {"prompt": PROMPT, "image_reference": data_url(RED)}}, 422,
-     "image_reference", "ref2va is not served by tiny (it serves t2va, fl2va)"),
+    ("references-to-fl2va-model", {"json": {"prompt": PROMPT, "image_reference": data_url(RED), "model": "tiny"}},
+     422, "model", "tiny serves t2va, fl2va, not ref2va; ref2va is served by tiny-ref"),
     ("keyframes-to-ref2va-model", {"json": {"prompt": PROMPT, "input_reference": data_url(RED), "model": "tiny-ref"}},
-     422, "input_reference", "fl2va is not served by tiny-ref (it serves ref2va)"),
-    ("text-only-to-ref2va-model", {"json": {"prompt": PROMPT, "model": "tiny-ref"}}, 422, "prompt",
-     "tiny-ref serves ref2va, not text alone"),
+     422, "model", "tiny-ref serves ref2va, not fl2va; fl2va is served by tiny"),
+    ("text-only-to-ref2va-model", {"json": {"prompt": PROMPT, "model": "tiny-ref"}}, 422, "model",
+     "tiny-ref serves ref2va, not t2va; t2va is served by tiny"),
     ("single-file-field-twice", {"data": {"prompt": PROMPT}, "files": [
         ("input_reference", ("a.png", RED, "image/png")), ("input_reference", ("b.png", BLUE, "image/png"))]}, 422,
      "input_reference", "given more than once"),
