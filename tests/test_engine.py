@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from cache.rebuild import RebuildError
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, decode_stage, prompt_stage
+from engine.engine import Engine, decode_stage
+from engine.prepare import prepare_stage
 from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
@@ -554,7 +555,7 @@ def _edit_config(path: Path, **values) -> None:
 
 
 MISFITS = [  # (break the copy, which stage refuses it, error, message)
-    pytest.param(_wider_text_encoder, prompt_stage, TextEncoderLoadError, "encodes prompts 48 wide, but the "
+    pytest.param(_wider_text_encoder, prepare_stage, TextEncoderLoadError, "encodes prompts 48 wide, but the "
                  r"transformer \(.*config.json\) takes text_dim=32", id="text-encoder-width"),
     pytest.param(lambda root, _: _edit_config(root / "audio_vae" / "config.json", sampling_rate=16000), decode_stage,
                  DecoderLoadError, r"audio_vae does not decode MiniMax-H3 latents: latents per second 20 "
