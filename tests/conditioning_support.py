@@ -3,9 +3,11 @@ over its components (the oracle), and ditserve's side composed from `model/` (pr
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
+import av
 import numpy as np
 import torch
 from diffusers import AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
@@ -136,3 +138,16 @@ def generated_once(ours: dict[str, Ours], cases: dict, seed: int):
             runs[layout, case] = ours[layout].generate(cases[case][0], seed=seed)
         return runs[layout, case]
     return generate
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    """A mono 16-bit WAV (a sine): a reference soundtrack the server resamples to 32 kHz."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        samples = (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]
+        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()

@@ -17,12 +17,12 @@ import time
 from collections.abc import Iterator
 
 import av
-import numpy as np
 import pytest
 import requests
 from PIL import Image
 
 from deployments.schemas import decode_latents
+from tests.conditioning_support import wav
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: keyframes over HTTP
@@ -211,18 +211,6 @@ def test_generations_refuse_a_model_that_does_not_serve_the_task(apps):
         assert error["errors"][0]["loc"] == ["model"] and "serves ref2va, not fl2va" in error["message"]
         assert requests.get(f"{apps[app]}/healthz", timeout=30).status_code == 200
 
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    """A mono 16-bit WAV (a sine), resampled to 32 kHz by the server."""
-    out = io.BytesIO()
-    with av.open(out, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
-        samples = (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]
-        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
-        frame.sample_rate = rate
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
-            container.mux(packet)
-    return out.getvalue()
 
 
 @pytest.mark.parametrize("case, files", [

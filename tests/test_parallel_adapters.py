@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from model.tiny import make_tiny_checkpoint
 from model.tiny_adapter import TURBO_TARGETS, save_adapter, tiny_lora_factors
-from parallel.launch import launch_local
+from tests.ranks_support import rank_reports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -99,10 +99,7 @@ def adapter_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ranks(checkpoint, adapter_dir, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("sp-adapters")
-    exits = launch_local(_rank_program, WORLD_SIZE, out_dir, args=(checkpoint, adapter_dir, out_dir),
-                         deadline_s=420.0)
-    assert [e.exitcode for e in exits] == [0, 0]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return rank_reports(_rank_program, WORLD_SIZE, out_dir, (checkpoint, adapter_dir, out_dir), deadline_s=420.0)
 
 
 @pytest.fixture(scope="module")

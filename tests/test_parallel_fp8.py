@@ -19,7 +19,7 @@ from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from model.tiny import make_tiny_checkpoint
-from parallel.launch import launch_local
+from tests.ranks_support import rank_reports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,9 +75,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ranks(checkpoint, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("sp-fp8")
-    exits = launch_local(_rank_program, WORLD_SIZE, out_dir, args=(checkpoint, out_dir), deadline_s=500.0)
-    assert [e.exitcode for e in exits] == [0, 0]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return rank_reports(_rank_program, WORLD_SIZE, out_dir, (checkpoint, out_dir), deadline_s=500.0)
 
 
 def test_sp2_fp8_compiled_equals_the_one_process_fp8_engine_bit_for_bit(ranks, checkpoint, monkeypatch):

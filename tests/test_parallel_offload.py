@@ -29,7 +29,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import GenerationCancelled
 from model.tiny import make_tiny_checkpoint
-from parallel.launch import launch_local
+from tests.ranks_support import rank_reports
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -109,9 +109,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ranks(checkpoint, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("sp-offload")
-    exits = launch_local(_rank_program, WORLD_SIZE, out_dir, args=(checkpoint, out_dir), deadline_s=420.0)
-    assert [e.exitcode for e in exits] == [0, 0]
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return rank_reports(_rank_program, WORLD_SIZE, out_dir, (checkpoint, out_dir), deadline_s=420.0)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,8 @@ serve, naming the field and the served tasks; a video reference is refused sayin
 
 from __future__ import annotations
 
-import io
 import pickle
 
-import av
-import numpy as np
 import pytest
 import torch
 
@@ -21,22 +18,11 @@ from engine.errors import ClientError
 from engine.prepare import prepare_stage
 from engine.stages import Conditions
 from model.tiny import make_tiny_checkpoint
-from tests.conditioning_support import PROMPT, STEPS, random_image
+from tests.conditioning_support import PROMPT, STEPS, random_image, wav
 from tests.test_engine_conditioning import png
 
 FIRST, LAST = png(random_image(96, 54, seed=1)), png(random_image(40, 40, seed=2))
 
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    out = io.BytesIO()
-    with av.open(out, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
-        samples = (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]
-        frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
-        frame.sample_rate = rate
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
-            container.mux(packet)
-    return out.getvalue()
 
 
 #: case -> (partition, request fields)
