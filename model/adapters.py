@@ -232,11 +232,16 @@ def activate_layers(layers: Sequence[BaseTunerLayer], scales: dict[str, float]) 
     modules of H3 twice per switch."""
     names = list(scales)
     for layer in layers:
-        layer.enable_adapters(bool(scales))
-        if scales:
-            layer.set_adapter(names)
-            for name, scale in scales.items():
-                layer.set_scale(name, scale)
+        if not scales:
+            layer.enable_adapters(False)
+            continue
+        # enable_adapters(True) re-sets the layer's previous adapters (a walk of its parameters) before
+        # set_adapter sets the new ones: only needed to leave the disabled state, and the end state is the same.
+        if layer.disable_adapters:
+            layer.enable_adapters(True)
+        layer.set_adapter(names)
+        for name, scale in scales.items():
+            layer.set_scale(name, scale)
 
 
 def installed_adapters(model: nn.Module) -> set[str]:

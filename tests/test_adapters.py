@@ -415,15 +415,16 @@ def test_the_tiny_adapter_cli_writes_a_file_the_server_reads(tmp_path, model):
     assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (4.0, {2}, 30)
 
 
+@pytest.mark.parametrize("previous", [{"turbo": 0.3}, {}], ids=["after-turbo", "after-none"])
 @pytest.mark.parametrize("scales", [{}, {"turbo": 1.0}, {"style": 0.5}, {"turbo": 0.7, "style": -1.5}])
-def test_activate_sets_every_peft_layer_as_diffusers_set_adapters_does(adapter_dir, scales):
+def test_activate_sets_every_peft_layer_as_diffusers_set_adapters_does(adapter_dir, previous, scales):
     """`activate` walks the peft layers found once instead of diffusers' two walks of every module per switch;
-    every layer ends in diffusers' state: enabled or not, active names, scalings."""
+    every layer ends in diffusers' state: enabled or not, active names, scalings, which factors require grad."""
     ours, theirs = tiny_transformer(0), tiny_transformer(0)
     for model in (ours, theirs):
         for name in ("turbo", "style"):
             install_adapter(model, name, read_lora_file(adapter_dir / f"{name}.safetensors", model))
-        activate(model, {"turbo": 0.3})  # a previous request's state, then this one's
+        activate(model, previous)  # a previous request's state, then this one's
     activate(ours, scales)
     if scales:
         theirs.enable_lora()
@@ -432,7 +433,8 @@ def test_activate_sets_every_peft_layer_as_diffusers_set_adapters_does(adapter_d
         theirs.disable_lora()
 
     def state(model):
-        return {n: (m.disable_adapters, tuple(m.active_adapters), dict(m.scaling)) for n, m in model.named_modules()
-                if hasattr(m, "scaling")}
+        return {n: (m.disable_adapters, tuple(m.active_adapters), dict(m.scaling),
+                    {p: q.requires_grad for p, q in m.named_parameters() if "lora_" in p})
+                for n, m in model.named_modules() if hasattr(m, "scaling")}
 
     assert state(ours) == state(theirs) and len(state(ours)) == 5 * 6
