@@ -206,8 +206,13 @@ def _checked_against(path: Path, factors: dict[str, torch.Tensor],
 def install_adapter(model: nn.Module, name: str, lora: LoraFile) -> None:
     """Inject `lora` into `model` as adapter `name` (diffusers' `load_lora_adapter`: peft layers on the factors'
     modules, the factors cast to each base layer's dtype and device). The model's active set is left to
-    `activate`."""
-    model.load_lora_adapter(dict(lora.factors), prefix=None, adapter_name=name, metadata=lora.lora_config_kwargs())
+    `activate`.
+
+    `low_cpu_mem_usage`: peft makes the layers on the meta device and takes the file's factors as they are (then
+    moved to the base layer's device and dtype), instead of initializing random factors that the file's then
+    overwrite: the initialization was ~70% of an install (a rank-128 block on the CPU: 111 ms -> 11 ms)."""
+    model.load_lora_adapter(dict(lora.factors), prefix=None, adapter_name=name, metadata=lora.lora_config_kwargs(),
+                            low_cpu_mem_usage=True)
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:
