@@ -115,12 +115,13 @@ class TextEncoderStep:
 class WorkerDenoiseStep:
     worker: DeploymentHandle
 
-    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn,
+    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn | None,
                       cancelled: CancelledFn) -> GenerationResult:
         # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
         stream = self.worker.options(stream=True).denoise_stream.remote(
-            request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names)
-        return await follow(stream, on_progress, cancelled)
+            request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names,
+            progress=on_progress is not None)
+        return await follow(stream, on_progress or _ignore, cancelled)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,8 @@ class FusedRunner:
                   on_denoised: Callable[[], None] | None = None) -> PipelineResult:
         start = time.perf_counter()
         stream = self._worker.options(stream=True).generate_stream.remote(
-            request, schedule_key=request.schedule_key, adapters=request.adapter_names)
+            request, schedule_key=request.schedule_key, adapters=request.adapter_names,
+            progress=on_progress is not None)
         result = await follow(stream, on_progress or _ignore, cancelled or _never)
         if on_denoised is not None:  # the worker decoded too: it is free now, not earlier
             on_denoised()

@@ -45,9 +45,10 @@ class PromptStep(Protocol):
 
 class DenoiseStep(Protocol):
     """AdaLN plans and the denoising loop: the result's latents, no MP4. Calls `on_progress(step, steps)` after
-    every forward and stops at the next step boundary once `cancelled()` is true (GenerationCancelled)."""
+    every forward (None: nobody follows, so a remote step sends no progress events) and stops at the next step
+    boundary once `cancelled()` is true (GenerationCancelled)."""
 
-    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn,
+    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn | None,
                       cancelled: CancelledFn) -> GenerationResult: ...
 
 
@@ -86,10 +87,6 @@ def _never() -> bool:
     return False
 
 
-def _ignore(step: int, steps: int) -> None:
-    pass
-
-
 class Pipeline:
     """prompt -> denoise -> decode over three steps; `decode` None: the result carries latents only (a
     multi-GPU replica's ranks other than 0, which hold no VAEs)."""
@@ -108,7 +105,7 @@ class Pipeline:
         start = time.perf_counter()
         embedding = await self.prompt.encode(request, cancelled)
         encoded = time.perf_counter()
-        result = await self.denoise.denoise(request, embedding, on_progress or _ignore, cancelled)
+        result = await self.denoise.denoise(request, embedding, on_progress, cancelled)
         denoised = time.perf_counter()
         if on_denoised is not None:
             on_denoised()
@@ -152,7 +149,7 @@ class LocalPrompt:
 class LocalDenoise:
     engine: LocalEngine
 
-    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn,
+    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn | None,
                       cancelled: CancelledFn) -> GenerationResult:
         return self.engine.denoise(request, embedding, on_progress, cancelled)
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
+import torch
 
 from deployments.schemas import decode_latents
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
@@ -125,6 +126,24 @@ def test_the_split_worker_is_a_pure_denoiser_answering_latents_for_the_text_enco
     assert isinstance(result, GenerationResult) and result.mp4 is None and result.clip is None
     assert result.video.ndim == 4 and result.audio.ndim == 2
     assert result.timings.encode_s == 0.0 and result.timings.denoise_s > 0
+
+
+def test_a_worker_stream_without_progress_is_the_result_alone_with_the_same_bits(apps):
+    """A caller that follows no progress (`/v1/generations` without stream) asks for none: one streamed object, not
+    one per forward, and the same latents."""
+    from ray import serve
+
+    from deployments.schemas import GenerationRequest
+    from engine.api import GenerationResult
+
+    request = GenerationRequest(**GENERATION)
+    embedding = serve.get_deployment_handle("TextEncoder", "split").encode.remote(request).result(timeout_s=300)
+    worker = serve.get_deployment_handle("Worker", "split").options(stream=True)
+    quiet = list(worker.denoise_stream.remote(request, embedding, schedule_key=request.schedule_key, progress=False))
+    followed = list(worker.denoise_stream.remote(request, embedding, schedule_key=request.schedule_key))
+    assert len(quiet) == 1 and isinstance(quiet[0], GenerationResult)
+    assert len(followed) == request.steps + 1
+    assert torch.equal(quiet[0].video, followed[-1].video) and torch.equal(quiet[0].audio, followed[-1].audio)
 
 
 def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
