@@ -200,6 +200,10 @@ class WarmupCanvas(BaseModel):
     height: int = Field(..., ge=32, description="Pixels.")
     seconds: float = Field(..., gt=0, description="Clip length (snapped as a request's is).")
     steps: int = Field(..., ge=2, description="Sampling grid points (a whole schedule: steps - 1 forwards).")
+    adapters: tuple[str, ...] = Field(
+        (), max_length=2, description="Configured adapters (engine.adapters names) active in this warm-up request: "
+        "a compiled block with LoRA layers on is another graph, so warm the adapters requests will name (a Turbo "
+        "adapter at its own steps); loaded at start as a side effect.")
 
 
 class CompileConfig(BaseModel):
@@ -325,6 +329,15 @@ class EngineConfig(BaseModel):
         if value not in backend_names():
             raise ValueError(f"unknown attention backend {value!r}; one of: {', '.join(backend_names())}")
         return value
+
+    @model_validator(mode="after")
+    def _warmup_adapters_configured(self) -> EngineConfig:
+        for index, canvas in enumerate(self.compile.warmup):
+            unknown = sorted(set(canvas.adapters) - set(self.adapters))
+            if unknown:
+                raise ValueError(f"compile.warmup[{index}].adapters: {unknown} are not configured "
+                                 f"(engine.adapters: {sorted(self.adapters)})")
+        return self
 
     @model_validator(mode="after")
     def _fp8_adapters_unfused(self) -> EngineConfig:

@@ -58,8 +58,8 @@ from cache.rebuild import RebuildError
 from engine.adapters import AdapterSet
 from engine.api import field_error, with_adapter_defaults
 from engine.api import (
-    CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn, RankStats,
-    SlabState,
+    AdapterChoice, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn,
+    RankStats, SlabState,
 )
 from engine.config import EngineConfig, GeometryConfig, WarmupCanvas
 from engine import forward
@@ -343,7 +343,8 @@ class Engine:
     def _warm_up_canvas(self, canvas: WarmupCanvas) -> None:
         """One request of `canvas` through the denoiser, on a stand-in prompt embedding (seed 0, no decode)."""
         request = GenerationRequest(prompt="warm-up", steps=canvas.steps, seconds=canvas.seconds,
-                                    width=canvas.width, height=canvas.height, seed=0, return_video=False)
+                                    width=canvas.width, height=canvas.height, seed=0, return_video=False,
+                                    adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))
         embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
                              dtype=self.model_config.torch_dtype)
         self.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))

@@ -390,6 +390,41 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
     assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed
 
 
+@pytest.mark.parametrize("warm_adapters", [(), ("turbo",)])
+def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compile(tiny_checkpoint, tmp_path,
+                                                                                  warm_adapters):
+    """LoRA layers on are another graph of the compiled block: a canvas warmed without the adapter leaves its first
+    adapter request compiling (the case the warm-up's `adapters` field exists for), one warmed with it does not."""
+    from engine.api import AdapterChoice, GenerationRequest
+    from engine.engine import Engine, EngineParts
+    from engine.stages import PromptEmbedding
+    from model.text_encoder import PromptCacheStats
+    from model.tiny_adapter import save_adapter, tiny_lora_factors
+
+    torch._dynamo.reset()
+    path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
+    canvas = dict(width=64, height=64, seconds=5.0, steps=3)
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adapters={"turbo": {"path": str(path)}},
+                                 compile={"mode": "blocks", "backend": "eager",
+                                          "warmup": [canvas, dict(canvas, adapters=warm_adapters)]}),
+                    parts=EngineParts.DENOISER)
+    prompt = PromptEmbedding(torch.randn(11, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+    before = 0
+    for adapters in ((AdapterChoice(name="turbo"),), ()):
+        result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, return_video=False, adapters=adapters,
+                                                  **canvas), prompt)
+        compiled_by_this_request, before = result.stats.compile.since_warmup - before, result.stats.compile.since_warmup
+        if adapters and not warm_adapters:
+            assert compiled_by_this_request > 0
+        else:
+            assert compiled_by_this_request == 0, adapters
+
+
+def test_a_warmup_adapter_must_be_configured_naming_the_field():
+    with pytest.raises(ValueError, match=r"compile.warmup\[0\].adapters: \['turbo'\] are not configured"):
+        EngineConfig(compile={"warmup": [dict(width=64, height=64, seconds=5.0, steps=3, adapters=["turbo"])]})
+
+
 def test_a_warmup_canvas_the_engine_refuses_fails_the_start_naming_it(tiny_checkpoint):
     from engine.engine import Engine, EngineParts
 
