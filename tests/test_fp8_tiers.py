@@ -88,3 +88,68 @@ def test_served_tiers_and_the_default_tier_follow_the_quantization(quantization,
     if unserved is not None:
         message = limits.unserved_quality(unserved)
         assert all(repr(q) in message.rpartition("served: ")[2] for q in tiers), message
+
+
+# --- the engine ---------------------------------------------------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from pydantic import ValidationError  # noqa: E402
+
+from engine.api import GenerationRequest  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.errors import ClientError  # noqa: E402
+from model.tiny import make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiers") / "tiny", "diffusers", seed=0)
+
+
+def engine_of(checkpoint: Path, quantization: str) -> Engine:
+    return Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", quantization=quantization,
+                               adaln={"mode": "online", "host_cache_gb": 0.01}, pool={"enabled": False},
+                               geometry={"short_edge": None, "min_seconds": 0.1}))
+
+
+def tier_request(quality: str | None, seed: int = 3) -> GenerationRequest:
+    return GenerationRequest(prompt="a red fox", steps=4, seconds=0.5, width=64, height=64, seed=seed,
+                             return_video=False, quality=quality)
+
+
+def test_a_both_engine_serves_lossless_as_a_bf16_engine_and_fp8_as_an_fp8_engine_alternating(checkpoint, cpu_fp8):
+    want = {"lossless": engine_of(checkpoint, "none").generate(tier_request(None)),
+            "fp8": engine_of(checkpoint, "fp8").generate(tier_request(None))}
+    both = engine_of(checkpoint, "bf16+fp8")
+    assert both.limits.qualities == ("lossless", "fp8") and both.limits.quantization == "bf16+fp8"
+    assert both.describe()["limits"]["qualities"] == ["lossless", "fp8"]
+    for quality in ("fp8", "lossless", None, "fp8", "fp8", "lossless"):
+        got = both.generate(tier_request(quality))
+        tier = quality or "lossless"  # the default tier where bf16 is served
+        assert torch.equal(got.video, want[tier].video) and torch.equal(got.audio, want[tier].audio), quality
+        assert got.stats.linears == ("fp8" if tier == "fp8" else "bf16")
+    assert not torch.equal(want["fp8"].video, want["lossless"].video)
+
+
+@pytest.mark.parametrize("quantization, asked, served", [
+    ("none", "fp8", "'lossless'"),
+    ("fp8", "lossless", "'fp8'"),
+])
+def test_a_tier_the_server_does_not_serve_is_refused_naming_quality_and_the_served_tiers(
+        checkpoint, cpu_fp8, quantization, asked, served):
+    engine = engine_of(checkpoint, quantization)
+    with pytest.raises(ClientError) as info:
+        engine.validate(tier_request(asked))
+    assert info.value.field == "quality" and f"served: {served}" in str(info.value)
+    assert engine.generate(tier_request(None)).stats.linears == ("fp8" if quantization == "fp8" else "bf16")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"offload": {"enabled": True}}, "quantization: bf16\\+fp8 is not served with offload.enabled"),
+    ({"adapters": {"turbo": {"path": "t.safetensors", "fuse": True}}},
+     "fuse: true is not served with quantization: bf16\\+fp8"),
+])
+def test_both_is_refused_with_offload_and_with_fused_adapters(config, message):
+    with pytest.raises(ValidationError, match=message):
+        EngineConfig(quantization="bf16+fp8", **config)
