@@ -153,3 +153,32 @@ def test_a_tier_the_server_does_not_serve_is_refused_naming_quality_and_the_serv
 def test_both_is_refused_with_offload_and_with_fused_adapters(config, message):
     with pytest.raises(ValidationError, match=message):
         EngineConfig(quantization="bf16+fp8", **config)
+
+
+# --- the video API (jobs.limits) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qualities, asked, resolved", [
+    (("lossless", "high"), None, "lossless"),  # a bf16 server: as before
+    (("fp8",), None, "fp8"),
+    (("lossless", "fp8"), "fp8", "fp8"),
+    (("fp8",), "lossless", None),
+    (("lossless", "high"), "fp8", None),
+])
+def test_a_video_job_gets_the_default_tier_or_a_served_one_else_a_422_on_quality(qualities, asked, resolved):
+    from jobs.errors import InvalidVideoRequest
+    from jobs.limits import resolve_spec
+    from jobs.schemas import VideoCreateRequest
+
+    quantization = {("fp8",): "fp8", ("lossless", "fp8"): "bf16+fp8"}.get(qualities, "none")
+    limits = served_limits("m", max_steps=65, short_edge=None, max_pixels=64 * 64, size_multiple=32,
+                           min_seconds=0.1, max_seconds=15, fps=24, frames_per_chunk=17, frame_offset=5,
+                           max_prompt_tokens=64, default_flow_shift=12, default_audio_flow_shift=3,
+                           quantization=quantization, qualities=qualities)
+    request = VideoCreateRequest(prompt="a fox", **({} if asked is None else {"quality": asked}))
+    if resolved is None:
+        with pytest.raises(InvalidVideoRequest) as info:
+            resolve_spec(request, limits, seed=1)
+        assert info.value.field == "quality" and "served: " in str(info.value)
+    else:
+        assert resolve_spec(request, limits, seed=1).quality == resolved
