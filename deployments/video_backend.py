@@ -122,6 +122,7 @@ def generation_request(spec: VideoSpec, high_quality: CacheDitOverrides) -> Gene
         references=tuple(ReferenceInput(kind=r.kind, data=r.data) for r in media.references)
         if media is not None and media.references else None,
         adapters=(AdapterChoice(name=spec.lora.name, scale=spec.lora.scale),) if spec.lora is not None else (),
+        quality=spec.quality,
     )
 
 
@@ -172,7 +173,7 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
 #: a job's VideoSpec becomes the engine request's fields by `generation_request` above.
 VIDEO_FIELDS = {
     "prompt": "prompt", "steps": "num_inference_steps", "seconds": "seconds", "width": "size", "height": "size",
-    "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality",
+    "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality", "quality": "quality",
     "adapters": "lora",
 }
 

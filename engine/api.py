@@ -23,7 +23,7 @@ from cache.plan_cache import AdalnStats
 from engine.compiled import CompileStats
 from engine.config import MAX_STEPS
 from engine.errors import ClientError
-from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, ModelLimits
+from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, Linears, ModelLimits, Quality
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.geometry import GeometryError
@@ -146,6 +146,11 @@ class GenerationRequest(BaseModel):
         description="LoRA adapters to run with (at most 2, composed). Fields left out (steps, flow_shift, "
         "audio_flow_shift) take the first adapter naming a default, else the model's.")
 
+    quality: Quality | None = Field(
+        None, description="lossless: bf16 block linears, Cache-DiT off; high: bf16 with Cache-DiT (the request's "
+        "cache_dit, else the server's); fp8: float8 block linears, Cache-DiT off. Served tiers: `GET /v1/models` "
+        "limits.qualities. null: the server's default tier (lossless where served, else fp8), Cache-DiT as today.")
+
     @field_validator("prompt")
     @classmethod
     def _not_blank(cls, prompt: str) -> str:
@@ -254,6 +259,7 @@ class GenerationStats(BaseModel):
     tokens: int = Field(..., description="Packed sequence length of one forward: text, audio and video tokens.")
     text_tokens: int = Field(..., description="Prompt tokens.")
     adaln_mode: str = Field(..., description="engine.adaln.mode: resident or online.")
+    linears: Linears = Field("bf16", description="The weights the block linears ran with (the request's tier).")
     schedule_key: str = Field(..., description="The request's AdaLN plan group (router affinity key).")
     adaln: AdalnStats | None = Field(None, description="This request's plan cache counters; None: resident AdaLN.")
     prompt_cache: PromptCacheStats | None = Field(None, description="The prompt-embedding cache (cumulative).")

@@ -16,7 +16,7 @@ from cache.config import AdalnConfig
 from engine.limits import ADAPTER_NAME_PATTERN, ServedAdapter
 from engine.attention import AUTO, backend_names
 from engine.compiled import CompileBackend, CompileOptions, InductorMode
-from engine.fp8 import Quantization
+from engine.limits import Quantization
 from model.geometry import H3_LATENTS, snap_num_frames
 from offload.layerwise import OffloadConfig
 
@@ -320,7 +320,9 @@ class EngineConfig(BaseModel):
     quantization: Quantization = Field(
         "none", description="fp8: torchao float8 dynamic activations x rowwise float8 weights on the blocks' "
         "attention and feed-forward linears (AdaLN, heads and refiner stay bf16/fp32); needs a GPU of compute "
-        "capability >= 8.9. With offload the FP8 weights are what streams (about half the bytes).",
+        "capability >= 8.9. With offload the FP8 weights are what streams (about half the bytes). bf16+fp8: both "
+        "(the bf16 linears and a float8 copy of each), chosen per request by its quality (lossless/high: bf16, fp8); "
+        "not with offload.",
     )
 
     @field_validator("attention")
@@ -344,9 +346,13 @@ class EngineConfig(BaseModel):
         # peft wraps torchao's float8 linears and adds the low-rank product outside the quantized GEMM
         # (tests/test_fp8_adapters.py); a fused delta would have to be re-quantized into the float8 weights.
         fused = [name for name, adapter in self.adapters.items() if adapter.fuse]
-        if self.quantization == "fp8" and fused:
-            raise ValueError(f"adapters {fused}: fuse: true is not served with quantization: fp8 (the delta would be "
-                             "re-quantized into the float8 weights); set fuse: false")
+        if self.quantization != "none" and fused:
+            raise ValueError(f"adapters {fused}: fuse: true is not served with quantization: {self.quantization} (the "
+                             "delta would be re-quantized into the float8 weights); set fuse: false")
+        # bf16+fp8 holds both weights of every block linear resident: the offloader streams one set of bytes.
+        if self.quantization == "bf16+fp8" and self.offload.enabled:
+            raise ValueError("quantization: bf16+fp8 is not served with offload.enabled (the blocks hold bf16 and "
+                             "float8 weights resident); use quantization: fp8 with offload")
         return self
 
     @model_validator(mode="after")

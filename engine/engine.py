@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from cache.cache_dit import CacheDit, CacheDitConfig, find_block_stack
+from cache.cache_dit import CacheDit, CacheDitConfig, CacheDitOverrides, find_block_stack
 from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
 from engine.adapters import AdapterSet
@@ -65,7 +65,7 @@ from engine.config import EngineConfig, GeometryConfig, WarmupCanvas
 from engine import forward
 from engine.fp8 import requantized
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
-from engine.limits import ModelLimits, served_limits
+from engine.limits import QUALITY_LINEARS, Linears, ModelLimits, Quality, served_limits, served_qualities
 from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
@@ -149,6 +149,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
         default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
         adapters=tuple(adapter.served(name) for name, adapter in config.adapters.items()),
+        quantization=config.quantization, qualities=served_qualities(config.quantization, config.cache_dit.enabled),
     )
 
 
@@ -255,7 +256,7 @@ class Engine:
                                             skip=is_adaln_param if online else None)
         # FP8 block linears (engine.quantization), quantized in place on the device right after the bf16 load
         # (with offload each linear visits the device and its FP8 weight streams from the host).
-        quantized_linears = forward.quantize(self.transformer, config.quantization, self.device)
+        quantized_linears, precision = forward.quantize(self.transformer, config.quantization, self.device)
         transformer_s = time.perf_counter() - t
         t = time.perf_counter()
         # Online: the AdaLN projections stay on disk; each forward reads its rows from the plan cache.
@@ -287,7 +288,8 @@ class Engine:
         # inside each block's own __call__, so the offloader's and Cache-DiT's hooks stay eager around it).
         self.forward_kernels = forward.install(self.transformer, attention=config.attention,
                                                compile_config=config.compile, quantized_linears=quantized_linears,
-                                               quantization=config.quantization, device=self.device)
+                                               quantization=config.quantization, device=self.device,
+                                               precision=precision)
         hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
@@ -341,13 +343,17 @@ class Engine:
         logger.info("forward: %s", self.forward_kernels.summary())
 
     def _warm_up_canvas(self, canvas: WarmupCanvas) -> None:
-        """One request of `canvas` through the denoiser, on a stand-in prompt embedding (seed 0, no decode)."""
-        request = GenerationRequest(prompt="warm-up", steps=canvas.steps, seconds=canvas.seconds,
-                                    width=canvas.width, height=canvas.height, seed=0, return_video=False,
-                                    adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))
+        """One request of `canvas` through the denoiser per served weight set (bf16+fp8: both, each its own
+        graphs), with the canvas's adapters on, on a stand-in prompt embedding (seed 0, no decode)."""
         embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
                              dtype=self.model_config.torch_dtype)
-        self.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
+        tiers = [q for q in ("lossless", "fp8") if q in self.limits.qualities]
+        for quality in tiers:
+            request = GenerationRequest(prompt="warm-up", steps=canvas.steps, seconds=canvas.seconds,
+                                        width=canvas.width, height=canvas.height, seed=0, return_video=False,
+                                        quality=quality,
+                                        adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))
+            self.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
 
     def _load_text_encoder(self) -> float:
         """Build the prompt stage; its seconds."""
@@ -437,8 +443,24 @@ class Engine:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
 
+    def _linears(self, request: GenerationRequest) -> Linears:
+        """The weights the request's tier runs the block linears with; ClientError on `quality` for a tier this
+        server does not serve (naming the served ones)."""
+        quality: Quality = request.quality if request.quality is not None else self.limits.default_quality
+        if quality not in self.limits.qualities:
+            raise ClientError("quality", self.limits.unserved_quality(quality),
+                              "served: " + ", ".join(self.limits.qualities))
+        return QUALITY_LINEARS[quality]
+
     def _cache_dit_config(self, request: GenerationRequest, num_forwards: int) -> CacheDitConfig:
-        """The request's effective Cache-DiT config (server config + overrides), checked once per request."""
+        """The request's effective Cache-DiT config (server config + overrides, its tier's), checked once per
+        request."""
+        self._linears(request)
+        if request.quality in ("lossless", "fp8"):  # these tiers are exact sampling of their weights
+            if request.cache_dit is not None and request.cache_dit.enabled:
+                raise ClientError("cache_dit", f"quality {request.quality!r} runs with Cache-DiT off; send quality "
+                                  "'high' for Cache-DiT, or leave cache_dit out")
+            return self.config.cache_dit.merged(CacheDitOverrides(enabled=False))
         if request.cache_dit is None:
             effective = self.config.cache_dit
         else:
@@ -559,6 +581,9 @@ class Engine:
         # no projection parameters left in the model: their plans are rebuilt from the new files.
         # Under LoRA layers a base weight is `{module}.base_layer.weight`; the adapters' factors are not the
         # checkpoint's (a fused adapter's delta is overwritten here: `weights_updated`).
+        precision = self.forward_kernels.precision
+        if precision is not None:  # bf16+fp8: the bf16 weights are written, their float8 copies made again after
+            precision.use("bf16")
         params = {name.replace(".base_layer.", "."): p for name, p in self.transformer.named_parameters()
                   if ".lora_" not in name}
         stored = set(weights.names())
@@ -588,6 +613,8 @@ class Engine:
                     getattr(param, inner).copy_(value)
             else:
                 param.copy_(weights.tensor(name, param.device))
+        if precision is not None:
+            precision.refresh()
         self.refined_text.clear()  # rows refined by the old weights
         self.adapters.weights_updated(weights)
         if self.plan_cache is not None:
@@ -731,6 +758,9 @@ class Engine:
             # This request's adapters, each at its scale (a cold one's read began on arrival: prefetch_adapters).
             # Ranks of a group wait for the read uncancelled: they must all reach the loop (cancel is agreed there).
             adapter_stats = self.adapters.apply(request.adapters, cancelled if self.group is None else None)
+            linears = self._linears(request)
+            if self.forward_kernels.precision is not None:  # bf16+fp8: the tier's weights, before the first forward
+                self.forward_kernels.precision.use(linears)
             t1 = self._sync_time()
             text = embedding.embeds.to(self.device)  # [L, D]
             denoiser = Denoiser(geometry, schedule, text.shape[0], self.device, _condition_latents(request, embedding))
@@ -765,6 +795,7 @@ class Engine:
         stats = GenerationStats(
             steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
             tokens=geometry.num_tokens(text.shape[0]), text_tokens=text.shape[0], adaln_mode=self.config.adaln.mode,
+            linears=linears,
             schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=embedding.cache,
             cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,

@@ -19,7 +19,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from engine.attention import AttentionChoice, choose_attention
 from engine.compiled import CompiledBlocks, CompileStats
 from engine.config import CompileConfig, WarmupCanvas
-from engine.fp8 import quantize_blocks_fp8
+from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 
 #: Prompt rows of the warm-up's stand-in embedding (the sequence dimension is dynamic: any length would do).
 WARMUP_TEXT_TOKENS = 64
@@ -33,6 +33,7 @@ class ForwardKernels:
     quantization: str  # engine.quantization
     quantized_linears: int  # block linears in FP8 (0: none)
     compiled: CompiledBlocks | None
+    precision: LinearPrecision | None = None  # bf16+fp8: which weights the block linears run, per request
 
     def compile_stats(self) -> CompileStats | None:
         return self.compiled.stats() if self.compiled is not None else None
@@ -49,21 +50,25 @@ class ForwardKernels:
                 f"({self.quantized_linears} linears); compile {compiled}")
 
 
-def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str, device: torch.device) -> int:
+def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
+             device: torch.device) -> tuple[int, LinearPrecision | None]:
     """FP8 on the block linears when configured (quantized on `device`, the one the blocks run on, wherever
-    they are loaded); returns how many were quantized."""
+    they are loaded): how many linears hold float8 weights, and for bf16+fp8 the switch between the two."""
     if quantization == "none":
-        return 0
-    return len(quantize_blocks_fp8(transformer.transformer_blocks, device))
+        return 0, None
+    if quantization == "bf16+fp8":
+        precision = LinearPrecision(transformer.transformer_blocks, device)
+        return len(precision.names), precision
+    return len(quantize_blocks_fp8(transformer.transformer_blocks, device)), None
 
 
 def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile_config: CompileConfig, quantized_linears: int,
-            quantization: str, device: torch.device) -> ForwardKernels:
+            quantization: str, device: torch.device, precision: LinearPrecision | None = None) -> ForwardKernels:
     """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured."""
     choice = choose_attention(transformer, attention, device)
     compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options).apply() \
         if compile_config.mode == "blocks" else None
-    return ForwardKernels(choice, quantization, quantized_linears, compiled)
+    return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
 
 
 def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], run: Callable[[WarmupCanvas], None]) -> None:

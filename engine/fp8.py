@@ -17,14 +17,12 @@ way (`requantized`): an updated engine serves what a fresh one on the new checkp
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
+from engine.limits import Linears, Quantization
 from offload.wrapped import inner_tensors, is_wrapped, rebuilt_on
 
-Quantization = Literal["none", "fp8"]
 #: Compute capability of the first GPUs with float8 tensor cores (Ada: 8.9; Hopper: 9.0).
 MIN_CAPABILITY = (8, 9)
 
@@ -104,3 +102,55 @@ def quantize_linears_fp8(blocks: nn.ModuleList, device: torch.device) -> list[st
             if linear.bias is not None:
                 linear.bias.data = linear.bias.data.to(home)
     return targets
+
+
+def float8_copy(weight: torch.Tensor) -> nn.Parameter:
+    """The FP8 weight `quantize_linears_fp8` would make of the bf16 `weight` (same bits), made beside it: `weight`
+    itself is left as it is (torchao reads it through a throwaway linear that shares it)."""
+    from torchao.quantization import quantize_
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+    quantize_(linear, _config())
+    if not is_wrapped(linear.weight):
+        raise QuantizationError(f"engine.quantization: bf16+fp8 cannot quantize a weight of {tuple(weight.shape)} "
+                                "(float8 GEMMs need both dims multiples of 16)")
+    return nn.Parameter(linear.weight, requires_grad=False)
+
+
+class LinearPrecision:
+    """`engine.quantization: bf16+fp8`: every FP8 target linear of the blocks keeps its bf16 weight and holds a
+    float8 copy of it (no second bf16 copy); `use(linears)` points each linear at one of the two (a parameter
+    swap, no copy), between requests only.
+
+    The linears are held as modules, so the swap still reaches them once peft wraps them as a LoRA layer's
+    `base_layer` (unfused adapters compose). Invariant: every target's `weight` is its `active` one."""
+
+    def __init__(self, blocks: nn.ModuleList, device: torch.device):
+        check_fp8_device(device)
+        names = fp8_targets(blocks)
+        if not names:
+            raise QuantizationError("engine.quantization: bf16+fp8 found no attention or feed-forward linears")
+        self.names = names
+        self._linears = [blocks.get_submodule(name) for name in names]
+        self._weights: dict[Linears, list[nn.Parameter]] = {"bf16": [linear.weight for linear in self._linears]}
+        self.active: Linears = "bf16"
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The float8 copies made again from the bf16 weights (after a weight update wrote those)."""
+        self._weights["fp8"] = [float8_copy(weight) for weight in self._weights["bf16"]]
+
+    def use(self, linears: Linears) -> None:
+        """Every target linear runs with its `linears` weight from now on (nothing moves when it already does)."""
+        if linears == self.active:
+            return
+        for linear, weight in zip(self._linears, self._weights[linears]):
+            linear.weight = weight
+        self.active = linears
+
+    def check(self) -> None:
+        wrong = [name for name, linear, weight in zip(self.names, self._linears, self._weights[self.active])
+                 if linear.weight is not weight]
+        if wrong:
+            raise RuntimeError(f"linears {wrong} do not run their {self.active} weight")

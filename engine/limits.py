@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "DEFAULT_SECONDS", "DEFAULT_SHORT_EDGE", "DEFAULT_STEPS", "MAX_PROMPT_CHARS", "ModelLimits", "ServedAdapter",
-    "served_limits",
+    "DEFAULT_SECONDS", "DEFAULT_SHORT_EDGE", "DEFAULT_STEPS", "MAX_PROMPT_CHARS", "QUALITY_LINEARS", "Linears",
+    "ModelLimits", "Quality", "Quantization", "ServedAdapter", "served_limits", "served_qualities",
 ]
 
 #: Longest prompt in characters any request may send (the schema's bound; tokens are the model's).
@@ -33,6 +35,27 @@ DEFAULT_SHORT_EDGE = 768
 DEFAULT_ASPECT = Fraction(16, 9)
 #: The largest edge a model without a fixed short edge is offered (the engine request's own bound).
 MAX_EDGE = 8192
+
+
+#: A request's tier: lossless (bf16 linears, Cache-DiT off), high (bf16 + the Cache-DiT profile), fp8 (float8
+#: block linears, Cache-DiT off).
+Quality = Literal["lossless", "high", "fp8"]
+#: The weights the block linears run with.
+Linears = Literal["bf16", "fp8"]
+#: `engine.quantization`: none (bf16), fp8 (float8 only), bf16+fp8 (both held, chosen per request).
+Quantization = Literal["none", "fp8", "bf16+fp8"]
+QUALITY_LINEARS: dict[str, Linears] = {"lossless": "bf16", "high": "bf16", "fp8": "fp8"}
+#: Which served tier a request without one gets: the first served in this order (high is never a default).
+DEFAULT_QUALITY_ORDER: tuple[Quality, ...] = ("lossless", "fp8")
+
+
+def served_qualities(quantization: Quantization, cache_dit: bool) -> tuple[Quality, ...]:
+    """The tiers a server of `quantization` serves (`cache_dit`: engine.cache_dit.enabled, which `high` needs)."""
+    bf16 = quantization in ("none", "bf16+fp8")
+    tiers: list[Quality] = ["lossless", "high"] if bf16 and cache_dit else ["lossless"] if bf16 else []
+    if quantization in ("fp8", "bf16+fp8"):
+        tiers.append("fp8")
+    return tuple(tiers)
 
 
 #: A configured adapter's name: what requests put in `adapters[].name` (`/v1/generations`) or `lora` (`/v1/videos`).
@@ -85,6 +108,24 @@ class ModelLimits(BaseModel):
     tasks: tuple[str, ...] = Field(("t2va",), min_length=1, description="What the served partition takes: t2va and "
                                    "fl2va (FL2VA), ref2va (Ref2VA); fewer where the app cannot run one (stages).")
     adapters: tuple[ServedAdapter, ...] = Field((), description="The LoRA adapters a request may name.")
+    quantization: Quantization = Field("none", description="engine.quantization: none (bf16 block linears), fp8 "
+                                       "(float8 only), bf16+fp8 (both, chosen per request by its quality).")
+    qualities: tuple[Quality, ...] = Field(
+        ("lossless", "high"), min_length=1, description="The quality tiers a request may ask for; one that leaves "
+        "quality out gets the first served of lossless, fp8 (`default_quality`).")
+
+    @property
+    def default_quality(self) -> Quality:
+        """The tier of a request that names none: lossless where bf16 is served, else fp8."""
+        return next(q for q in (*DEFAULT_QUALITY_ORDER, *self.qualities) if q in self.qualities)
+
+    def unserved_quality(self, quality: str) -> str:
+        """What a request asking for a tier this server does not serve is told: the tiers it serves."""
+        served = ", ".join(repr(q) for q in self.qualities)
+        if quality == "high" and "lossless" in self.qualities:
+            return (f"'high' runs Cache-DiT, which is off on this server (engine.cache_dit.enabled: false); "
+                    f"served: {served}")
+        return f"{quality!r} is not served by this server (engine.quantization: {self.quantization}); served: {served}"
 
     @model_validator(mode="after")
     def _defaults_within_bounds(self) -> ModelLimits:
@@ -145,7 +186,8 @@ def served_limits(
     name: str, *, max_steps: int, short_edge: int | None, max_pixels: int, size_multiple: int, min_seconds: float,
     max_seconds: float, fps: int, frames_per_chunk: int, frame_offset: int, max_prompt_tokens: int,
     default_flow_shift: float, default_audio_flow_shift: float, tasks: tuple[str, ...] = ("t2va",),
-    adapters: tuple[ServedAdapter, ...] = (),
+    adapters: tuple[ServedAdapter, ...] = (), quantization: Quantization = "none",
+    qualities: tuple[Quality, ...] = ("lossless", "high"),
 ) -> ModelLimits:
     """The limits of a model serving these bounds, with the defaults a request gets: 5 s (within the bounds),
     50 steps (at most max_steps), and a 16:9 frame: the model's short edge, else the largest short edge <= 768
@@ -171,7 +213,7 @@ def served_limits(
         default_size=f"{long_edge}x{default_short}", default_short_edge=default_short, max_steps=max_steps,
         default_steps=min(DEFAULT_STEPS, max_steps), default_flow_shift=default_flow_shift,
         default_audio_flow_shift=default_audio_flow_shift, max_prompt_tokens=max_prompt_tokens, tasks=tasks,
-        adapters=adapters,
+        adapters=adapters, quantization=quantization, qualities=qualities,
     )
 
 

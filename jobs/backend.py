@@ -30,7 +30,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.media import VideoMedia, VideoTask
-from engine.limits import ADAPTER_NAME_PATTERN
+from engine.limits import ADAPTER_NAME_PATTERN, Quality
 
 __all__ = [
     "CancelCheck",
@@ -48,7 +48,6 @@ __all__ = [
     "VideoWorkerLost",
 ]
 
-Quality = Literal["lossless", "high"]
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps in the request)
 CancelCheck = Callable[[], bool]  # True: stop at the next step boundary, raise VideoCancelled
 
@@ -77,7 +76,8 @@ class VideoSpec(BaseModel):
     seed: int = Field(..., ge=0, description="Seed of the initial noise.")
     flow_shift: float = Field(..., gt=0, description="Video timestep shift of the flow-matching schedule.")
     audio_flow_shift: float = Field(..., gt=0, description="Audio timestep shift of the flow-matching schedule.")
-    quality: Quality = Field(..., description="lossless: exact sampling; high: the measured Cache-DiT profile.")
+    quality: Quality = Field(..., description="lossless: exact sampling (bf16); high: the measured Cache-DiT "
+                             "profile; fp8: exact sampling of the float8 block linears.")
     task: VideoTask = Field("t2va", description="t2va, fl2va (keyframes) or ref2va (references): what `media` holds.")
     size_given: bool = Field(True, description="False: a keyframe or reference job without a size, whose canvas "
                              "the model derives from its first image (width and height are then the default's).")

@@ -115,6 +115,10 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
         if shift > limits.max_flow_shift:
             raise InvalidVideoRequest(field, f"{shift:g} exceeds the model's max_flow_shift={limits.max_flow_shift:g}")
 
+    quality = limits.default_quality if request.quality is None else request.quality
+    if quality not in limits.qualities:
+        raise InvalidVideoRequest("quality", limits.unserved_quality(quality))
+
     if request.seed is not None:
         seed = request.seed
     elif seed is None:
@@ -122,7 +126,7 @@ def resolve_spec(request: VideoCreateRequest, limits: ModelLimits, seed: int | N
     return VideoSpec(
         model=limits.name, prompt=prompt, seconds=seconds, width=width, height=height, num_inference_steps=steps,
         seed=seed, flow_shift=shifts["flow_shift"], audio_flow_shift=shifts["audio_flow_shift"],
-        quality=request.quality, task="t2va" if media is None else media.task, media=media,
+        quality=quality, task="t2va" if media is None else media.task, media=media,
         size_given=media is None or request.size is not None or request.aspect_ratio is not None,
         lora=request.lora,
     )

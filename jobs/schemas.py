@@ -59,8 +59,10 @@ class VideoCreateRequest(BaseModel):
     audio_flow_shift: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="Audio timestep shift; null: the model's default (H3: 3).",
     )
-    quality: Quality = Field(
-        "lossless", description="lossless: exact sampling; high: the measured Cache-DiT profile (faster, not exact).",
+    quality: Quality | None = Field(
+        None, description="lossless: exact sampling (bf16 linears); high: the measured Cache-DiT profile (faster, not "
+        "exact); fp8: exact sampling of float8 block linears. The served ones: GET /v1/models limits.qualities; "
+        "null: the server's first of lossless, fp8.",
     )
     # Media (jobs.media): in JSON each a base64 `data:` URL; in a multipart form a file (or a data: URL field).
     input_reference: str | None = Field(
@@ -146,7 +148,7 @@ class VideoJob(BaseModel):
     seed: int = Field(..., description="Seed of the initial noise (the drawn one when the request gave none).")
     flow_shift: float = Field(..., description="Video timestep shift.")
     audio_flow_shift: float = Field(..., description="Audio timestep shift.")
-    quality: Quality = Field(..., description="lossless or high.")
+    quality: Quality = Field(..., description="lossless, high or fp8.")
     task: VideoTask = Field("t2va", description="t2va, fl2va (keyframes) or ref2va (references).")
     queue_position: int | None = Field(
         None, description="While queued: jobs of the same model ahead of this one (0: it starts next)."

@@ -101,7 +101,7 @@ def test_out_of_limits_requests_name_field_value_and_limit(fields, message):
         ({"size": "1344*768"}, "String should match pattern"),
         ({"seconds": "eight"}, "seconds='eight' is not a number"),
         ({"seconds": float("nan")}, "Input should be a finite number"),
-        ({"quality": "ultra"}, "Input should be 'lossless' or 'high'"),
+        ({"quality": "ultra"}, "Input should be 'lossless', 'high' or 'fp8'"),
         ({"num_inference_steps": "50"}, "Input should be a valid integer"),  # JSON is strictly typed
         ({"negative_prompt": "x"}, "Extra inputs are not permitted"),
     ],

@@ -349,7 +349,7 @@ BAD_REQUESTS = [
     ("prompt-missing", {"json": {"seconds": 1}}, 422, "prompt: Field required"),
     ("prompt-empty", {"json": {**VALID, "prompt": ""}}, 422, "prompt: String should have at least 1 character"),
     ("prompt-blank", {"json": {**VALID, "prompt": "   "}}, 422, "prompt: must not be blank"),
-    ("quality-unknown", {"json": {**VALID, "quality": "ultra"}}, 422, "quality: Input should be 'lossless' or 'high'"),
+    ("quality-unknown", {"json": {**VALID, "quality": "ultra"}}, 422, "quality: Input should be 'lossless', 'high' or 'fp8'"),
     ("seed-negative", {"json": {**VALID, "seed": -1}}, 422, "seed: Input should be greater than or equal to 0"),
     ("seed-too-big", {"json": {**VALID, "seed": 2**63}}, 422, "seed: Input should be less than or equal to"),
     ("flow-shift-over", {"json": {**VALID, "flow_shift": 500.0}}, 422,
