@@ -174,7 +174,8 @@ def test_result_shapes_dtypes_timings_and_stats(engine):
     assert (stats.adaln_mode, stats.adaln.requests, stats.prompt_cache) == ("online", 1, engine.prompt_stage.cache.stats())
     # Serialized, it is the response's `stats` object: features that are off are absent.
     assert list(stats.model_dump(mode="json")) == [
-        "steps", "forwards", "frames", "tokens", "text_tokens", "adaln_mode", "schedule_key", "adaln", "prompt_cache"]
+        "steps", "forwards", "frames", "tokens", "text_tokens", "adaln_mode", "linears", "schedule_key", "adaln",
+        "prompt_cache"]
     assert result.model == engine.model_name and result.model.startswith("minimax-h3@") and result.seed == 11
 
 

@@ -28,7 +28,7 @@ def test_engine_limits_import_nothing_but_pydantic():
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported == {"__future__", "math", "fractions", "pydantic"}
+    assert imported == {"__future__", "math", "fractions", "typing", "pydantic"}
 
 
 def test_the_released_model_serves_its_size_rules_and_the_defaults_of_before():

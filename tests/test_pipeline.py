@@ -47,7 +47,8 @@ class Steps:
 
     async def denoise(self, request, embedding, on_progress, cancelled) -> GenerationResult:
         for step in range(1, request.steps):
-            on_progress(step, request.steps - 1)
+            if on_progress is not None:
+                on_progress(step, request.steps - 1)
         self._done("denoise")
         stats = GenerationStats(steps=request.steps, forwards=request.steps - 1, frames=29, tokens=10,
                                 text_tokens=embedding.num_tokens, adaln_mode="online", schedule_key="k")

@@ -403,7 +403,7 @@ def test_response_latents_round_trip_through_safetensors_and_without_video_the_p
     assert response.video_mp4 is None
     assert response.timings.encode_s == 0.1 and response.timings.denoise_s == response.timings.decode_s == 0.0
     assert response.stats == {"steps": 2, "forwards": 1, "frames": 124, "tokens": 1000, "text_tokens": 8,
-                              "adaln_mode": "resident", "schedule_key": "t2va:2", "adaln": {}}
+                              "adaln_mode": "resident", "linears": "bf16", "schedule_key": "t2va:2", "adaln": {}}
     image = Image.open(io.BytesIO(base64.b64decode(response.preview_png)))
     assert image.size == (126, 84) and image.mode == "RGB"  # latent channels 0-2, nearest upscale x21 (128 // 6)
     assert GenerationResponse.from_result(result, request_id="gen-1", return_latents=False).latents is None
