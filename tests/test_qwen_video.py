@@ -18,7 +18,8 @@ from safetensors import safe_open
 from model.qwen_video import VideoProcessingError, VideoProcessorConfig, process_videos, resize_bicubic, smart_resize
 
 FIXTURE = Path(__file__).parent / "data" / "qwen3vl_video" / "fixture.safetensors"
-CASE_NAMES = ["tiny_exact", "tiny_odd", "tiny_downscale", "tiny_small_frames", "tiny_batch", "defaults_small"]
+CASE_NAMES = ["tiny_exact", "tiny_odd", "tiny_downscale", "tiny_small_frames", "tiny_batch", "defaults_small",
+              "defaults_odd"]
 
 
 def _fixture() -> tuple[dict, dict[str, torch.Tensor]]:

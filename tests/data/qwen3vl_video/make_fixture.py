@@ -42,6 +42,7 @@ CASES = {
     "tiny_small_frames": (TINY, [(2, 6, 10)], True),      # under the patch factor
     "tiny_batch": (TINY, [(4, 32, 40), (6, 24, 56), (4, 32, 40)], True),  # grouped by shape, order kept
     "defaults_small": (DEFAULTS, [(2, 24, 40)], False),   # min-pixels upscale at the released patch size
+    "defaults_odd": (DEFAULTS, [(3, 45, 70)], False),
 }
 
 
