@@ -144,3 +144,24 @@ def process_videos(videos: list[np.ndarray], config: VideoProcessorConfig) -> Vi
         grids.append(grid)
     return VideoFeatures(pixel_values_videos=torch.cat(all_patches, dim=0),
                          video_grid_thw=torch.tensor(grids, dtype=torch.int64))
+
+
+class QwenVideoProcessor:
+    """Called as diffusers' ref2va step calls transformers' `Qwen3VLVideoProcessor`
+    (`videos=[...], do_sample_frames=False, return_tensors="pt"`), so the oracle tests can hand diffusers ours."""
+
+    def __init__(self, config: VideoProcessorConfig) -> None:
+        self.config = config
+        self.temporal_patch_size = config.temporal_patch_size
+        self.merge_size = config.merge_size
+
+    @classmethod
+    def from_pretrained(cls, processor_dir: str | Path) -> "QwenVideoProcessor":
+        return cls(VideoProcessorConfig.from_pretrained(processor_dir))
+
+    def __call__(self, videos: list[np.ndarray], do_sample_frames: bool = False,
+                 return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+        if do_sample_frames or return_tensors != "pt":
+            raise VideoProcessingError("frames are sampled by the caller (do_sample_frames=False), tensors are torch")
+        features = process_videos(videos, self.config)
+        return {"pixel_values_videos": features.pixel_values_videos, "video_grid_thw": features.video_grid_thw}
