@@ -8,8 +8,8 @@ is queued; `engine.conditioning` turns its results into `model.conditioning` inp
     decode_audio(data, field, limits)  -> DecodedAudio       float32 [C, S] resampled to 32 kHz
 
 The order of checks is what keeps a bad upload cheap: the byte size first; then the container's header (the image
-format and size, the video's frame size, duration and frame count) before any pixel is decoded, so a decompression bomb (a
-small file that decodes to gigapixels) is refused by its header; then the decode itself, where a truncated or
+format and size, the video's frame size, duration and frame count) before any pixel is decoded, so a decompression
+bomb (a small file that decodes to gigapixels) is refused by its header; then the decode itself, where a truncated or
 corrupt file is a `MediaError` naming the field. Every error is a `MediaError(ValueError)` with `.field` and
 `.reason` (a `MediaProblem`), which the HTTP layer turns into 413 (too large) or 422 (the rest).
 """

@@ -104,8 +104,8 @@ class Ours:
         video_decoder = VideoDecoder(checkpoint.video_vae_dir, "cpu")
         audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, "cpu")
         encoders = ConditionEncoders(prompt_encoder.tokenizer, prompt_encoder.image_processor,
-                                     VisualConditionEncoder(video_decoder.vae), AudioConditionEncoder(audio_decoder.vae),
-                                     prompt_encoder.video_processor)
+                                     VisualConditionEncoder(video_decoder.vae),
+                                     AudioConditionEncoder(audio_decoder.vae), prompt_encoder.video_processor)
         return cls(checkpoint, load_transformer(weights, "cpu"), prompt_encoder, encoders, video_decoder,
                    audio_decoder)
 

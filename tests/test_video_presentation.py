@@ -37,7 +37,8 @@ def stereo(seconds: float) -> np.ndarray:
 CASES = {
     # 30 frames at 24 fps: frames 0, 12, 24 sampled, the last repeated -> 2 blocks at 0.2 s and 1.0 s.
     "video": (VideoReference(random_video(30, 64, 32, seed=1), 24.0),),
-    "image+video": (ImageReference(random_image(48, 64, seed=2)), VideoReference(random_video(50, 40, 56, seed=3), 12.0)),
+    "image+video": (ImageReference(random_image(48, 64, seed=2)),
+                    VideoReference(random_video(50, 40, 56, seed=3), 12.0)),
     "images+video with sound+audio": (
         ImageReference(random_image(90, 40, seed=4)),
         VideoReference(random_video(80, 64, 48, seed=5), 30.0, stereo(2.0), SAMPLE_RATE),
