@@ -70,7 +70,8 @@ class ConditioningStage:
         encoder = prompt_stage.encoder
         self.encoders = ConditionEncoders(encoder.tokenizer, encoder.image_processor,
                                           VisualConditionEncoder(decode_stage.video_decoder.vae),
-                                          AudioConditionEncoder(decode_stage.audio_decoder.vae))
+                                          AudioConditionEncoder(decode_stage.audio_decoder.vae),
+                                          encoder.video_processor)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -8,8 +8,8 @@ is queued; `engine.conditioning` turns its results into `model.conditioning` inp
     decode_audio(data, field, limits)  -> DecodedAudio       float32 [C, S] resampled to 32 kHz
 
 The order of checks is what keeps a bad upload cheap: the byte size first; then the container's header (the image
-format and size, the video's stream size and duration) before any pixel is decoded, so a decompression bomb (a
-small file that decodes to gigapixels) is refused by its header; then the decode itself, where a truncated or
+format and size, the video's frame size, duration and frame count) before any pixel is decoded, so a decompression
+bomb (a small file that decodes to gigapixels) is refused by its header; then the decode itself, where a truncated or
 corrupt file is a `MediaError` naming the field. Every error is a `MediaError(ValueError)` with `.field` and
 `.reason` (a `MediaProblem`), which the HTTP layer turns into 413 (too large) or 422 (the rest).
 """
@@ -54,6 +54,7 @@ class MediaLimits:
     max_image_pixels: int = 4096 * 4096  # from the header, before the pixels are decoded
     max_video_pixels: int = 1920 * 1080  # per frame
     max_video_seconds: float = 15.0
+    max_video_frames: int = 15 * 60  # a short clip at a high stated rate is as many frames as a long one
     max_audio_seconds: float = 15.0
 
 
@@ -133,14 +134,17 @@ def decode_video(data: bytes, field: str, limits: MediaLimits = MediaLimits()) -
         rate = stream.average_rate or stream.guessed_rate
         if not rate or rate <= 0:
             raise MediaError(field, MediaProblem.CORRUPT, "the video stream states no frame rate")
-        max_frames = int(limits.max_video_seconds * float(rate)) + 1
+        max_frames = min(int(limits.max_video_seconds * float(rate)) + 1, limits.max_video_frames)
+        if stream.frames and stream.frames > max_frames:  # the header's count, where the container states one
+            raise MediaError(field, MediaProblem.TOO_LARGE, f"{stream.frames} frames at {float(rate):g} fps are over "
+                                                            f"the limit of {max_frames}")
         frames = []
         try:
             for frame in container.decode(stream):
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if len(frames) > max_frames:
-                    raise MediaError(field, MediaProblem.TOO_LARGE, f"more than {limits.max_video_seconds:g} s of "
-                                                                    f"frames")
+                    raise MediaError(field, MediaProblem.TOO_LARGE, f"more than {max_frames} frames "
+                                                                    f"({limits.max_video_seconds:g} s at most)")
         except av.FFmpegError as e:
             raise MediaError(field, MediaProblem.CORRUPT, f"truncated or corrupt video: {e}") from None
         if not frames:

@@ -23,17 +23,20 @@ from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.geometry import GeometryLimits, VideoGeometry
 from model.packing import AudioBlock, ConditionBlock, ImageBlock, KeyframeBlock, VideoBlock
 from model.presentation import ImageProcessing, Presentation, keyframe_presentation, reference_presentation
+from model.qwen_video import QwenVideoProcessor
 from model.schedule import H3Schedule, Task
 
 
 @dataclass(frozen=True)
 class ConditionEncoders:
-    """What preparing a request reads: the tokenizer and image processor (Qwen3-VL's), the VAE encoders."""
+    """What preparing a request reads: the tokenizer, image and video processors (Qwen3-VL's; no video processor:
+    no video references), the VAE encoders."""
 
     tokenizer: Qwen2TokenizerFast
     image_processor: ImageProcessing
     visual: VisualConditionEncoder
     audio: AudioConditionEncoder
+    video_processor: QwenVideoProcessor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,7 +79,8 @@ def prepare_conditioning(conditioning: Conditioning, prompt: str, size: tuple[in
     if conditioning.task is not Task.REF2VA:
         raise ValueError("prepare_conditioning is for keyframe (fl2va) and reference (ref2va) requests")
     references = normalize_references(conditioning.references, geometry.num_frames, rule, encoders.audio.sample_rate)
-    presentation = reference_presentation(encoders.tokenizer, encoders.image_processor, prompt, references)
+    presentation = reference_presentation(encoders.tokenizer, encoders.image_processor, encoders.video_processor,
+                                          prompt, references)
     visual, audio, blocks = [], [], []
     for reference in references:
         audio_rows = 0

@@ -20,9 +20,10 @@ Text-only prompts carry no vision tokens, so Qwen3-VL's multimodal rotary layout
 0..L-1 on all three axes; the language model computes exactly that when given no position ids.
 
 Keyframe and reference prompts (`model.presentation.Presentation`: labels, vision blocks, the prompt) need the
-vision tower: `PromptEncoder(..., vision=True)` also loads `model.visual.*` and the image processor from the
-processor directory, and `encode_presentation` runs transformers' own `Qwen3VLModel` forward (vision features
-scattered into the pad rows, deepstack, the multimodal rotary positions) over the same truncated language model.
+vision tower: `PromptEncoder(..., vision=True)` also loads `model.visual.*`, the image processor and, where the
+processor directory has its config, our video processor (`model.qwen_video`), and `encode_presentation` runs
+transformers' own `Qwen3VLModel` forward (vision features scattered into the pad rows, deepstack, the multimodal
+rotary positions) over the same truncated language model.
 Without `vision` (a t2va-only deployment) neither is loaded, and the memory is today's.
 """
 
@@ -44,6 +45,7 @@ from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLCo
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
 
 from model.presentation import Presentation
+from model.qwen_video import VIDEO_PROCESSOR_FILE, QwenVideoProcessor
 
 #: MiniMax-H3 conditions on hidden_states[50] of its Qwen3-VL (diffusers `text_encoder_layer`).
 H3_HIDDEN_STATE_INDEX = 50
@@ -119,8 +121,8 @@ class PromptEncoder:
     def __init__(self, text_encoder_dir: str | Path, tokenizer_dir: str | Path, device: torch.device | str, *,
                  hidden_state_index: int = H3_HIDDEN_STATE_INDEX, split: LanguageModelSplit | None = None,
                  vision: bool = False, processor_dir: str | Path | None = None) -> None:
-        """`vision`: also load the vision tower and the image processor (`processor_dir`), for keyframe and
-        reference prompts (`encode_presentation`); not with `split`."""
+        """`vision`: also load the vision tower and the image and video processors (`processor_dir`), for keyframe
+        and reference prompts (`encode_presentation`); not with `split`."""
         self.text_encoder_dir, self.tokenizer_dir = Path(text_encoder_dir), Path(tokenizer_dir)
         self.device = torch.device(device)
         self.hidden_state_index = hidden_state_index
@@ -138,6 +140,7 @@ class PromptEncoder:
                                          split.label if split is not None else "")
             self._multimodal: Qwen3VLModel | None = None
             self.image_processor: Qwen2VLImageProcessorPil | None = None
+            self.video_processor: QwenVideoProcessor | None = None  # None: the processor has no video config
             if vision:
                 if split is not None:
                     raise TextEncoderLoadError("a tensor-parallel text encoder serves text prompts only; keyframe and "
@@ -145,6 +148,8 @@ class PromptEncoder:
                 if processor_dir is None:
                     raise TextEncoderLoadError("vision=True needs the processor directory (its image processor)")
                 self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(processor_dir)
+                if (Path(processor_dir) / VIDEO_PROCESSOR_FILE).is_file():
+                    self.video_processor = QwenVideoProcessor.from_pretrained(processor_dir)
                 self._multimodal = _load_multimodal(self.text_encoder_dir, text_config, weight_files, self._model,
                                                     self.device)
         except (KeyError, json.JSONDecodeError, struct.error, OSError, SafetensorError) as e:
@@ -203,6 +208,9 @@ class PromptEncoder:
         if presentation.pixel_values is not None:
             vision = {"pixel_values": presentation.pixel_values.to(self.device, self.dtype),
                       "image_grid_thw": presentation.image_grid_thw.to(self.device)}
+        if presentation.pixel_values_videos is not None:
+            vision |= {"pixel_values_videos": presentation.pixel_values_videos.to(self.device, self.dtype),
+                       "video_grid_thw": presentation.video_grid_thw.to(self.device)}
         output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
                        use_cache=False, **vision)
         return output.last_hidden_state[0]

@@ -6,7 +6,7 @@
     ---------------  --------------------------  -----------------------------------------------------------
     text encoder     text_encoder/               text_encoder/            (Qwen3-VL, the same in both)
     tokenizer        tokenizer/                  tokenizer/
-    processor        processor/                  processor/               (tokenizer + image processor only)
+    processor        processor/                  processor/               (tokenizer, image + video processor)
     video VAE        vae/                        video_vae/config.json + video_vae/source/{config.json,
                                                  model.safetensors}       (original key names and layouts)
     audio VAE        audio_vae/                  audio_vae/{config.json, metadata.json, config.yaml,
@@ -19,8 +19,9 @@ with the Qwen-VL special tokens. The video VAE keeps the checkpoint-tied geometr
 x4 temporal, 17-frame clips, 3 dropped tokens) at 32 channels (the released GroupNorm has 32 groups) and a
 one-layer ViT decoder; the audio VAE keeps 32 latent channels, hop 800 at 32 kHz and 8 attention heads.
 
-`processor/` lacks the video processor config: `Qwen3VLProcessor` needs torchvision, which is not installable
-here, so it cannot be built or saved; text-only prompts never use it.
+`processor/video_preprocessor_config.json` is written as json (TINY_VIDEO_PROCESSOR_CONFIG, the config the
+Qwen3-VL video fixture checks `model.qwen_video` at): transformers' `Qwen3VLVideoProcessor` needs torchvision,
+which is not installable here, so it cannot be built and saved.
 
 The same seed gives the same bytes: every random draw comes from a generator seeded with `seed`, and the
 global RNG is left as it was.
@@ -38,6 +39,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from model.layout import Layout
+from model.qwen_video import VIDEO_PROCESSOR_FILE
 
 TINY_TEXT_DIM = 32
 #: MiniMax-H3 reads hidden_states[50]; one more layer than that, so the output read is not the final (normed) one.
@@ -50,6 +52,14 @@ TINY_TEXT_MLP = 64
 TINY_VIDEO_LATENT_CHANNELS = 24
 TINY_AUDIO_LATENT_CHANNELS = 32
 TINY_AUDIO_SAMPLE_RATE = 32000
+#: The video half of the tiny Qwen3-VL processor (patch 4, merge 2, as the image half), as transformers saves it;
+#: tests/data/qwen3vl_video/make_fixture.py's TINY config.
+TINY_VIDEO_PROCESSOR_CONFIG = {
+    "video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 4, "merge_size": 2, "temporal_patch_size": 2,
+    "size": {"shortest_edge": 256, "longest_edge": 16384}, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True,
+    "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": False,
+}
 
 QWEN_VL_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -92,6 +102,7 @@ def write_tiny_components(root: Path, layout: Layout | str, seed: int) -> None:
     tokenizer.save_pretrained(root / "tokenizer")
     tokenizer.save_pretrained(root / "processor")
     tiny_image_processor().save_pretrained(root / "processor")
+    _write_json(root / "processor" / VIDEO_PROCESSOR_FILE, TINY_VIDEO_PROCESSOR_CONFIG)
     tiny_text_encoder(tokenizer, seed).save_pretrained(root / "text_encoder")
     video_vae, audio_vae = tiny_video_vae(seed), tiny_audio_vae(seed)
     if layout is Layout.DIFFUSERS:

@@ -27,6 +27,7 @@ from model.layout import H3Checkpoint, Partition
 from model.loading import load_transformer
 from model.packing import audio_rows_to_channels
 from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning
+from model.qwen_video import QwenVideoProcessor
 from model.text_encoder import PromptEncoder
 from model.tiny import TINY_CANVAS
 from model.weights import TransformerWeights
@@ -37,15 +38,17 @@ STEPS = 3
 TINY_LIMITS = GeometryLimits(short_edge=None, max_pixels=128 * 128)
 
 
-class ImageOnlyProcessor:
-    """Stands in for Qwen3VLProcessor, which needs torchvision (not installable here) for its video half. The
-    fl2va / image-reference blocks use only its image processor and `create_mm_token_type_ids`, which is
-    transformers' own function here, over the tokenizer's pad ids."""
+class StandInProcessor:
+    """Stands in for Qwen3VLProcessor, which needs torchvision (not installable here) for its video half: its
+    image processor is transformers', its video processor ours (`model.qwen_video`, checked against transformers'
+    in tests/test_qwen_video.py), and `create_mm_token_type_ids` transformers' own function over the pad ids."""
 
     create_mm_token_type_ids = ProcessorMixin.create_mm_token_type_ids
 
-    def __init__(self, image_processor: Qwen2VLImageProcessorPil, tokenizer: Qwen2TokenizerFast):
+    def __init__(self, image_processor: Qwen2VLImageProcessorPil, video_processor: QwenVideoProcessor,
+                 tokenizer: Qwen2TokenizerFast):
         self.image_processor = image_processor
+        self.video_processor = video_processor
         self.image_token_ids = [tokenizer.convert_tokens_to_ids("<|image_pad|>")]
         self.video_token_ids = [tokenizer.convert_tokens_to_ids("<|video_pad|>")]
         self.audio_token_ids = []
@@ -62,7 +65,8 @@ def oracle_pipeline(root: Path, transformer_name: str):
         audio_scheduler=MiniMaxH3Scheduler.from_pretrained(root / "audio_scheduler"),
         text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(root / "text_encoder", dtype=torch.bfloat16),
         tokenizer=tokenizer,
-        processor=ImageOnlyProcessor(Qwen2VLImageProcessorPil.from_pretrained(root / "processor"), tokenizer),
+        processor=StandInProcessor(Qwen2VLImageProcessorPil.from_pretrained(root / "processor"),
+                                   QwenVideoProcessor.from_pretrained(root / "processor"), tokenizer),
         vae=VideoDecoder(root / "vae", "cpu").vae,
         audio_vae=AutoencoderKLMiniMaxH3Audio.from_pretrained(root / "audio_vae"),
         image_processor=VaeImageProcessor(vae_scale_factor=16),
@@ -100,7 +104,8 @@ class Ours:
         video_decoder = VideoDecoder(checkpoint.video_vae_dir, "cpu")
         audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, "cpu")
         encoders = ConditionEncoders(prompt_encoder.tokenizer, prompt_encoder.image_processor,
-                                     VisualConditionEncoder(video_decoder.vae), AudioConditionEncoder(audio_decoder.vae))
+                                     VisualConditionEncoder(video_decoder.vae),
+                                     AudioConditionEncoder(audio_decoder.vae), prompt_encoder.video_processor)
         return cls(checkpoint, load_transformer(weights, "cpu"), prompt_encoder, encoders, video_decoder,
                    audio_decoder)
 
@@ -122,6 +127,15 @@ def random_image(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, size=(max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
     return Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)
+
+
+def random_video(num_frames: int, width: int, height: int, seed: int) -> np.ndarray:
+    """Smooth random uint8 frames [F, H, W, 3] that drift frame to frame (so sampling and resizing both matter)."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, size=(num_frames, max(2, height // 8), max(2, width // 8), 3)).astype(np.float32)
+    coarse = torch.from_numpy(np.cumsum(coarse, axis=0) % 256).permute(0, 3, 1, 2)
+    frames = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+    return frames.permute(0, 2, 3, 1).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

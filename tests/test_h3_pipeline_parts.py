@@ -69,7 +69,8 @@ EXPECTED_FILES = {
 }
 SHARED_FILES = {"text_encoder/config.json", "text_encoder/generation_config.json", "text_encoder/model.safetensors",
                 "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "processor/tokenizer.json",
-                "processor/tokenizer_config.json", "processor/preprocessor_config.json"}
+                "processor/tokenizer_config.json", "processor/preprocessor_config.json",
+                "processor/video_preprocessor_config.json"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

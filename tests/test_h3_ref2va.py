@@ -2,9 +2,9 @@
 
 The oracle is diffusers' own `MiniMaxH3Blocks` running `transformer_ref` over the tiny checkpoint's components;
 ditserve's side is `model/` only (references normalized, Qwen3-VL's presentation, VAE and audio-VAE encoders, the
-ref2va packed layout, the loop). Image references alone, and image references with a soundtrack: the latents
-and decoded frames are equal bit for bit. Video references need Qwen3-VL's video processor, i.e. torchvision,
-which is not installable beside this torch (h3.md), so neither side can run them here.
+ref2va packed layout, the loop). Image references alone, with a soundtrack, with a video, and with a video that
+carries its own soundtrack beside an audio reference: the latents and decoded frames are equal bit for bit. The
+video references' presentation and embedding alone are checked in tests/test_video_presentation.py.
 """
 
 from __future__ import annotations
@@ -12,18 +12,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from diffusers.modular_pipelines.minimax_h3.references import MiniMaxH3AudioReference, MiniMaxH3ImageReference
+from diffusers.modular_pipelines.minimax_h3.references import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
+                                                               MiniMaxH3VideoReference)
 
-from model.conditioning import (AudioReference, Conditioning, ConditioningError, ImageReference, VideoReference)
+from model.conditioning import AudioReference, Conditioning, ConditioningError, ImageReference, VideoReference
 from model.layout import Partition
 from model.packing import AUDIO_TAG, VIDEO_TAG
 from model.schedule import H3Schedule, Task
-from tests.conditioning_support import (Ours, bits_equal, oracle_pipeline, random_image, run_oracle, generated_once)
+from tests.conditioning_support import (Ours, bits_equal, generated_once, oracle_pipeline, random_image,
+                                      random_video, run_oracle)
 
 SAMPLE_RATE = 32000
 IMAGES = (random_image(48, 64, seed=11), random_image(90, 40, seed=12))  # portrait, landscape
 WAVEFORM = (0.3 * np.sin(np.linspace(0, 400 * np.pi, 2 * SAMPLE_RATE)) *
             np.array([[1.0], [0.5]])).astype(np.float32)  # 2 s stereo at the VAE's rate
+VIDEO = random_video(40, 64, 48, seed=13)  # at 30 fps: 32 frames at 24 fps, 3 sampled -> 2 vision blocks
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +58,20 @@ CASES = {
         [MiniMaxH3ImageReference(image=IMAGES[0]),
          MiniMaxH3AudioReference(audio=torch.from_numpy(WAVEFORM), sample_rate=SAMPLE_RATE),
          MiniMaxH3ImageReference(image=IMAGES[1])],
+    ),
+    "images+video": (
+        Conditioning(references=(ImageReference(IMAGES[0]), VideoReference(VIDEO, 30.0), ImageReference(IMAGES[1]))),
+        [MiniMaxH3ImageReference(image=IMAGES[0]), MiniMaxH3VideoReference(frames=VIDEO, fps=30.0),
+         MiniMaxH3ImageReference(image=IMAGES[1])],
+    ),
+    "image+video with sound+audio": (
+        Conditioning(references=(ImageReference(IMAGES[1]), VideoReference(VIDEO, 30.0, WAVEFORM[:, :SAMPLE_RATE],
+                                                                           SAMPLE_RATE),
+                                 AudioReference(WAVEFORM, SAMPLE_RATE))),
+        [MiniMaxH3ImageReference(image=IMAGES[1]),
+         MiniMaxH3VideoReference(frames=VIDEO, fps=30.0, audio=torch.from_numpy(WAVEFORM[:, :SAMPLE_RATE].copy()),
+                                 sample_rate=SAMPLE_RATE),
+         MiniMaxH3AudioReference(audio=torch.from_numpy(WAVEFORM), sample_rate=SAMPLE_RATE)],
     ),
 }
 
@@ -111,10 +128,3 @@ def test_reference_limits_name_the_field():
     with pytest.raises(ConditioningError) as error:
         Conditioning(references=tuple(ImageReference(IMAGES[0]) for _ in range(10)))
     assert error.value.field == "image_references"
-
-
-def test_video_references_are_refused_without_a_video_processor(ours):
-    frames = np.zeros((30, 32, 64, 3), dtype=np.uint8)
-    with pytest.raises(ConditioningError) as error:
-        ours["diffusers"].prepare(Conditioning(references=(VideoReference(frames, 24.0),)))
-    assert error.value.field == "references[0]"

@@ -104,6 +104,14 @@ def test_video_frames_fps_and_soundtrack():
     with pytest.raises(MediaError) as error:
         decode_video(buffer.getvalue(), "video_reference", MediaLimits(max_video_pixels=64 * 31))
     assert error.value.reason is MediaProblem.TOO_LARGE
+    # Refused by the container's header (its frame count, its duration) before a frame is decoded.
+    for limits, message in ((MediaLimits(max_video_frames=11), "12 frames at 12 fps are over the limit of 11"),
+                            (MediaLimits(max_video_seconds=0.9), "1.00 s is over the limit of 0.9 s")):
+        with pytest.raises(MediaError) as error:
+            decode_video(buffer.getvalue(), "video_reference", limits)
+        assert error.value.reason is MediaProblem.TOO_LARGE and error.value.field == "video_reference"
+        assert message in str(error.value)
+    assert decode_video(buffer.getvalue(), "video_reference", MediaLimits(max_video_frames=12)).frames.shape[0] == 12
     with pytest.raises(MediaError) as error:
         decode_video(encoded(IMAGE, "PNG")[:40], "video_reference")
     assert error.value.field == "video_reference"
