@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from engine.api import GenerationRequest, field_error
 from engine.errors import ClientError
-from engine.media import MediaError, MediaLimits, decode_audio, decode_image
+from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
 from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage
 from model.canvas import CanvasError, CanvasRule
-from model.conditioning import (AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
-                                KeyframeAnchor, Reference)
+from model.conditioning import (FPS, AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
+                                KeyframeAnchor, Reference, VideoReference)
 from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.geometry import GeometryError, GeometryLimits, VideoGeometry, frames_for_seconds, snap_num_frames
 from model.layout import H3Checkpoint
@@ -36,14 +36,6 @@ from model.schedule import H3Schedule, ScheduleError, Task
 
 #: Request objects whose preparation is kept (one generation calls check, then encode).
 PREPARED_KEPT = 4
-
-#: Why a video reference is refused (before its file is decoded): Qwen3-VL's video processor needs torchvision, and
-#: the only torchvision wheel for our torch is a CUDA build that does not import against the CPU torch (its
-#: `torchvision::nms` operator is missing), so the server ships without it.
-VIDEO_REFERENCES_UNSERVED = ("video references are not served: Qwen3-VL's video processor needs torchvision, which "
-                             "this server does not ship (its wheel does not load against the server's torch); send "
-                             "image references and an audio reference (the video's soundtrack) instead")
-
 
 @dataclass(frozen=True, eq=False)
 class _Entry:
@@ -152,13 +144,15 @@ class ConditioningStage:
                 keyframes.append(Keyframe(decode_image(keyframe.image, f"{field}.image", limits), anchor))
             return Conditioning(keyframes=tuple(keyframes))
         references: list[Reference] = []
+        # A video reference is truncated to the generated clip (`normalize_references`): decode no more of it.
+        clip_seconds = snap_num_frames(frames_for_seconds(request.seconds)) / FPS
         for index, reference in enumerate(request.references):
             field = f"references[{index}]"
             if reference.kind == "image":
                 references.append(ImageReference(decode_image(reference.data, field, limits)))
             elif reference.kind == "video":
-                # Refused before its file is decoded (`model.presentation` could not present it).
-                raise ClientError(field, VIDEO_REFERENCES_UNSERVED, "video references: none")
+                video = decode_video(reference.data, field, limits, keep_seconds=clip_seconds)
+                references.append(VideoReference(video.frames, video.fps, video.audio, video.sample_rate))
             else:
                 audio = decode_audio(reference.data, field, limits)
                 references.append(AudioReference(audio.audio, audio.sample_rate))

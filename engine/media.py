@@ -17,6 +17,7 @@ corrupt file is a `MediaError` naming the field. Every error is a `MediaError(Va
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from enum import Enum
@@ -119,8 +120,13 @@ def decode_audio(data: bytes, field: str, limits: MediaLimits = MediaLimits()) -
     return DecodedAudio(audio, AUDIO_SAMPLE_RATE)
 
 
-def decode_video(data: bytes, field: str, limits: MediaLimits = MediaLimits()) -> DecodedVideo:
-    """A video's frames (RGB) and frame rate, and its soundtrack at 32 kHz if it has one."""
+def decode_video(data: bytes, field: str, limits: MediaLimits = MediaLimits(),
+                 keep_seconds: float | None = None) -> DecodedVideo:
+    """A video's frames (RGB) and frame rate, and its soundtrack at 32 kHz if it has one.
+
+    `keep_seconds`: the frames a caller reads (a reference is truncated to the generated clip): decoding stops
+    after the first `ceil(keep_seconds * fps) + 1`, so a long 1080p upload holds a 5 s clip's frames in memory,
+    not 15 s of them. The limits still apply to the whole file as its header states it."""
     _check_bytes(data, field, limits)
     with _opened(data, field) as container:
         if not container.streams.video:
@@ -138,10 +144,13 @@ def decode_video(data: bytes, field: str, limits: MediaLimits = MediaLimits()) -
         if stream.frames and stream.frames > max_frames:  # the header's count, where the container states one
             raise MediaError(field, MediaProblem.TOO_LARGE, f"{stream.frames} frames at {float(rate):g} fps are over "
                                                             f"the limit of {max_frames}")
+        kept = max_frames if keep_seconds is None else min(max_frames, math.ceil(keep_seconds * float(rate)) + 1)
         frames = []
         try:
             for frame in container.decode(stream):
                 frames.append(frame.to_ndarray(format="rgb24"))
+                if len(frames) >= kept and keep_seconds is not None:
+                    break
                 if len(frames) > max_frames:
                     raise MediaError(field, MediaProblem.TOO_LARGE, f"more than {max_frames} frames "
                                                                     f"({limits.max_video_seconds:g} s at most)")

@@ -165,3 +165,31 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
     return out.getvalue()
+
+
+def video_file(frames: np.ndarray, fps: int, soundtrack_seconds: float | None = None, rate: int = 32000) -> bytes:
+    """`frames` (uint8 [F, H, W, 3]) as a lossless Matroska file (FFV1, RGB), with a 16-bit sine soundtrack at
+    `rate` if `soundtrack_seconds`: what decoding gives back is `frames` exactly and `soundtrack(...)`."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        audio = None
+        if soundtrack_seconds is not None:
+            audio = container.add_stream("pcm_s16le", rate=rate, layout="mono")
+        for pixels in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        container.mux(stream.encode(None))
+        if audio is not None:
+            frame = av.AudioFrame.from_ndarray(soundtrack_samples(soundtrack_seconds, rate), format="s16",
+                                               layout="mono")
+            frame.sample_rate = rate
+            for packet in [*audio.encode(frame), *audio.encode(None)]:
+                container.mux(packet)
+    return out.getvalue()
+
+
+def soundtrack_samples(seconds: float, rate: int) -> np.ndarray:
+    """The int16 mono sine `video_file` writes: [1, S]."""
+    return (np.sin(np.arange(int(seconds * rate)) * 0.05) * 8000).astype(np.int16)[None]

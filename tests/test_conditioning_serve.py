@@ -5,7 +5,7 @@ TextEncoder). Over both APIs: `GET /v1/models` lists both models with their task
 partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/generations` takes typed
 keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped length)
 with the bytes `/v1/generations` gives for the same request, split == fused bit for bit (latents and MP4), and
-bad uploads, wrong models and video references are 4xx naming the field while `/healthz` stays 200. One cluster for
+bad uploads and wrong models are 4xx naming the field while `/healthz` stays 200. One cluster for
 the module; the apps side by side.
 """
 
@@ -22,7 +22,7 @@ import requests
 from PIL import Image
 
 from deployments.schemas import decode_latents
-from tests.conditioning_support import wav
+from tests.conditioning_support import random_video, video_file, wav
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: keyframes over HTTP
@@ -48,6 +48,8 @@ FIRST, LAST = png(48, 27, seed=1), png(40, 40, seed=2)
 _GIF = io.BytesIO()
 Image.new("RGB", (8, 8)).save(_GIF, format="GIF")
 GIF = _GIF.getvalue()
+#: 1.5 s at 12 fps with its soundtrack (lossless FFV1 + PCM in Matroska)
+VIDEO = video_file(random_video(18, 48, 32, seed=3), fps=12, soundtrack_seconds=1.5)
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +192,9 @@ def test_first_and_last_keyframes_as_data_urls_on_the_sync_route(apps):
      "model: minimax-h3-ref2va serves ref2va, not t2va; t2va is served by minimax-h3"),
     ("unknown-model", {"json": {"prompt": PROMPT, "model": "sora-2"}}, 422,
      "model: 'sora-2' is not served here; served: ['minimax-h3', 'minimax-h3-ref2va']"),
-    ("video-reference", {"files": {"video_reference": ("v.mp4", b"an mp4 is never decoded", "video/mp4")}}, 422,
-     "video_reference: video references are not served: Qwen3-VL's video processor needs torchvision"),
+    ("corrupt-video-reference", {"files": {"video_reference": ("v.mp4", b"not an mp4", "video/mp4")},
+                                 "data": {"prompt": PROMPT, "model": "minimax-h3-ref2va"}}, 422,
+     "video_reference: not a media file"),
 ])
 def test_bad_uploads_are_4xx_naming_the_field_and_the_replica_stays_healthy(apps, case, send, status, message):
     base_url = apps["split"]
@@ -218,6 +221,8 @@ def test_generations_refuse_a_model_that_does_not_serve_the_task(apps):
                 ("image_references", ("b.png", LAST, "image/png"))]),
     ("image-and-soundtrack", [("image_references", ("a.png", FIRST, "image/png")),
                               ("audio_reference", ("s.wav", wav(1.0), "audio/wav"))]),
+    ("image-and-video-with-soundtrack", [("image_references", ("a.png", FIRST, "image/png")),
+                                         ("video_reference", ("v.mkv", VIDEO, "video/x-matroska"))]),
 ])
 def test_references_make_a_ref2va_job_split_as_fused(apps, case, files):
     mp4s = {}

@@ -14,10 +14,11 @@ from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ClientError
-from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor
+from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor, VideoReference
 from model.layout import Partition
+from model.packing import audio_rows_to_channels
 from model.tiny import make_tiny_checkpoint
-from tests.conditioning_support import PROMPT, STEPS, Ours, random_image
+from tests.conditioning_support import PROMPT, STEPS, Ours, random_image, random_video, soundtrack_samples, video_file
 
 FIRST, LAST = random_image(96, 54, seed=1), random_image(40, 40, seed=2)
 
@@ -125,6 +126,23 @@ def test_the_ref2va_partition_serves_references_with_its_own_transformer(both_pa
     video, _, _ = Ours.load(both_partitions, Partition.REF2VA).generate(Conditioning(
         references=(ImageReference(FIRST),)), seed=4)
     assert torch.equal(result.video, video)
+
+
+def test_a_video_reference_upload_is_the_model_composition_of_its_frames_and_soundtrack(both_partitions,
+                                                                                        ref2va_engine):
+    """A lossless upload (FFV1 + PCM): the engine's decode gives the file's frames and samples, so the request's
+    latents are `model/`'s composition of those arrays (which tests/test_h3_ref2va.py holds equal to diffusers')."""
+    frames = random_video(30, 48, 32, seed=3)  # 2.5 s at 12 fps
+    request = GenerationRequest(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False, references=(
+        ReferenceInput(kind="image", data=png(FIRST)),
+        ReferenceInput(kind="video", data=video_file(frames, fps=12, soundtrack_seconds=2.0))))
+    result = ref2va_engine.generate(request)
+    soundtrack = soundtrack_samples(2.0, 32000).astype("float32") / 32768
+    video, audio, prepared = Ours.load(both_partitions, Partition.REF2VA).generate(Conditioning(references=(
+        ImageReference(FIRST), VideoReference(frames, 12.0, soundtrack, 32000))), seed=4)
+    assert prepared.reference_audio  # the video's soundtrack conditions the audio
+    assert torch.equal(result.video, video)
+    assert torch.equal(audio_rows_to_channels(result.audio, prepared.geometry), audio)
 
 
 @pytest.mark.parametrize("request_fields, field, served", [

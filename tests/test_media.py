@@ -88,7 +88,8 @@ def test_audio_is_resampled_to_32k():
     assert error.value.reason is MediaProblem.TOO_LARGE
 
 
-def test_video_frames_fps_and_soundtrack():
+def h264_clip() -> io.BytesIO:
+    """1 s at 12 fps, 64x32, each frame one gray level."""
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=12)
@@ -99,6 +100,11 @@ def test_video_frames_fps_and_soundtrack():
                 container.mux(packet)
         for packet in stream.encode(None):
             container.mux(packet)
+    return buffer
+
+
+def test_video_frames_fps_and_soundtrack():
+    buffer = h264_clip()
     decoded = decode_video(buffer.getvalue(), "video_reference")
     assert decoded.frames.shape == (12, 32, 64, 3) and decoded.fps == 12.0 and decoded.audio is None
     with pytest.raises(MediaError) as error:
@@ -115,6 +121,16 @@ def test_video_frames_fps_and_soundtrack():
     with pytest.raises(MediaError) as error:
         decode_video(encoded(IMAGE, "PNG")[:40], "video_reference")
     assert error.value.field == "video_reference"
+
+
+@pytest.mark.parametrize("keep_seconds, kept", [(0.25, 4), (0.5, 7), (1.0, 12), (5.0, 12)])
+def test_a_caller_reading_the_first_seconds_gets_them_and_no_more(keep_seconds, kept):
+    """A reference is cut to the generated clip: decoding stops after ceil(seconds * fps) + 1 frames."""
+    data = h264_clip().getvalue()
+    whole = decode_video(data, "video_reference")
+    part = decode_video(data, "video_reference", keep_seconds=keep_seconds)
+    assert part.frames.shape[0] == kept and part.fps == whole.fps == 12.0
+    assert np.array_equal(part.frames, whole.frames[:kept])
 
 
 def test_the_module_imports_no_torch():

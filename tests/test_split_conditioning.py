@@ -2,7 +2,7 @@
 the vision tower, the keyframes' and references' VAE encodes) makes the embedding, it crosses a process boundary
 (pickled, as a Serve hop does), and a denoiser that holds the transformer alone (`EngineParts.DENOISER`) gives the
 latents a fused engine gives, bit for bit. One prepare stage serves both partitions; each refuses what it does not
-serve, naming the field and the served tasks; a video reference is refused saying why (no torchvision)."""
+serve, naming the field and the served tasks; a corrupt video reference is refused naming it."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from engine.errors import ClientError
 from engine.prepare import prepare_stage
 from engine.stages import Conditions
 from model.tiny import make_tiny_checkpoint
-from tests.conditioning_support import PROMPT, STEPS, random_image, wav
+from tests.conditioning_support import PROMPT, STEPS, random_image, random_video, video_file, wav
 from tests.test_engine_conditioning import png
 
 FIRST, LAST = png(random_image(96, 54, seed=1)), png(random_image(40, 40, seed=2))
+#: 2 s at 12 fps (the 5 s clip holds it whole), 48x32, with a 1.5 s soundtrack.
+VIDEO = video_file(random_video(24, 48, 32, seed=3), fps=12, soundtrack_seconds=1.5)
 
 
 
@@ -35,7 +37,11 @@ CASES = {
                                                 ReferenceInput(kind="image", data=LAST))}),
     "ref2va-image-and-soundtrack": ("ref2va", {"references": (ReferenceInput(kind="image", data=FIRST),
                                                               ReferenceInput(kind="audio", data=wav(1.0)))}),
+    "ref2va-image-and-video-with-soundtrack": ("ref2va", {"references": (ReferenceInput(kind="image", data=FIRST),
+                                                                         ReferenceInput(kind="video", data=VIDEO))}),
 }
+#: the cases whose references carry a soundtrack
+WITH_AUDIO = {"ref2va-image-and-soundtrack", "ref2va-image-and-video-with-soundtrack"}
 
 
 def request(**fields) -> GenerationRequest:
@@ -73,7 +79,7 @@ def test_split_equals_fused_bit_for_bit(prepare, engines, case):
     fused, denoiser = engines[partition]
     embedding = prepare.encode(request(**fields))
     assert isinstance(embedding.conditions, Conditions) and embedding.conditions.visual
-    assert embedding.conditions.reference_audio == (case == "ref2va-image-and-soundtrack")
+    assert embedding.conditions.reference_audio == (case in WITH_AUDIO)
     received = pickle.loads(pickle.dumps(embedding, protocol=5))  # what a Serve hop delivers
     denoiser.validate(request(**fields), received)  # the Worker's check before its stream starts
     split = denoiser.denoise(request(**fields), received)
@@ -128,8 +134,12 @@ def test_a_text_only_prepare_stage_loads_no_vision_tower_and_no_vaes(checkpoint)
         stage.check(request(**CASES["fl2va-first-and-last"][1]))
 
 
-def test_a_video_reference_is_refused_saying_why_before_it_is_decoded(prepare):
-    video = ReferenceInput(kind="video", data=b"not even a video file")
-    with pytest.raises(ClientError, match="video references are not served: .*torchvision") as error:
+@pytest.mark.parametrize("data, message", [
+    (b"not even a video file", "not a media file"),
+    (VIDEO[: len(VIDEO) // 3], "decodes to no samples"),  # cut before the soundtrack's packets
+])
+def test_a_corrupt_video_reference_is_refused_naming_it(prepare, data, message):
+    video = ReferenceInput(kind="video", data=data)
+    with pytest.raises(ClientError) as error:
         prepare.check(request(references=(ReferenceInput(kind="image", data=FIRST), video)))
-    assert error.value.field == "references[1]"
+    assert error.value.field == "references[1]" and message in str(error.value)
