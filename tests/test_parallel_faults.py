@@ -121,6 +121,17 @@ def faulty(monkeypatch):
     monkeypatch.setattr(gpu_worker, "FAILURE_GRACE_S", GRACE_S)
 
 
+@pytest.fixture(scope="module")
+def serving(ray_cluster, checkpoint) -> Iterator[ParallelEngine]:
+    """One replica of faulty ranks for the tests that must leave it serving (each checks it still does): a
+    replica start (two rank actors, their engines) is ~6 s of the module's CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu_worker, "GpuWorkerActor", FaultyRank)
+        patch.setattr(gpu_worker, "FAILURE_GRACE_S", GRACE_S)
+        with replica(checkpoint) as engine:
+            yield engine
+
+
 @contextlib.contextmanager
 def replica(checkpoint: Path, **overrides) -> Iterator[ParallelEngine]:
     engine = ParallelEngine(engine_config(checkpoint, **overrides), OwnPlacementGroup())
@@ -238,19 +249,20 @@ def test_a_share_of_a_plan_rebuild_that_fails_on_one_rank_fails_the_request_and_
 # --- what the caller does right leaves the replica serving -----------------------------------------------------
 
 
-def test_a_cancel_while_rank_0_decodes_cancels_and_the_replica_serves_on(ray_cluster, checkpoint, faulty):
-    with replica(checkpoint) as engine:
-        arm(engine, 0, "cancel", "cancel-after-loop")
+def test_a_cancel_while_rank_0_decodes_cancels_and_the_replica_serves_on(serving):
+    arm(serving, 0, "cancel", "cancel-after-loop")
+    try:
         with pytest.raises(GenerationCancelled):
-            engine.generate(request(return_video=True))
-        assert engine.health()["status"] == "ok"
-        assert engine.generate(request()).stats.parallel.ranks_agree
+            serving.generate(request(return_video=True))
+    finally:
+        arm(serving, 0, "none", "")  # disarmed: no point is named "" (the replica is shared)
+    assert serving.health()["status"] == "ok"
+    assert serving.generate(request(return_video=True)).stats.parallel.ranks_agree
 
 
-def test_a_bad_request_leaves_the_replica_serving(ray_cluster, checkpoint, faulty):
-    with replica(checkpoint) as engine:
-        for bad in (request(width=65), request(prompt="x " * 5000), request(guidance_scale=2.0)):
-            with pytest.raises(ClientError):
-                engine.generate(bad)
-        assert engine.health()["status"] == "ok"
-        assert engine.generate(request()).stats.parallel.ranks_agree
+def test_a_bad_request_leaves_the_replica_serving(serving):
+    for bad in (request(width=65), request(prompt="x " * 5000), request(guidance_scale=2.0)):
+        with pytest.raises(ClientError):
+            serving.generate(bad)
+    assert serving.health()["status"] == "ok"
+    assert serving.generate(request()).stats.parallel.ranks_agree

@@ -1,5 +1,7 @@
 """`/v1/videos` through the real app (`serve run` of serve_config.yaml's args), the real engine on a tiny
-MiniMax-H3 checkpoint on CPU, against SQLite and against a real PostgreSQL server.
+MiniMax-H3 checkpoint on CPU, on the default store (SQLite under `jobs.state_dir`). The store is behind the job
+service: replicas sharing a database, a replica killed mid-job and a restart run against SQLite and a real
+PostgreSQL server in tests/test_jobs_service.py; a second app start on PostgreSQL here would test no other code.
 
 The flow a client sees: create -> poll to completed -> download a playable MP4 (H.264 + AAC, the requested
 size, the snapped duration) -> Range requests -> list -> cancel mid-run (the worker's engine stops early)
@@ -14,7 +16,6 @@ server's max_seconds of 5.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import re
@@ -51,7 +52,7 @@ from jobs.limits import resolve_spec
 from jobs.schemas import VideoCreateRequest
 from jobs.service import open_job_service
 from jobs.store import REAP_CAUSE, RELEASE_CAUSE
-from tests.jobs_support import FakeVideoBackend, postgres_server
+from tests.jobs_support import FakeVideoBackend
 from model.mp4 import thumbnail_png, write_mp4
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
@@ -253,7 +254,6 @@ def test_a_video_output_reads_the_engines_typed_timings_stats_and_clip(split):
 @dataclass(frozen=True)
 class App:
     url: str
-    store: str  # "sqlite" | "postgres"
     args: dict  # the app's serve_config args, as deployed
 
     def videos(self, path: str = "") -> str:
@@ -266,36 +266,29 @@ def cluster_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
-def app(request, cluster_url, tmp_path_factory) -> Iterator[App]:
-    root = tmp_path_factory.mktemp(f"videos-{request.param}")
+@pytest.fixture(scope="module")
+def app(cluster_url, tmp_path_factory) -> Iterator[App]:
+    root = tmp_path_factory.mktemp("videos")
     args = serve_config_args(root / "checkpoints")
     args["engine"]["device"] = "cpu"
     args["engine"]["geometry"] = GEOMETRY
     args["jobs"].update({"state_dir": str(root / "state"), "lease_s": LEASE_S, "reap_interval_s": 0.5,
                          "poll_s": 0.2, "events_poll_s": 0.2})
-    with postgres_or_sqlite(request.param) as database_url:
-        args["jobs"]["database_url"] = database_url
-        run_app(cluster_url, args)
-        app = App(cluster_url, request.param, args)
-        wait_videos_ready(app)
-        yield app
-        from ray import serve
+    run_app(cluster_url, args)
+    app = App(cluster_url, args)
+    wait_videos_ready(app)
+    yield app
+    from ray import serve
 
-        serve.delete(APP_NAME)  # before its database goes away
+    serve.delete(APP_NAME)
 
 
 @pytest.fixture(scope="module")
 def completed(app) -> dict:
-    """A SMALL job, run to completion once per app."""
+    """A SMALL job, run to completion once."""
     r = requests.post(app.videos(), json=SMALL, timeout=60)
     assert r.status_code == 200, r.text
     return wait_finished(app, r.json()["id"])
-
-
-def postgres_or_sqlite(store: str) -> contextlib.AbstractContextManager[str | None]:
-    """A throwaway PostgreSQL server's URL, or None: SQLite under jobs.state_dir."""
-    return postgres_server() if store == "postgres" else contextlib.nullcontext()
 
 
 def wait_videos_ready(app: App, timeout_s: float = 120.0) -> None:
