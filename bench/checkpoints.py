@@ -3,6 +3,8 @@
     make_random_checkpoint(out, H3TransformerConfig(), "diffusers", seed=0, num_blocks=12)   # h3 width, 12 blocks
     make_random_checkpoint(out, config, "native", seed=0, num_blocks=50, only="adaln")        # the AdaLN bytes only
     write_h3_components(out, "diffusers", seed=0, text_layers=5)   # Qwen3-VL of the real width, released-size VAEs
+    make_random_checkpoint(out, config, "diffusers", num_blocks=4, ref2va=True)  # + the Ref2VA transformer_ref/
+    write_h3_components(out, "diffusers", text_layers=5, vision="released")    # + Qwen3-VL-32B's vision tower
 
 The 50-block transformer is 66 GB, more than the disk (and host memory) of a one-GPU machine, so nothing here
 holds the model: every shard is written tensor by tensor (its header first, computed from the shapes, then each
@@ -21,10 +23,15 @@ outputs, biases N(0, 0.02), norm scales 1 + N(0, 0.1); dtypes as published (bf16
 and the timestep MLP that computes their input: what the plan cache reads, 26 GB at h3 scale. Such a
 checkpoint opens as `TransformerWeights` (locations, fingerprint) but not as a loadable model.
 
+`ref2va=True` (diffusers layout) also writes the Ref2VA partition's transformer, `transformer_ref/`, of the same
+architecture drawn from seed + `model.tiny.REF2VA_SEED_OFFSET` (another model, as in the release), and lists it
+in both model indexes; the components are shared by the two partitions.
+
 The checkpoint is written into a temporary sibling and renamed, so `out` is either absent or complete.
 
 CLI:  python -m bench.checkpoints --out DIR [--layout diffusers|native] [--preset h3|tiny] [--num-blocks N]
-          [--only adaln] [--seed S] [--workers W] [--device cpu|cuda] [--components --text-layers K]
+          [--only adaln] [--ref2va] [--seed S] [--workers W] [--device cpu|cuda]
+          [--components --text-layers K --vision tiny|released]
 """
 
 from __future__ import annotations
@@ -38,18 +45,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from accelerate import init_empty_weights
 from diffusers import MiniMaxH3Transformer3DModel
+from transformers import Qwen2VLImageProcessorPil
 
-from model.layout import H3Checkpoint, Layout
-from model.tiny import TINY_TRANSFORMER, atomic_directory, write_index_files
+from model.canvas import CANVAS_KEYS, CanvasRule
+from model.layout import MODEL_INDEX, MODULAR_MODEL_INDEX, NATIVE_BLOCK, H3Checkpoint, Layout, Partition
+from model.tiny import REF2VA_SEED_OFFSET, TINY_TRANSFORMER, atomic_directory, write_index_files
+from model.tiny_components import TINY_VIDEO_PROCESSOR_CONFIG, tiny_image_processor
 from model.weights import (CONFIG_FILE, INDEX_FILE, NATIVE_ROPE_INV_FREQ, H3TransformerConfig, ParamSpec,
                            Transform, is_adaln_param, native_source, parameter_specs)
 
 Only = Literal["adaln"]
+#: The vision tower `write_h3_components` writes: one tiny block (text-only benches never run it) or the release's.
+Vision = Literal["tiny", "released"]
 PRESETS = {"h3": H3TransformerConfig(), "tiny": TINY_TRANSFORMER}
 #: Parameters the AdaLN plan cache needs besides the projections: the timestep MLP computing their input.
 ADALN_INPUT_PREFIX = "time_embedder."
@@ -215,9 +227,10 @@ def _block_of(name: str) -> int | None:
 
 def make_random_checkpoint(out: str | os.PathLike, config: H3TransformerConfig, layout: Layout | str, seed: int = 0,
                            *, num_blocks: int | None = None, only: Only | None = None, workers: int = 8,
-                           device: str | torch.device = "cpu") -> Path:
+                           device: str | torch.device = "cpu", ref2va: bool = False) -> Path:
     """Write a random transformer checkpoint of `config` (with `num_blocks` blocks, default its own) in
     `layout` to `out` (absent or an empty directory), with the layout's index files; returns `out`.
+    `ref2va` (diffusers layout): also the Ref2VA partition's `transformer_ref/` (seed + REF2VA_SEED_OFFSET).
 
     Shards: the tensors outside the block stack, then one per block, `workers` written at once."""
     out, layout = Path(out), Layout(layout)
@@ -229,24 +242,67 @@ def make_random_checkpoint(out: str | os.PathLike, config: H3TransformerConfig, 
         raise RandomCheckpointError(f"only={only!r} must be None or 'adaln'")
     if workers < 1:
         raise RandomCheckpointError(f"workers={workers} must be >= 1")
+    if ref2va and layout is not Layout.DIFFUSERS:
+        # A native Ref2VA/ partition holds its own copy of every component (as released): not worth the disk here.
+        raise RandomCheckpointError(f"ref2va=True writes the diffusers layout's transformer_ref/, not {layout.value}")
     device = torch.device(device)
     with atomic_directory(out) as tmp:
         transformer_dir = write_index_files(tmp, layout)
-        groups: dict[int, list[StoredTensor]] = {}
-        for tensor in stored_tensors(config, layout, only):
-            block = _block_of(tensor.name)
-            groups.setdefault(-1 if block is None else block, []).append(tensor)
-        stem = "diffusion_pytorch_model" if layout is Layout.DIFFUSERS else "model"
-        names = {g: f"{stem}-{k:05d}-of-{len(groups):05d}.safetensors" for k, g in enumerate(sorted(groups), 1)}
-        with ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(_write_shard, transformer_dir / names[g], groups[g], config, seed, device)
-                       for g in sorted(groups, key=lambda g: -len(groups[g]) if g < 0 else g)]
-            total_size = sum(f.result() for f in futures)
-        weight_map = {t.name: names[g] for g, tensors in groups.items() for t in tensors}
-        _write_json(transformer_dir / INDEX_FILE[layout],
-                    {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(transformer_dir / CONFIG_FILE, transformer_config_json(config, layout))
+        _write_transformer(transformer_dir, config, layout, seed, only, workers, device)
+        if ref2va:
+            ref_dir = tmp / Partition.REF2VA.diffusers_transformer_name
+            _write_transformer(ref_dir, config, layout, seed + REF2VA_SEED_OFFSET, only, workers, device)
+            _list_in_model_indexes(tmp, Partition.REF2VA.diffusers_transformer_name,
+                                   like=Partition.FL2VA.diffusers_transformer_name)
     return out
+
+
+def _write_transformer(transformer_dir: Path, config: H3TransformerConfig, layout: Layout, seed: int,
+                       only: Only | None, workers: int, device: torch.device) -> None:
+    """The shards, their index and config.json of one transformer into `transformer_dir`."""
+    transformer_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[int, list[StoredTensor]] = {}
+    for tensor in stored_tensors(config, layout, only):
+        block = _block_of(tensor.name)
+        groups.setdefault(-1 if block is None else block, []).append(tensor)
+    stem = "diffusion_pytorch_model" if layout is Layout.DIFFUSERS else "model"
+    names = {g: f"{stem}-{k:05d}-of-{len(groups):05d}.safetensors" for k, g in enumerate(sorted(groups), 1)}
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(_write_shard, transformer_dir / names[g], groups[g], config, seed, device)
+                   for g in sorted(groups, key=lambda g: -len(groups[g]) if g < 0 else g)]
+        total_size = sum(f.result() for f in futures)
+    weight_map = {t.name: names[g] for g, tensors in groups.items() for t in tensors}
+    _write_json(transformer_dir / INDEX_FILE[layout],
+                {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+    _write_json(transformer_dir / CONFIG_FILE, transformer_config_json(config, layout))
+
+
+def _list_in_model_indexes(root: Path, component: str, *, like: str) -> None:
+    """Add `component` to a diffusers root's model_index.json and modular_model_index.json, as `like` is listed
+    (the same library and class; the modular spec pointing at its own subfolder)."""
+    index = json.loads((root / MODEL_INDEX).read_text())
+    index[component] = index[like]
+    _write_json(root / MODEL_INDEX, index)
+    modular = json.loads((root / MODULAR_MODEL_INDEX).read_text())
+    library, cls, spec = modular[like]
+    modular[component] = [library, cls, {**spec, "subfolder": component}]
+    _write_json(root / MODULAR_MODEL_INDEX, modular)
+
+
+def write_canvas_rule(root: str | os.PathLike, layout: Layout | str, rule: CanvasRule) -> None:
+    """State `rule` in the model index(es) of a checkpoint `make_random_checkpoint` wrote (the keys diffusers reads;
+    without them the released rule applies: 768 short edge, reference images at 2048). For CPU runs, whose tiny
+    vision tower and VAEs cannot take 2048-px references in seconds."""
+    root, layout = Path(root), Layout(layout)
+    values = dict(zip(CANVAS_KEYS, (rule.short_edge, rule.max_pixels, rule.reference_image_short_edge)))
+    if layout is Layout.DIFFUSERS:
+        for name in (MODEL_INDEX, MODULAR_MODEL_INDEX):
+            _write_json(root / name, json.loads((root / name).read_text()) | values)
+        return
+    path = root / Partition.FL2VA.native_dir_name / MODEL_INDEX
+    index = json.loads(path.read_text())
+    index[NATIVE_BLOCK] = index[NATIVE_BLOCK] | values
+    _write_json(path, index)
 
 
 def transformer_config_json(config: H3TransformerConfig, layout: Layout) -> dict[str, object]:
@@ -311,30 +367,73 @@ SMALL_COMPONENTS = ComponentSizes(
 )
 
 
+@dataclass(frozen=True)
+class VisionSizes:
+    """Qwen3-VL's vision tower (`Qwen3VLVisionConfig` fields; its `out_hidden_size` is always the text width) and the
+    processors sized for it (their patch, merge and temporal sizes must be the tower's)."""
+
+    tower: dict[str, object]
+    image_processor: Callable[[], Qwen2VLImageProcessorPil]   # saved as processor/preprocessor_config.json
+    video_processor: dict[str, object]   # processor/video_preprocessor_config.json, as transformers saves it
+
+
+def released_image_processor() -> Qwen2VLImageProcessorPil:
+    """Qwen3-VL's image processor as the release configures it: 16-px patches merged 2x2, 64k to 16.8M pixels."""
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 65536, "longest_edge": 16777216},
+                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+
+
+VISION: dict[Vision, VisionSizes] = {
+    "tiny": VisionSizes(
+        tower={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
+               "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+               "deepstack_visual_indexes": [0]},
+        image_processor=tiny_image_processor, video_processor=TINY_VIDEO_PROCESSOR_CONFIG),
+    # Qwen3-VL-32B's tower (transformers' Qwen3VLVisionConfig defaults are that tower): 27 blocks 1152 wide,
+    # 0.6 B parameters with its mergers; its processors' pixel bounds (a 2048-px image reference stays whole).
+    "released": VisionSizes(
+        tower={"depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
+               "num_heads": 16, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+               "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
+        image_processor=released_image_processor,
+        video_processor={"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "merge_size": 2,
+                         "temporal_patch_size": 2, "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                         "rescale_factor": 1 / 255, "resample": 3, "do_resize": True, "do_rescale": True,
+                         "do_normalize": True, "do_convert_rgb": True, "do_sample_frames": True, "fps": 2,
+                         "min_frames": 4, "max_frames": 768, "return_metadata": False}),
+}
+
+
 @torch.no_grad()
 def write_h3_components(root: str | os.PathLike, layout: Layout | str, seed: int = 0, *, text_layers: int = 5,
-                        device: str | torch.device = "cpu",
-                        sizes: ComponentSizes = RELEASED_COMPONENTS) -> dict[str, int]:
+                        device: str | torch.device = "cpu", sizes: ComponentSizes = RELEASED_COMPONENTS,
+                        vision: Vision = "tiny") -> dict[str, int]:
     """Random text encoder, tokenizer, processor, video and audio VAE at the released sizes into the component
     root of `layout` (the diffusers root, or native FL2VA/). Returns each component's parameter bytes.
 
     What differs from the release, and why: the Qwen3-VL has `text_layers` decoder layers (the release 64, of
-    which H3 reads 50: a bench loads `text_layers - 1` and scales) and a one-block vision tower (text-only
-    prompts never run it); the tokenizer is the tiny locally trained BPE (no download), so prompts tokenize to
+    which H3 reads 50: a bench loads `text_layers - 1` and scales) and, by default, a one-block vision tower
+    (text-only prompts never run it; `vision="released"`: Qwen3-VL-32B's, for keyframe and reference benches);
+    the image and video processors match the tower (released: the release's pixel bounds); the tokenizer is the tiny locally trained BPE (no download), so prompts tokenize to
     more, shorter tokens than the real vocabulary would give. The VAEs are the released architectures
     (`AutoencoderKLMiniMaxH3()`: 2.6 B parameters, fp32 10.4 GB; `AutoencoderKLMiniMaxH3Audio()`: 0.15 B).
     `sizes=SMALL_COMPONENTS` writes the same files at CPU-test size."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from model.tiny_components import (tiny_image_processor, tiny_tokenizer, write_native_audio_vae,
-                                       write_native_video_vae)
+    from model.qwen_video import VIDEO_PROCESSOR_FILE
+    from model.tiny_components import tiny_tokenizer, write_native_audio_vae, write_native_video_vae
 
     root, layout, device = Path(root), Layout(layout), torch.device(device)
     if layout is Layout.NATIVE:
         root = root / "FL2VA"
     if text_layers < 2:
         raise RandomCheckpointError(f"text_layers={text_layers} must be >= 2 (a layer output is read, not the last)")
+    if vision not in ("tiny", "released"):
+        raise RandomCheckpointError(f"vision={vision!r} must be 'tiny' or 'released'")
+    vision_sizes = VISION[vision]
     unrecorded = sorted(set(sizes.audio_vae) - NATIVE_AUDIO_VAE_FIELDS)
     if layout is Layout.NATIVE and unrecorded:
         raise RandomCheckpointError(f"audio VAE arguments {unrecorded} cannot be recorded in a native audio_vae/ "
@@ -342,14 +441,12 @@ def write_h3_components(root: str | os.PathLike, layout: Layout | str, seed: int
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(root / "tokenizer")
     tokenizer.save_pretrained(root / "processor")
-    tiny_image_processor().save_pretrained(root / "processor")
+    vision_sizes.image_processor().save_pretrained(root / "processor")
+    _write_json(root / "processor" / VIDEO_PROCESSOR_FILE, vision_sizes.video_processor)
     token_id = tokenizer.convert_tokens_to_ids
     config = Qwen3VLConfig(
         text_config={**sizes.text, "num_hidden_layers": text_layers},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2,
-                       "out_hidden_size": sizes.text["hidden_size"], "num_position_embeddings": 64,
-                       "deepstack_visual_indexes": [0]},
+        vision_config={**vision_sizes.tower, "out_hidden_size": sizes.text["hidden_size"]},
         image_token_id=token_id("<|image_pad|>"), video_token_id=token_id("<|video_pad|>"),
         vision_start_token_id=token_id("<|vision_start|>"), vision_end_token_id=token_id("<|vision_end|>"),
         tie_word_embeddings=False,
@@ -423,13 +520,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--components", action="store_true",
                         help="also write the text encoder, tokenizer and VAEs at the released sizes")
     parser.add_argument("--text-layers", type=int, default=5, help="Qwen3-VL decoder layers with --components")
+    parser.add_argument("--vision", choices=["tiny", "released"], default="tiny",
+                        help="Qwen3-VL vision tower with --components (released: Qwen3-VL-32B's, 0.6 B parameters)")
+    parser.add_argument("--ref2va", action="store_true", help="also the Ref2VA transformer (transformer_ref/)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out = make_random_checkpoint(args.out, PRESETS[args.preset], args.layout, args.seed,
                                  num_blocks=args.num_blocks, only=args.only, workers=args.workers,
-                                 device=args.device)
+                                 device=args.device, ref2va=args.ref2va)
     if args.components:
-        write_h3_components(out, args.layout, args.seed, text_layers=args.text_layers, device=args.device)
+        write_h3_components(out, args.layout, args.seed, text_layers=args.text_layers, device=args.device,
+                            vision=args.vision)
     checkpoint = H3Checkpoint.open(out, require_components=args.components)
     nbytes = sum(p.stat().st_size for p in checkpoint.transformer_dir.glob("*.safetensors"))
     print(f"wrote {out} ({checkpoint.layout.value}, transformer {nbytes / 1e9:.2f} GB in "

@@ -12,13 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from PIL import Image
+from transformers import Qwen3VLConfig, Qwen3VLVisionConfig
+
 from bench.checkpoints import (ADALN_INPUT_PREFIX, SMALL_COMPONENTS, RandomCheckpointError, checkpoint_nbytes,
-                               make_random_checkpoint, random_transformer, write_h3_components)
+                               make_random_checkpoint, random_transformer, write_canvas_rule, write_h3_components)
+from model.canvas import CanvasRule
 from model.decode import AudioDecoder, VideoDecoder
-from model.layout import CheckpointError, H3Checkpoint, Layout
+from model.layout import MODEL_INDEX, MODULAR_MODEL_INDEX, CheckpointError, H3Checkpoint, Layout, Partition
 from model.loading import load_transformer
+from model.packing import VIDEO_TAG
+from model.presentation import keyframe_presentation
 from model.text_encoder import PromptEncoder
-from model.tiny import TINY_TRANSFORMER
+from model.tiny import REF2VA_SEED_OFFSET, TINY_TRANSFORMER
 from model.weights import INDEX_FILE, TransformerWeights, is_adaln_param, parameter_specs
 
 NUM_BLOCKS = 3
@@ -128,6 +134,8 @@ def test_components_load_with_the_engine_loaders(tmp_path, layout, sizes):
     param_bytes = write_h3_components(root, layout, 0, text_layers=3, sizes=sizes)
     assert set(param_bytes) == {"text_encoder", "video_vae", "audio_vae"}
     checkpoint = H3Checkpoint.open(root, require_components=True)
+    # by default the one-block vision tower: text-only benches never run it
+    assert Qwen3VLConfig.from_pretrained(checkpoint.text_encoder_dir).vision_config.depth == 1
     encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, "cpu", hidden_state_index=2)
     assert encoder.num_loaded_layers == 2
     assert encoder.encode("a red fox").shape[1] == TINY_TRANSFORMER.text_dim
@@ -141,3 +149,72 @@ def test_native_components_refuse_audio_arguments_they_cannot_record(tmp_path):
     root = make_random_checkpoint(tmp_path / "native", TINY_TRANSFORMER, "native", seed=0, num_blocks=1)
     with pytest.raises(RandomCheckpointError, match="decoder_kernel_sizes"):
         write_h3_components(root, "native", 0, text_layers=3, sizes=SMALL_COMPONENTS)
+
+
+# --- the Ref2VA partition ------------------------------------------------------------------------------------
+
+def test_ref2va_adds_transformer_ref_another_model_of_the_same_architecture(made, tmp_path):
+    root = make_random_checkpoint(tmp_path / "both", TINY_TRANSFORMER, "diffusers", seed=5, num_blocks=NUM_BLOCKS,
+                                  ref2va=True)
+    fl2va, ref2va = (H3Checkpoint.open(root, partition) for partition in Partition)
+    assert (fl2va.transformer_dir.name, ref2va.transformer_dir.name) == ("transformer", "transformer_ref")
+    # the FL2VA transformer is the one a checkpoint without the partition holds, byte for byte
+    shards = sorted(p.name for p in fl2va.transformer_dir.iterdir())
+    assert shards == sorted(p.name for p in weights_of(made["diffusers"]).transformer_dir.iterdir())
+    assert all((fl2va.transformer_dir / name).read_bytes()
+               == (weights_of(made["diffusers"]).transformer_dir / name).read_bytes() for name in shards)
+    weights = TransformerWeights(ref2va.transformer_dir, ref2va.layout)
+    weights.validate(expect=CONFIG)
+    loaded = load_transformer(weights, "cpu").state_dict()
+    expected = random_transformer(CONFIG, seed=5 + REF2VA_SEED_OFFSET).state_dict()
+    assert all(torch.equal(bits(loaded[name]), bits(tensor)) for name, tensor in expected.items())
+    assert weights.fingerprint != weights_of(made["diffusers"]).fingerprint
+    # both model indexes list it as diffusers' pipeline loads it: same class, its own subfolder
+    index = json.loads((root / MODEL_INDEX).read_text())
+    modular = json.loads((root / MODULAR_MODEL_INDEX).read_text())
+    assert index["transformer_ref"] == index["transformer"]
+    assert modular["transformer_ref"][:2] == modular["transformer"][:2]
+    assert modular["transformer_ref"][2]["subfolder"] == "transformer_ref"
+
+
+def test_ref2va_in_the_native_layout_is_refused(tmp_path):
+    with pytest.raises(RandomCheckpointError, match="ref2va=True writes the diffusers layout"):
+        make_random_checkpoint(tmp_path / "x", TINY_TRANSFORMER, "native", ref2va=True)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "native"])
+def test_a_canvas_rule_written_is_the_one_the_checkpoint_states(tmp_path, layout):
+    root = make_random_checkpoint(tmp_path / layout, TINY_TRANSFORMER, layout, seed=0, num_blocks=1)
+    assert CanvasRule.of(H3Checkpoint.open(root)) == CanvasRule()  # none written: the release's
+    rule = CanvasRule(short_edge=32, max_pixels=32 * 64, reference_image_short_edge=64)
+    write_canvas_rule(root, layout, rule)
+    assert CanvasRule.of(H3Checkpoint.open(root)) == rule
+
+
+# --- the released vision tower -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_released_vision_is_qwen3_vl_32b_tower_and_processors(tmp_path):
+    """Qwen3-VL-32B's tower (transformers' Qwen3VLVisionConfig defaults) projecting to the text width, and the
+    release's processor pixel bounds: the engine's encoder loads it and a small keyframe is upscaled to 64k pixels."""
+    root = make_random_checkpoint(tmp_path / "vision", TINY_TRANSFORMER, "diffusers", seed=0, num_blocks=1)
+    write_h3_components(root, "diffusers", 0, text_layers=3, sizes=SMALL_COMPONENTS, vision="released")
+    checkpoint = H3Checkpoint.open(root, require_components=True)
+    tower = Qwen3VLConfig.from_pretrained(checkpoint.text_encoder_dir).vision_config.to_dict()
+    released = Qwen3VLVisionConfig().to_dict()
+    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size",
+                "temporal_patch_size", "num_position_embeddings", "deepstack_visual_indexes", "hidden_act"):
+        assert tower[key] == released[key], key
+    assert tower["out_hidden_size"] == SMALL_COMPONENTS.text["hidden_size"]
+    encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, "cpu", hidden_state_index=2,
+                            vision=True, processor_dir=checkpoint.processor_dir)
+    assert encoder.image_processor.patch_size == 16 and encoder.image_processor.merge_size == 2
+    video = encoder.video_processor.config
+    assert (video.patch_size, video.merge_size, video.min_pixels, video.max_pixels) == (16, 2, 4096, 25165824)
+    presentation = keyframe_presentation(encoder.tokenizer, encoder.image_processor, "a red fox",
+                                         (Image.new("RGB", (64, 64), (200, 80, 40)),))
+    assert presentation.image_grid_thw.tolist() == [[1, 16, 16]]  # 64x64 -> 256x256: the 65536-pixel minimum
+    assert int((presentation.token_tags == VIDEO_TAG).sum()) == 16 * 16 // 4 + 2  # merged patches + start, end
+    embeds = encoder.encode_presentation(presentation)
+    assert embeds.shape == (presentation.num_tokens, SMALL_COMPONENTS.text["hidden_size"])
