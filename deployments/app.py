@@ -7,7 +7,9 @@ the worker asks for one GPU per replica when the cluster has GPUs at build time,
 each with its own resources and autoscaling; on a GPU cluster they share each device by fractions
 (`schemas.SPLIT_WORKER_GPUS`, `SPLIT_STAGE_GPUS`). `stages: fused`, and any sequence-parallel engine, bind
 the one Worker that runs every stage. Either way one Worker per served partition (`AppConfig.partitions`:
-`Worker`, `Worker-ref2va`), each with the worker options; a split app's TextEncoder and Decoder serve them all.
+`Worker`, `Worker-ref2va`), each with the worker options; a split app's TextEncoder and Decoder serve them all, so
+an app of more than one partition binds split even with `stages: fused` (`stages_split`): the partitions share the
+text encoder and the VAEs, loaded once. Sequence parallel stays fused: each partition's replica holds its own.
 """
 
 from __future__ import annotations
@@ -217,6 +219,15 @@ def resolve_jobs_config(jobs: JobsConfig, checkpoint_root: str) -> JobsConfig:
     return jobs.model_copy(update={"state_dir": state_dir})
 
 
+def stages_split(config: AppConfig) -> bool:
+    """Whether the app binds the stages split: `stages: split`, and any app serving more than one partition (fused,
+    each partition's Worker would load its own Qwen3-VL and VAEs: 67 + 11 GB at release, twice), unless its engine
+    is sequence parallel (rank 0 runs every stage; each partition's replica then holds its own encoder and VAEs)."""
+    if config.engine.parallel.sp > 1:
+        return False
+    return config.stages == "split" or len(config.served_partitions) > 1
+
+
 def build_application(config: AppConfig, engine_factory: EngineFactory | None = None) -> Application:
     """Ingress bound to a Worker per served partition (`AppConfig.partitions`), and in a split app to the one
     TextEncoder and Decoder they share. `engine_factory` (default: the real `engine.engine.Engine`) lets tests
@@ -224,10 +235,13 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
     engine = resolve_engine_config(config.engine)
     jobs = resolve_jobs_config(config.jobs, engine.checkpoint_root)
     num_gpus = cluster_num_gpus()
-    split = config.stages == "split" and engine.parallel.sp == 1
+    partitions = config.served_partitions
+    split = stages_split(config)
     if config.stages == "split" and not split:
         logger.info("ditserve: engine.parallel.sp=%d runs the stages fused (rank 0 decodes)", engine.parallel.sp)
-    partitions = config.served_partitions
+    if config.stages == "fused" and split:
+        logger.info("ditserve: partitions %s run split although stages: fused (one TextEncoder and one Decoder "
+                    "load the text encoder and the VAEs once for every partition)", list(partitions))
     # Each partition's engine: the same settings, its own transformer (and so its own plan cache and router).
     engines = [engine.model_copy(update={"partition": partition}) for partition in partitions]
     options = worker_deployment_options(config.worker, num_gpus, engine, split)

@@ -45,7 +45,7 @@ from deployments.errors import (RequestError, install_client_error_log_filter, i
 from deployments.json_body import JsonBodyError, loads_body, read_body
 from deployments.metrics import PendingGenerationsGauge, RetryAfterResponses, RoutingMetrics
 from deployments.moving_mean import moving_mean
-from deployments.partitions import PartitionName, ServedModels, ServedPartition
+from deployments.partitions import PartitionName, ServedModels, ServedPartition, worker_deployment_name
 from deployments.playground import playground_response
 from deployments.schemas import (
     AdminOptions,
@@ -185,7 +185,9 @@ class Ingress:
         self._pending = PendingGenerations(self._http.max_pending_generations, PendingGenerationsGauge().set)
         context = serve.get_replica_context()
         self._admin = WeightAdmin(worker, AdminOptions.model_validate(admin or {}), context.app_name)
-        self._routing_metrics = RoutingMetrics()
+        # Each partition's Worker has its own router: its counters are reported under its deployment's name.
+        self._routing_metrics = RoutingMetrics([worker_deployment_name(index, partition)
+                                                for index, partition in enumerate(partitions)])
         self._videos = VideoJobs(
             self._models, VIDEO_API, JobsConfig.model_validate(jobs or {}), AuthConfig.model_validate(auth or {}),
             VideoOptions.model_validate(videos or {}), replica_id=context.replica_id.unique_id,

@@ -24,7 +24,7 @@ Recorded by each ingress replica (where the worker handle and so the schedule-af
 router's decisions from `deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica
 started:
 
-| `ray_ditserve_router_requests` | gauge | `route`: affinity_hit, spill, unkeyed | requests the router sent to the key's first choice, spilled, or routed without a key |
+| `ray_ditserve_router_requests` | gauge | `worker`: the routed Worker deployment (`Worker`, `Worker-ref2va`: one per partition), `route`: affinity_hit, spill, unkeyed | requests the router sent to the key's first choice, spilled, or routed without a key |
 | `ray_ditserve_pending_generations` | gauge | | generations the replica holds against `http.max_pending_generations` (running or waiting for a worker) |
 | `ray_ditserve_retry_after_responses_total` | counter | `route` (the route's path template), `status` | responses sent with a `Retry-After` header: 429 (a full job queue), 503 (the ingress full, the job database down) |
 
@@ -41,6 +41,7 @@ and jobs/ stay free of Ray.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -170,26 +171,30 @@ class WorkerMetrics:
 
 
 class RoutingMetrics:
-    """The schedule-affinity router's counters in this process (an ingress replica), as a gauge."""
+    """The schedule-affinity routers' counters in this process (an ingress replica), as a gauge per routed Worker
+    deployment (one per served partition: `Worker`, `Worker-ref2va`), so a dashboard tells the partitions apart."""
 
-    def __init__(self, deployment_name: str = "Worker") -> None:
+    def __init__(self, worker_deployments: Sequence[str] = ("Worker",)) -> None:
         from ray.serve import metrics
 
-        self._deployment_name = deployment_name
+        self._worker_deployments = tuple(worker_deployments)
+        # `worker`, not `deployment`: Serve reserves that tag for the emitting deployment (here the Ingress).
         self.requests = metrics.Gauge(
             "ditserve_router_requests", description="Schedule-affinity routing decisions in this process since it "
-            "started: affinity_hit (first choice), spill, unkeyed.", tag_keys=("route",),
+            "started, per routed Worker deployment: affinity_hit (first choice), spill, unkeyed.",
+            tag_keys=("worker", "route"),
         )
 
     def update(self) -> None:
         try:
             from deployments.routing.registry import schedule_affinity_stats
 
-            stats = schedule_affinity_stats(self._deployment_name)
+            stats = {worker: schedule_affinity_stats(worker) for worker in self._worker_deployments}
         except Exception:  # noqa: BLE001 - another router (or none): nothing to report
             return
-        for route, key in (("affinity_hit", "hits"), ("spill", "spills"), ("unkeyed", "unkeyed")):
-            self.requests.set(float(stats.get(key, 0)), tags={"route": route})
+        for worker, counts in stats.items():
+            for route, key in (("affinity_hit", "hits"), ("spill", "spills"), ("unkeyed", "unkeyed")):
+                self.requests.set(float(counts.get(key, 0)), tags={"worker": worker, "route": route})
 
 
 class PendingGenerationsGauge:

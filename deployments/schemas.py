@@ -401,8 +401,10 @@ class AppConfig(BaseModel):
         "split",
         description="split: the text encoder, the denoiser (Worker) and the decoder are three deployments, so the "
         "denoiser never waits for a prompt encode or a VAE decode (a job decodes while the next one denoises); "
-        "fused: one Worker deployment runs every stage. A sequence-parallel engine (engine.parallel.sp > 1) always "
-        "runs fused (its rank 0 decodes).",
+        "fused: one Worker deployment runs every stage. An app of more than one partition runs split either way "
+        "(fused, each partition's Worker would load its own text encoder and VAEs; split, one TextEncoder and one "
+        "Decoder serve them all). A sequence-parallel engine (engine.parallel.sp > 1) always runs fused (its rank 0 "
+        "decodes), so with two partitions each replica holds its own text encoder and VAEs.",
     )
     text_encoder: StageOptions = Field(default_factory=StageOptions,
                                        description="The TextEncoder deployment (stages: split).")
@@ -424,8 +426,8 @@ class AppConfig(BaseModel):
         "deployment of its own, with its own AdaLN plan cache (keyed by its transformer's weights) and router; the "
         "request's task picks one (t2va, fl2va -> fl2va; ref2va -> ref2va), GET /v1/models lists each. The first "
         "is the `Worker` deployment, the others `Worker-<partition>`. split: one TextEncoder and one Decoder serve "
-        "them all (the text encoder and VAEs are loaded once); fused: each Worker holds its own. null: "
-        "engine.partition alone.")
+        "them all (the text encoder and VAEs are loaded once); more than one partition runs split even with stages: "
+        "fused, except a sequence-parallel engine (each Worker then holds its own). null: engine.partition alone.")
 
     @model_validator(mode="after")
     def _partitions_once(self) -> AppConfig:

@@ -1,6 +1,6 @@
 """The engine's prepare step for keyframe (fl2va) and reference (ref2va) requests.
 
-    stage = ConditioningStage(checkpoint, prompt_stage, decode_stage, limits)
+    stage = ConditioningStage(checkpoint, prompt_stage, vae_encoders, limits)
     geometry, schedule = stage.check(request)        # decode the uploads (limits first), canvas, geometry, plans
     embedding = stage.encode(request)                # Qwen3-VL presentation, through the prompt-embedding cache,
                                                      # with its `Conditions`: the canvas, the VAE condition latents
@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from engine.api import GenerationRequest, field_error
 from engine.errors import ClientError
 from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
-from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage
+from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage, VaeEncoders
 from model.canvas import CanvasError, CanvasRule
 from model.conditioning import (FPS, AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
                                 KeyframeAnchor, Reference, VideoReference)
-from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.geometry import GeometryError, GeometryLimits, VideoGeometry, frames_for_seconds, snap_num_frames
 from model.layout import H3Checkpoint
 from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning, request_canvas
@@ -48,9 +47,9 @@ class _Entry:
 
 class ConditioningStage:
     """Keyframes and references on one engine: the prompt stage's encoder (loaded with its vision tower) and the
-    decode stage's VAEs (their encoder halves)."""
+    VAEs' encoder halves (a fused engine's decode stage's modules, or loaded alone by a split app's prepare stage)."""
 
-    def __init__(self, checkpoint: H3Checkpoint, prompt_stage: PromptStage, decode_stage: DecodeStage,
+    def __init__(self, checkpoint: H3Checkpoint, prompt_stage: PromptStage, vae_encoders: VaeEncoders,
                  limits: GeometryLimits, media_limits: MediaLimits = MediaLimits(),
                  tasks: tuple[str, ...] | None = None) -> None:
         """`tasks`: what it prepares (default: the checkpoint's partition's; the prepare stage of an app serving
@@ -61,8 +60,7 @@ class ConditioningStage:
         self.rule = CanvasRule.of(checkpoint)
         encoder = prompt_stage.encoder
         self.encoders = ConditionEncoders(encoder.tokenizer, encoder.image_processor,
-                                          VisualConditionEncoder(decode_stage.video_decoder.vae),
-                                          AudioConditionEncoder(decode_stage.audio_decoder.vae),
+                                          vae_encoders.visual, vae_encoders.audio,
                                           encoder.video_processor)
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -161,11 +159,12 @@ class ConditioningStage:
 
 def conditioning_stage(checkpoint: H3Checkpoint, prompt_stage: PromptStage | None, decode_stage: DecodeStage | None,
                        limits: GeometryLimits) -> ConditioningStage | None:
-    """The stage of an engine that holds the vision encoder and the VAEs; None otherwise (a denoiser-only engine,
-    a sequence-parallel rank without the VAEs, `text_encoder.vision: false`): such an engine serves t2va only."""
+    """The stage of an engine that holds the vision encoder and both halves of the VAEs; None otherwise (a
+    denoiser-only engine, a sequence-parallel rank without the VAEs, `text_encoder.vision: false`): such an engine
+    serves t2va only."""
     if prompt_stage is None or decode_stage is None or not prompt_stage.encoder.has_vision:
         return None
-    return ConditioningStage(checkpoint, prompt_stage, decode_stage, limits)
+    return ConditioningStage(checkpoint, prompt_stage, decode_stage.encoders(), limits)
 
 
 def checked_conditioning(stage: ConditioningStage | None, request: GenerationRequest) -> ConditioningStage:

@@ -73,7 +73,7 @@ from engine.conditioning import checked_conditioning, conditioned_plan, conditio
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adapters import AdapterError
 from model.adaln import ExternalModulation
-from model.decode import AudioDecoder, VideoDecoder
+from model.decode import AudioDecoder, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents, Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
 from model.layout import CheckpointError, H3Checkpoint
@@ -374,10 +374,14 @@ class Engine:
         return time.perf_counter() - start
 
     def _load_vaes(self) -> float:
-        """Build the decode stage on rank 0 (the other ranks do not hold the VAEs: 11 GB for H3); its seconds."""
+        """Build the decode stage on rank 0 (the other ranks do not hold the VAEs: 11 GB for H3); its seconds. The
+        encoder halves too when this engine prepares keyframes and references (its prompt encoder has the vision
+        tower: `engine.conditioning`), else the decoder halves alone."""
         start = time.perf_counter()
         if self.rank == 0:
-            self.decode_stage = DecodeStage(self.checkpoint, resolve_device(self.config.decode.device, self.device))
+            encodes = self.prompt_stage is not None and self.prompt_stage.encoder.has_vision
+            self.decode_stage = DecodeStage(self.checkpoint, resolve_device(self.config.decode.device, self.device),
+                                            VaeHalves.BOTH if encodes else VaeHalves.DECODER)
         return time.perf_counter() - start
 
     @property
@@ -870,7 +874,9 @@ def _condition_latents(request: GenerationRequest, embedding: PromptEmbedding) -
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:
-    """The decode stage `config` describes, on its own (the app's Decoder deployment)."""
+    """The decode stage `config` describes, on its own (the app's Decoder deployment): the VAEs' decoder halves
+    alone (the app's prepare stage holds the encoder halves)."""
     checkpoint = H3Checkpoint.open(ensure_checkpoint(config), served_partition(config),
                                    require_components=True)
-    return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)))
+    return DecodeStage(checkpoint, resolve_device(config.decode.device, resolve_device(config.device)),
+                       VaeHalves.DECODER)

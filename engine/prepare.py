@@ -10,7 +10,8 @@ the transformer alone (`EngineParts.DENOISER`) runs fl2va and ref2va with the sa
 needs of the media travels in the embedding as typed data (`engine.stages.Conditions`). One prepare stage serves
 every partition an app lists (they share the text encoder and the VAEs): it takes the tasks of them all. Loaded only
 for what it serves: the vision tower and the VAE encoders only when a listed partition takes keyframes or
-references and `engine.text_encoder.vision` is on (a t2va-only prepare stage keeps the text layers' memory).
+references and `engine.text_encoder.vision` is on (a t2va-only prepare stage keeps the text layers' memory), and of
+the VAEs the encoder halves alone (`VaeEncoders.load`; the app's Decoder holds the decoder halves).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from engine.conditioning import ConditioningStage, checked_conditioning
 from engine.config import EngineConfig
 from engine.engine import geometry_limits, model_limits, resolve_device
 from engine.errors import ClientError
-from engine.stages import DecodeStage, PromptEmbedding, PromptStage
+from engine.stages import PromptEmbedding, PromptStage, VaeEncoders
 from model.layout import H3Checkpoint, Partition
 from model.provisioning import ensure_checkpoint, served_partition
 from model.weights import CONFIG_FILE, H3TransformerConfig
@@ -76,8 +77,9 @@ def prepare_stage(config: EngineConfig, partitions: Sequence[str] | None = None)
                          vision=conditioned)
     if not conditioned:
         return PrepareStage(prompt, None, tasks)
-    # The VAEs for their encoder halves (the keyframes' and references' latents), on the decoder's device.
-    vaes = DecodeStage(checkpoint, resolve_device(config.decode.device, engine_device))
+    # The VAEs' encoder halves alone (the keyframes' and references' latents), on the decoder's device: the app's
+    # Decoder holds the decoder halves.
+    vaes = VaeEncoders.load(checkpoint, resolve_device(config.decode.device, engine_device))
     path = checkpoint.transformer_dir / CONFIG_FILE
     hidden_size = H3TransformerConfig.from_json(path.read_bytes(), checkpoint.layout, path).hidden_size
     limits = geometry_limits(model_limits(config, hidden_size, tasks))

@@ -16,14 +16,18 @@ import io
 import time
 from dataclasses import dataclass
 
+from pathlib import Path
+
 import torch
+from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
 from engine.api import ClipFacts
 from engine.config import TextEncoderConfig
 from engine.errors import ClientError
 from engine.wire import TensorsAsArrays, WireTensor
-from model.decode import AudioDecoder, DecoderLoadError, VideoDecoder
+from model.decode import AudioDecoder, DecoderLoadError, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents
+from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.packing import ConditionBlock
 from model.geometry import H3_LATENTS, LatentSpec
 from model.layout import H3Checkpoint
@@ -32,7 +36,7 @@ from model.text_encoder import (LanguageModelSplit, PromptCacheStats, PromptEmbe
                                 TextEncoderLoadError)
 from model.weights import CONFIG_FILE, H3TransformerConfig
 
-__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage"]
+__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage", "VaeEncoders"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,13 +157,40 @@ class DecodedVideo:
     mux_s: float  # H.264 + AAC encode and mux
 
 
+@dataclass(frozen=True)
+class VaeEncoders:
+    """The VAEs' encoder halves: the keyframes' and references' condition latents (`engine.conditioning`)."""
+
+    visual: VisualConditionEncoder
+    audio: AudioConditionEncoder
+
+    @classmethod
+    def load(cls, checkpoint: H3Checkpoint, device: torch.device) -> VaeEncoders:
+        """The encoder halves alone (a split app's prepare stage: its Decoder holds the decoder halves)."""
+        encoders = cls(VisualConditionEncoder.load(checkpoint.video_vae_dir, device),
+                       AudioConditionEncoder.load(checkpoint.audio_vae_dir, device))
+        _check_latent_spec(encoders.visual.vae, checkpoint.video_vae_dir, encoders.audio.vae,
+                           checkpoint.audio_vae_dir, H3_LATENTS)
+        return encoders
+
+
 class DecodeStage:
     """The video and audio VAEs on one device, and the MP4 mux."""
 
-    def __init__(self, checkpoint: H3Checkpoint, device: torch.device) -> None:
-        self.video_decoder = VideoDecoder(checkpoint.video_vae_dir, device)
-        self.audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, device)
-        _check_latent_spec(self.video_decoder, self.audio_decoder, H3_LATENTS)
+    def __init__(self, checkpoint: H3Checkpoint, device: torch.device, halves: VaeHalves = VaeHalves.BOTH) -> None:
+        """`halves`: BOTH (a fused engine that also encodes keyframes and references: `encoders()`) or DECODER."""
+        self.halves = halves
+        self.video_decoder = VideoDecoder(checkpoint.video_vae_dir, device, halves=halves)
+        self.audio_decoder = AudioDecoder(checkpoint.audio_vae_dir, device, halves=halves)
+        _check_latent_spec(self.video_decoder.vae, checkpoint.video_vae_dir, self.audio_decoder.vae,
+                           checkpoint.audio_vae_dir, H3_LATENTS)
+
+    def encoders(self) -> VaeEncoders:
+        """The encoder halves of this stage's VAEs, the same modules (loaded with halves BOTH)."""
+        if self.halves is not VaeHalves.BOTH:
+            raise ValueError(f"this decode stage holds the VAEs' {self.halves.value} halves only: no encoders")
+        return VaeEncoders(VisualConditionEncoder(self.video_decoder.vae),
+                           AudioConditionEncoder(self.audio_decoder.vae))
 
     @torch.no_grad()
     def decode(self, video: torch.Tensor, audio: torch.Tensor) -> DecodedVideo:
@@ -177,21 +208,22 @@ class DecodeStage:
                             mux_s=time.perf_counter() - decoded)
 
 
-def _check_latent_spec(video: VideoDecoder, audio: AudioDecoder, spec: LatentSpec) -> None:
-    """The VAEs must decode the latents the denoiser makes (`spec`, what the request geometry is derived from):
-    a VAE config that differs (another sample rate, clip length) still loads, then gives a video whose frames
-    or soundtrack do not last the requested time. DecoderLoadError naming the directory and the value."""
-    vae = video.vae
-    video_found = {"latent_channels": video.latent_channels, "spatial compression": video.spatial_ratio,
-                   "clip_length": vae.config.clip_length, "latent frames per clip": vae.tokens_chunk_size}
+def _check_latent_spec(video: AutoencoderKLMiniMaxH3, video_dir: Path, audio: AutoencoderKLMiniMaxH3Audio,
+                       audio_dir: Path, spec: LatentSpec) -> None:
+    """The VAEs must encode and decode the latents the denoiser makes (`spec`, what the request geometry is derived
+    from): a VAE config that differs (another sample rate, clip length) still loads, then gives a video whose
+    frames or soundtrack do not last the requested time. DecoderLoadError naming the directory and the value.
+    Config values only: either half holds them."""
+    video_found = {"latent_channels": video.config.latent_channels,
+                   "spatial compression": video.spatial_compression_ratio,
+                   "clip_length": video.config.clip_length, "latent frames per clip": video.tokens_chunk_size}
     video_wanted = {"latent_channels": spec.latent_channels, "spatial compression": spec.spatial_ratio,
                     "clip_length": spec.frames_per_chunk, "latent frames per clip": spec.latents_per_chunk}
-    audio_found = {"latent_channels": audio.latent_channels,
-                   "latents per second": audio.sample_rate / audio.samples_per_latent}
+    audio_found = {"latent_channels": audio.config.latent_channels,
+                   "latents per second": audio.config.sampling_rate / audio.hop_length}
     audio_wanted = {"latent_channels": spec.audio_latent_channels,
                     "latents per second": spec.audio_latents_per_second}
-    for directory, found, wanted in ((video.vae_dir, video_found, video_wanted),
-                                     (audio.audio_vae_dir, audio_found, audio_wanted)):
+    for directory, found, wanted in ((video_dir, video_found, video_wanted), (audio_dir, audio_found, audio_wanted)):
         wrong = [f"{name} {found[name]:g} (expected {wanted[name]:g})"
                  for name in wanted if found[name] != wanted[name]]
         if wrong:

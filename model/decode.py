@@ -17,6 +17,10 @@ bit-identical to decoding the whole video in one call. Measured on one H200 with
 (random weights, bf16 blocks): 15 s at 1344x768 (107 latent -> 362 pixel frames) decodes in 23 s using 1.05 GiB
 of GPU memory beyond the 5.2 GiB of weights.
 
+A process holds only the halves of the VAEs it runs (`VaeHalves`): a split app's prepare stage the encoders (the
+keyframes' and references' latents, `model.encode`), its Decoder the decoders, a fused engine both. The other half's
+submodules are dropped on the host right after the load, before the move to the device, which so never holds them.
+
 Both published layouts load: diffusers (`vae/`, `audio_vae/` with `_class_name` configs) through
 `from_pretrained`; native (`video_vae/` wrapper config + `source/` weights under the original `AutoencoderKLLegacy`
 names; `audio_vae/` with `metadata.json`) by building the same diffusers classes from the native configs and
@@ -26,6 +30,7 @@ renaming the tensors (the facts are those of diffusers' `scripts/convert_minimax
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +54,23 @@ NATIVE_AUDIO_FIXED_CONFIG = {"num_attention_heads": 8, "resblock_kernel_sizes": 
                              "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]]}
 
 
+class VaeHalves(enum.Enum):
+    """Which halves of the two VAEs a process holds."""
+
+    BOTH = "both"  # a fused engine: keyframe / reference encodes and the decode
+    ENCODER = "encoder"  # a split app's prepare stage (the TextEncoder deployment)
+    DECODER = "decoder"  # a split app's Decoder deployment, or an engine that prepares no keyframes
+
+
+#: The submodules each half's `encode` / `decode` runs (diffusers 0.42.1 `AutoencoderKLMiniMaxH3`): `encode` is
+#: `quant_conv(encoder(x))` per clip and tile, `decode` `decoder(post_quant_conv(z))`.
+VIDEO_VAE_HALVES = {VaeHalves.ENCODER: ("encoder", "quant_conv"), VaeHalves.DECODER: ("post_quant_conv", "decoder")}
+#: `AutoencoderKLMiniMaxH3Audio.encode` runs `encoder`, `pre_block`, `mean_proj` and `logs_proj` (the posterior's
+#: log-scale is computed though MiniMax-H3 reads only the mean); `decode` is `decoder(dec_in_proj(z))`.
+AUDIO_VAE_HALVES = {VaeHalves.ENCODER: ("encoder", "pre_block", "mean_proj", "logs_proj"),
+                    VaeHalves.DECODER: ("dec_in_proj", "decoder")}
+
+
 class DecoderLoadError(ValueError):
     """A VAE directory that cannot be loaded; the message names the path and what is wrong."""
 
@@ -65,10 +87,13 @@ class VideoDecoder:
     """
 
     def __init__(self, vae_dir: str | Path, device: torch.device | str, *,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, halves: VaeHalves = VaeHalves.BOTH) -> None:
+        """`halves`: BOTH keeps the encoder for `model.encode` on the same modules (a fused engine); DECODER
+        drops it."""
+        if halves is VaeHalves.ENCODER:
+            raise ValueError("a VideoDecoder runs the decoder half: halves BOTH or DECODER")
         self.vae_dir, self.device = Path(vae_dir), torch.device(device)
-        with _named_load_errors(self.vae_dir):
-            self.vae = _load_video_vae(self.vae_dir, dtype).to(self.device)
+        self.vae = load_video_vae(self.vae_dir, self.device, halves, dtype=dtype)
         if self.vae.config.token_drop <= 0:
             raise DecoderLoadError(f"{self.vae_dir}: token_drop {self.vae.config.token_drop}; the clip streaming "
                                    f"here needs the released overlapping clips (token_drop > 0)")
@@ -136,10 +161,13 @@ def _cross_fade(previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
 class AudioDecoder:
     """AutoencoderKLMiniMaxH3Audio (fp32, as released) decoding channel-major latent rows into stereo."""
 
-    def __init__(self, audio_vae_dir: str | Path, device: torch.device | str) -> None:
+    def __init__(self, audio_vae_dir: str | Path, device: torch.device | str, *,
+                 halves: VaeHalves = VaeHalves.BOTH) -> None:
+        """`halves`: as `VideoDecoder`'s."""
+        if halves is VaeHalves.ENCODER:
+            raise ValueError("an AudioDecoder runs the decoder half: halves BOTH or DECODER")
         self.audio_vae_dir, self.device = Path(audio_vae_dir), torch.device(device)
-        with _named_load_errors(self.audio_vae_dir):
-            self.vae = _load_audio_vae(self.audio_vae_dir).to(self.device)
+        self.vae = load_audio_vae(self.audio_vae_dir, self.device, halves)
         config = self.vae.config
         self.sample_rate: int = config.sampling_rate
         self.latent_channels: int = config.latent_channels
@@ -162,6 +190,35 @@ class AudioDecoder:
 
 
 # --- Loading ------------------------------------------------------------------------------------------------
+
+
+def load_video_vae(vae_dir: str | Path, device: torch.device | str, halves: VaeHalves = VaeHalves.BOTH, *,
+                   dtype: torch.dtype = torch.bfloat16) -> AutoencoderKLMiniMaxH3:
+    """The video VAE of either layout on `device`, holding `halves` (`dtype`: the decoder blocks'; the encoder is
+    fp32 whatever it is). DecoderLoadError naming the directory."""
+    vae_dir = Path(vae_dir)
+    with _named_load_errors(vae_dir):
+        return _keep_halves(_load_video_vae(vae_dir, dtype), VIDEO_VAE_HALVES, halves).to(device)
+
+
+def load_audio_vae(audio_vae_dir: str | Path, device: torch.device | str,
+                   halves: VaeHalves = VaeHalves.BOTH) -> AutoencoderKLMiniMaxH3Audio:
+    """The audio VAE (fp32) of either layout on `device`, holding `halves`. DecoderLoadError naming the directory."""
+    audio_vae_dir = Path(audio_vae_dir)
+    with _named_load_errors(audio_vae_dir):
+        return _keep_halves(_load_audio_vae(audio_vae_dir), AUDIO_VAE_HALVES, halves).to(device)
+
+
+def _keep_halves(vae: torch.nn.Module, submodules: dict[VaeHalves, tuple[str, ...]],
+                 halves: VaeHalves) -> torch.nn.Module:
+    """`vae` (still on the host) without the submodules of the half it does not hold: calling that half then
+    raises AttributeError naming the first missing one."""
+    for half, names in submodules.items():
+        if halves not in (VaeHalves.BOTH, half):
+            for name in names:
+                delattr(vae, name)
+    return vae
+
 
 
 @contextlib.contextmanager

@@ -13,18 +13,22 @@ The recipe is diffusers' `encode_vae_condition` / `MiniMaxH3Ref2VAReferenceEncod
                                                              the posterior *mean* (a soundtrack is never sampled)
             rows = (z - latents_mean) / latents_std           channel-major [2A, Ca], as the audio rows are packed
 
-The encoder shares the decoders' VAE modules (`model.decode.VideoDecoder.vae`, `AudioDecoder.vae`): each VAE is
-loaded once per process, and the encoder half only runs for keyframe and reference requests.
+A fused engine's encoders share the decoders' VAE modules (`model.decode.VideoDecoder.vae`, `AudioDecoder.vae`):
+each VAE is loaded once per process, and the encoder half only runs for keyframe and reference requests. A process
+that only encodes (a split app's prepare stage) loads the encoder halves alone (`VisualConditionEncoder.load`,
+`AudioConditionEncoder.load`).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from PIL import Image
 
-from model.decode import PIXEL_MEAN, PIXEL_STD
+from model.decode import PIXEL_MEAN, PIXEL_STD, VaeHalves, load_audio_vae, load_video_vae
 
 #: The seed the conditioning posterior is sampled under, independent of the request (diffusers
 #: `keyframe_encode_seed`).
@@ -41,6 +45,11 @@ class VisualConditionEncoder:
         self._latents_std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
         self._pixel_mean = torch.tensor(PIXEL_MEAN, device=self.device).view(1, -1, 1, 1, 1)
         self._pixel_std = torch.tensor(PIXEL_STD, device=self.device).view(1, -1, 1, 1, 1)
+
+    @classmethod
+    def load(cls, vae_dir: str | Path, device: torch.device | str) -> VisualConditionEncoder:
+        """The video VAE's encoder half alone, on `device` (fp32, as a whole VAE's encoder is)."""
+        return cls(load_video_vae(vae_dir, device, VaeHalves.ENCODER))
 
     def encode_image(self, image: Image.Image) -> torch.Tensor:
         """fp32 [C, 1, H/16, W/16] on the CPU from one RGB image (a keyframe or an image reference)."""
@@ -73,6 +82,11 @@ class AudioConditionEncoder:
         self.latent_channels: int = vae.config.latent_channels
         self._latents_mean = torch.tensor(vae.config.latents_mean).view(1, 1, -1)
         self._latents_std = torch.tensor(vae.config.latents_std).view(1, 1, -1)
+
+    @classmethod
+    def load(cls, audio_vae_dir: str | Path, device: torch.device | str) -> AudioConditionEncoder:
+        """The audio VAE's encoder half alone, on `device`."""
+        return cls(load_audio_vae(audio_vae_dir, device, VaeHalves.ENCODER))
 
     @torch.no_grad()
     def encode(self, waveform: np.ndarray) -> torch.Tensor:

@@ -6,7 +6,9 @@ partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/
 keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped length)
 with the bytes `/v1/generations` gives for the same request, split == fused bit for bit (latents and MP4), and
 bad uploads and wrong models are 4xx naming the field while `/healthz` stays 200. One cluster for
-the module; the apps side by side.
+the module; the apps side by side. Since a two-partition app binds split even with `stages: fused`
+(`deployments.app.stages_split`), the 'fused' app here runs split too: split == fused at the engine level is
+tests/test_split_conditioning.py's.
 """
 
 from __future__ import annotations

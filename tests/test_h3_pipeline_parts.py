@@ -25,8 +25,9 @@ from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoder
 from PIL import Image
 from transformers import Qwen2TokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from model.decode import (AudioDecoder, DecoderLoadError, LatentShapeError, VideoDecoder,
-                          native_video_vae_to_diffusers)
+from model.decode import (AUDIO_VAE_HALVES, VIDEO_VAE_HALVES, AudioDecoder, DecoderLoadError, LatentShapeError,
+                          VaeHalves, VideoDecoder, load_audio_vae, load_video_vae, native_video_vae_to_diffusers)
+from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.mp4 import MediaInputError, thumbnail_png, write_mp4
 from model.text_encoder import (EmptyPromptError, PromptCacheStats, PromptEmbeddingCache, PromptEncoder, PromptError,
                                 PromptKey, PromptTooLongError, TextEncoderLoadError)
@@ -495,6 +496,76 @@ def test_audio_decode_equals_diffusers_decode_step(audio_decoders, reference_aud
 def test_audio_latents_of_the_wrong_shape_are_refused(audio_decoders, shape):
     with pytest.raises(LatentShapeError, match=r"audio latents must be \[2 \* num_latents, 32\]"):
         audio_decoders["diffusers"].decode(torch.zeros(shape))
+
+
+# --- The VAEs' halves ----------------------------------------------------------------------------------------
+
+
+def _held_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+def _top_modules(module: torch.nn.Module) -> set[str]:
+    return {name.split(".")[0] for name, _ in module.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("vae", ["video", "audio"])
+def test_each_half_of_a_vae_holds_its_own_parameters_and_no_others(roots, layout, vae):
+    """A split app's prepare stage holds the encoder halves, its Decoder the decoder halves: neither holds a
+    parameter of the other half, each holds the whole VAE's tensors of its own half, and the two add up to the
+    whole VAE (no parameter lies outside both)."""
+    load, directory, submodules = ((load_video_vae, VIDEO_VAE_DIR[layout], VIDEO_VAE_HALVES) if vae == "video"
+                                   else (load_audio_vae, "audio_vae", AUDIO_VAE_HALVES))
+    whole, encoder, decoder = (load(roots[layout] / directory, "cpu", halves)
+                               for halves in (VaeHalves.BOTH, VaeHalves.ENCODER, VaeHalves.DECODER))
+    assert _top_modules(encoder) == set(submodules[VaeHalves.ENCODER])
+    assert _top_modules(decoder) == set(submodules[VaeHalves.DECODER])
+    assert _top_modules(whole) == _top_modules(encoder) | _top_modules(decoder)
+    assert 0 < _held_bytes(encoder) < _held_bytes(whole) and _held_bytes(encoder) + _held_bytes(decoder) == \
+        _held_bytes(whole)
+    state = whole.state_dict()
+    for half in (encoder, decoder):
+        held = half.state_dict()
+        assert all(torch.equal(tensor, state[name]) and tensor.dtype == state[name].dtype
+                   for name, tensor in held.items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_encoder_halves_encode_as_the_whole_vaes_do(roots, layout):
+    """Keyframes, a video reference and a soundtrack encode to the same bits through the encoder halves alone (a
+    split app's prepare stage) as through the whole VAEs (a fused engine's, shared with its decoders)."""
+    from tests.conditioning_support import random_image, random_video
+
+    root = roots[layout]
+    whole_visual = VisualConditionEncoder(VideoDecoder(root / VIDEO_VAE_DIR[layout], "cpu").vae)
+    whole_audio = AudioConditionEncoder(AudioDecoder(root / "audio_vae", "cpu").vae)
+    visual = VisualConditionEncoder.load(root / VIDEO_VAE_DIR[layout], "cpu")
+    audio = AudioConditionEncoder.load(root / "audio_vae", "cpu")
+    image, frames = random_image(48, 32, seed=1), random_video(22, 48, 32, seed=2)
+    waveform = np.random.default_rng(3).uniform(-0.5, 0.5, size=(2, 1600)).astype(np.float32)  # 2 latents: the encoder is slow on a CPU
+    assert torch.equal(visual.encode_image(image), whole_visual.encode_image(image))
+    assert torch.equal(visual.encode_frames(frames), whole_visual.encode_frames(frames))
+    assert torch.equal(audio.encode(waveform), whole_audio.encode(waveform))
+    with pytest.raises(AttributeError, match="post_quant_conv"):  # the decoder half is not there to run
+        visual.vae.decode(torch.zeros(1, 24, 3, 2, 2))
+    with pytest.raises(AttributeError, match="decoder"):
+        audio.vae.decode(torch.zeros(2, 32, 4))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_decoder_halves_decode_as_the_whole_vaes_do(roots, layout, video_decoders, audio_decoders):
+    """A split app's Decoder (decoder halves alone) gives the whole VAEs' frames and waveform bit for bit."""
+    video = VideoDecoder(roots[layout] / VIDEO_VAE_DIR[layout], "cpu", halves=VaeHalves.DECODER)
+    audio = AudioDecoder(roots[layout] / "audio_vae", "cpu", halves=VaeHalves.DECODER)
+    latents = torch.randn(24, 7, 2, 2, generator=torch.Generator().manual_seed(5))  # one clip
+    rows = torch.randn(2 * 2, 32, generator=torch.Generator().manual_seed(6))  # BigVGAN is slow on a CPU
+    assert np.array_equal(video.decode(latents), video_decoders[layout, torch.bfloat16].decode(latents))
+    assert np.array_equal(audio.decode(rows), audio_decoders[layout].decode(rows))
+    with pytest.raises(AttributeError, match="encoder"):  # the encoder half is not there to run
+        video.vae.encode(torch.zeros(1, 3, 1, 32, 32))
+    with pytest.raises(ValueError, match="runs the decoder half"):
+        VideoDecoder(roots[layout] / VIDEO_VAE_DIR[layout], "cpu", halves=VaeHalves.ENCODER)
 
 
 # --- MP4 and thumbnail --------------------------------------------------------------------------------------

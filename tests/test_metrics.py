@@ -220,3 +220,37 @@ def test_the_ingress_app_counts_its_503s_with_retry_after_by_route_template(reco
     while not isinstance(built, RetryAfterResponses):  # the user middleware sits under Starlette's error handling
         built = built.app
     assert built.counter.responses.values == {(("route", route), ("status", "503")): [1, 1]}
+
+
+class CountedRouter:
+    """Stands in for a `ScheduleAffinityRouter` in this process's registry (`routing.registry.CountingRouter`)."""
+
+    def __init__(self, deployment_name: str, hits: int, spills: int, unkeyed: int) -> None:
+        from deployments.routing.registry import AffinityCounters
+
+        self.deployment_name = deployment_name
+        self.counters = AffinityCounters(hits, spills, unkeyed)
+
+
+def test_router_decisions_are_reported_for_every_partitions_worker(recorded_metrics):
+    """An app of both partitions routes to `Worker` and `Worker-ref2va`, each through its own router: the gauge
+    carries each one's counts under its deployment's name (two routers of one deployment, e.g. two handles, sum)."""
+    from deployments.metrics import RoutingMetrics
+    from deployments.partitions import worker_deployment_name
+    from deployments.routing.registry import register_router
+
+    names = [worker_deployment_name(index, partition) for index, partition in enumerate(("fl2va", "ref2va"))]
+    routers = [CountedRouter(names[0], hits=5, spills=1, unkeyed=0), CountedRouter(names[0], hits=2, spills=0,
+               unkeyed=1), CountedRouter(names[1], hits=3, spills=2, unkeyed=4), CountedRouter("Other", 9, 9, 9)]
+    for router in routers:
+        register_router(router)
+    metrics = RoutingMetrics(names)
+    metrics.update()
+    reported = {tags: values[-1] for tags, values in metrics.requests.values.items()}
+    assert names == ["Worker", "Worker-ref2va"]
+    assert reported == {
+        (("route", "affinity_hit"), ("worker", "Worker")): 7.0, (("route", "spill"), ("worker", "Worker")): 1.0,
+        (("route", "unkeyed"), ("worker", "Worker")): 1.0,
+        (("route", "affinity_hit"), ("worker", "Worker-ref2va")): 3.0,
+        (("route", "spill"), ("worker", "Worker-ref2va")): 2.0, (("route", "unkeyed"), ("worker", "Worker-ref2va")): 4.0,
+    }

@@ -438,25 +438,25 @@ def bound_deployments(app) -> dict:
     return found
 
 
-@pytest.mark.parametrize("stages, stage_names", [("split", {"TextEncoder", "Decoder"}), ("fused", set())])
-def test_an_app_of_both_partitions_binds_a_worker_each_behind_one_ingress(stages, stage_names):
+@pytest.mark.parametrize("stages", ["split", "fused"])
+def test_an_app_of_both_partitions_binds_a_worker_each_behind_one_ingress(stages):
     """partitions: [fl2va, ref2va]: `Worker` (FL2VA) and `Worker-ref2va` (Ref2VA), each its engine's partition and
-    the worker options (its own router); a split app's one TextEncoder prepares both partitions' tasks."""
+    the worker options (its own router); one TextEncoder prepares both partitions' tasks and one Decoder decodes
+    for both, even with stages: fused (fused, each Worker would load its own text encoder and VAEs)."""
     from deployments.app import build_application
     from tests.fake_engine import FakeEngine
 
     config = AppConfig.model_validate({"stages": stages, "partitions": ["fl2va", "ref2va"]})
     deployments = bound_deployments(build_application(config, FakeEngine))
-    assert set(deployments) == {"Ingress", "Worker", "Worker-ref2va"} | stage_names
+    assert set(deployments) == {"Ingress", "Worker", "Worker-ref2va", "TextEncoder", "Decoder"}
     for name, partition in (("Worker", "fl2va"), ("Worker-ref2va", "ref2va")):
         worker = deployments[name]
         assert worker.init_args[0]["partition"] == partition
         assert worker._deployment_config.request_router_config.request_router_class.endswith("ScheduleAffinityRouter")
     ingress_args = deployments["Ingress"].init_args
     assert ingress_args[-2] == ["fl2va", "ref2va"] and len(ingress_args[-1]) == 1  # the partitions, more_workers
-    if stages == "split":
-        assert deployments["TextEncoder"].init_args[1] == ["fl2va", "ref2va"]
-        assert deployments["TextEncoder"].init_args[0]["partition"] == "fl2va"  # the first's checkpoint components
+    assert deployments["TextEncoder"].init_args[1] == ["fl2va", "ref2va"]
+    assert deployments["TextEncoder"].init_args[0]["partition"] == "fl2va"  # the first's checkpoint components
 
 
 @pytest.mark.parametrize("stages, names", [("split", {"Ingress", "Worker", "TextEncoder", "Decoder"}),
