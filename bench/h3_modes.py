@@ -53,8 +53,8 @@ from bench.checkpoints import PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, ma
 from bench.common import device_description, git_commit, markdown_table
 from bench.h3 import (H3_REQUEST, PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS,
                       SMOKE_PROMPT, SMOKE_REQUEST, Deadline, Peak, Rig, forward_flops, measure_limits, run_steps, sync)
+from engine.fp8 import stored_bytes
 from model.tiny_adapter import save_adapter
-from offload.wrapped import inner_tensors, is_wrapped
 
 logger = logging.getLogger("bench.h3_modes")
 
@@ -108,24 +108,13 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "scaled_from": ", ".join(f"{k} {v}" for k, v in scaled.items())}
 
 
-def stored_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameters and buffers as stored (a float8 weight: its fp8 data and scales)."""
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.is_meta:
-            continue
-        parts = inner_tensors(t).values() if is_wrapped(t) else (t,)
-        total += sum(p.numel() * p.element_size() for p in parts)
-    return total
-
-
 @contextlib.contextmanager
 def cpu_float8() -> Iterator[None]:
     """On a CPU: the engine's and torchao's float8-hardware checks lifted (torch's `_scaled_mm` runs there), so
     `engine.quantization: fp8` builds the weights the GPU would hold. Smoke only: timings are not meaningful."""
     from unittest import mock
 
-    with mock.patch("engine.fp8.check_fp8_device", lambda device: None), \
+    with mock.patch("engine.fp8.check_fp8_device", lambda device, field="": None), \
             mock.patch("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None):
         yield
 
