@@ -132,3 +132,13 @@ def test_fp8_where_float8_cannot_run_is_refused_naming_the_field(checkpoint):
         EngineConfig(text_encoder={"quantization": "fp8", "device": "cpu"})
     assert EngineConfig().text_encoder.quantization == "none"  # served default: bf16
 
+
+
+def test_the_bench_reports_the_fp8_encoders_error_and_memory_beside_bf16(checkpoint, cpu_fp8):
+    from bench.h3_modes import text_encoder_rows
+
+    config = EngineConfig(checkpoint=str(checkpoint.root), device="cpu")
+    bf16, fp8 = text_encoder_rows(config, PROMPTS[1])
+    assert (bf16["text_encoder"], bf16["quantized_linears"], bf16["rel_error"]) == ("bf16", 0, 0.0)
+    assert (fp8["text_encoder"], fp8["quantized_linears"]) == ("fp8", 350)
+    assert 0 < fp8["rel_error"] <= FP8_REL_ERROR and 0 < fp8["GiB"] < bf16["GiB"]
