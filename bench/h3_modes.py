@@ -53,8 +53,8 @@ from bench.checkpoints import PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, ma
 from bench.common import device_description, git_commit, markdown_table
 from bench.h3 import (H3_REQUEST, PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS,
                       SMOKE_PROMPT, SMOKE_REQUEST, Deadline, Peak, Rig, forward_flops, measure_limits, run_steps, sync)
+from engine.fp8 import stored_bytes
 from model.tiny_adapter import save_adapter
-from offload.wrapped import inner_tensors, is_wrapped
 
 logger = logging.getLogger("bench.h3_modes")
 
@@ -76,6 +76,7 @@ class Report:
     modes: list[dict[str, Any]] = field(default_factory=list)
     turbo: list[dict[str, Any]] = field(default_factory=list)
     end_to_end: list[dict[str, Any]] = field(default_factory=list)
+    text_encoder: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
@@ -89,7 +90,8 @@ class Report:
                                                     self.shared_stages),
                             ("Denoise per mode (50-step schedule)", self.modes),
                             ("Turbo request per mode (9 points, 8 forwards)", self.turbo),
-                            ("End to end, scaled to 50 blocks", self.end_to_end)):
+                            ("End to end, scaled to 50 blocks", self.end_to_end),
+                            ("Text encoder bf16 vs fp8 (text_encoder.quantization)", self.text_encoder)):
             if rows:
                 lines += [f"## {title}", "", markdown_table([_flat(r) for r in rows]), ""]
         if self.skipped:
@@ -108,15 +110,29 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "scaled_from": ", ".join(f"{k} {v}" for k, v in scaled.items())}
 
 
-def stored_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameters and buffers as stored (a float8 weight: its fp8 data and scales)."""
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.is_meta:
-            continue
-        parts = inner_tensors(t).values() if is_wrapped(t) else (t,)
-        total += sum(p.numel() * p.element_size() for p in parts)
-    return total
+def text_encoder_rows(config, prompt: str) -> list[dict[str, Any]]:
+    """The prompt encoder of `config` (an `EngineConfig`) bf16 and fp8, one after the other: its bytes as stored
+    and the fp8 prompt embedding's relative error ||fp8 - bf16|| / ||bf16|| (fp32 norms of [tokens, text_dim])."""
+    from engine.prepare import prepare_stage
+
+    rows, reference = [], None
+    for quantization in ("none", "fp8"):
+        text = config.text_encoder.model_copy(update={"quantization": quantization, "vision": False})
+        t0 = time.perf_counter()
+        stage = prepare_stage(config.model_copy(update={"text_encoder": text})).prompt
+        load_s = time.perf_counter() - t0
+        embeds = stage.encoder.encode(prompt).float().cpu()
+        reference = embeds if reference is None else reference
+        weights = stage.weights
+        rows.append({"text_encoder": "bf16" if quantization == "none" else "fp8", "layers": weights.decoder_layers,
+                     "quantized_linears": weights.quantized_linears, "GiB": round(weights.bytes / 2**30, 4),
+                     "load_s": round(load_s, 2), "tokens": int(embeds.shape[0]),
+                     "rel_error": float((embeds - reference).norm() / reference.norm())})
+        del stage
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
 
 
 @contextlib.contextmanager
@@ -125,7 +141,7 @@ def cpu_float8() -> Iterator[None]:
     `engine.quantization: fp8` builds the weights the GPU would hold. Smoke only: timings are not meaningful."""
     from unittest import mock
 
-    with mock.patch("engine.fp8.check_fp8_device", lambda device: None), \
+    with mock.patch("engine.fp8.check_fp8_device", lambda device, field="": None), \
             mock.patch("torchao.quantization.quant_api._check_hardware_support", lambda granularity: None):
         yield
 
@@ -254,6 +270,11 @@ class Bench:
         self.root = self.workdir / f"h3-b{args.num_blocks}-t{args.text_layers}"
         self.adapter_path = self.workdir / f"turbo-r{args.rank}-b{args.num_blocks}.safetensors"
         self.make_files()
+        report.text_encoder = text_encoder_rows(self.engine_config("eager"), self.prompt)
+        report.notes.append("text encoder rows: the checkpoint's Qwen3-VL layers read (--text-layers) bf16, then "
+                            "text_encoder.quantization fp8 (decoder-layer linears float8), one at a time on the "
+                            "engine's device; rel_error: the fp8 prompt embedding against the bf16 one")
+        self.write()
         for mode in self.modes:
             if self.deadline.left() < (20 if args.smoke else 60):
                 report.skipped.append(f"{mode}: out of time budget (--budget-s {args.budget_s:g})")

@@ -13,6 +13,7 @@ prompt the encoder refuses), so callers sort them as they sort the worker's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,7 @@ class TextEncoder:
         install_client_error_log_filter()
         self._stage = prepare_stage(EngineConfig.model_validate(engine_config), partitions)
         self._startup = replica_startup("text_encoder", constructor_at, build_started_at)
-        logger.info("%s", self._startup.summary())
+        logger.info("%s; text encoder: %s", self._startup.summary(), self._stage.prompt.weights.summary())
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-encoder")
 
     async def validate(self, request: GenerationRequest) -> int:
@@ -69,8 +70,8 @@ class TextEncoder:
         return await asyncio.to_thread(self._stage.check, request)
 
     async def describe(self) -> dict[str, Any]:
-        """This replica's start-up timings."""
-        return {"startup": self._startup.as_dict()}
+        """This replica's start-up timings and the encoder's weights (its tier and memory)."""
+        return {"startup": self._startup.as_dict(), "text_encoder": dataclasses.asdict(self._stage.prompt.weights)}
 
     async def encode(self, request: GenerationRequest) -> PromptEmbedding:
         """`request`'s prompt embedding on the CPU, for fl2va / ref2va with its `Conditions` (the canvas and the

@@ -162,6 +162,8 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
         plan_cache_hits=adaln.gpu_hit_plans + adaln.host_hit_plans + adaln.pool_hit_plans,
         plan_cache_misses=adaln.built_plans,
         cached_steps=stats.cache_dit.num_cached_steps if stats.cache_dit is not None else 0,
+        linears=stats.linears,
+        adapters=dict(stats.adapters.scales) if stats.adapters is not None else {},
     )
 
 

@@ -24,6 +24,8 @@ from offload.layerwise import OffloadConfig
 MAX_STEPS = 65
 
 DeviceName = Literal["auto", "cpu", "cuda"]
+#: `text_encoder.quantization` (`engine.text_fp8`).
+TextEncoderQuantization = Literal["none", "fp8"]
 
 class PoolConfig(BaseModel):
     """The node-shared host-cache pool (`actors.host_cache_pool`): a tier between a worker's own pinned
@@ -73,6 +75,19 @@ class TextEncoderConfig(BaseModel):
         True, description="Load Qwen3-VL's vision tower, so keyframe (fl2va) and image-reference (ref2va) prompts "
         "are served; false: a t2va-only process keeps the text layers' memory and answers those requests with a 422."
     )
+    quantization: TextEncoderQuantization = Field(
+        "none", description="fp8: the language model's decoder-layer linears in torchao float8 (dynamic activations "
+        "x rowwise weights, engine.quantization's recipe), quantized layer by layer at load (never a second copy): "
+        "about half the encoder's memory; the embedding, norms and vision tower stay bf16. Needs the encoder on a GPU "
+        "of compute capability >= 8.9. Embeddings differ from bf16 by rounding (README: the measured bound).",
+    )
+
+    @model_validator(mode="after")
+    def _fp8_on_a_gpu(self) -> TextEncoderConfig:
+        if self.quantization == "fp8" and self.device == "cpu":
+            raise ValueError("text_encoder.quantization: fp8 runs float8 GEMMs on a GPU (compute capability >= 8.9); "
+                             "text_encoder.device: cpu cannot: use quantization: none, or device: engine / cuda")
+        return self
 
 
 class DecodeConfig(BaseModel):

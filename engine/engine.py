@@ -371,6 +371,7 @@ class Engine:
             text_split = TextTensorParallel(self.group)
         self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split,
                                         vision=config.text_encoder.vision and text_split is None)
+        logger.info("text encoder: %s", self.prompt_stage.weights.summary())
         return time.perf_counter() - start
 
     def _load_vaes(self) -> float:
@@ -711,6 +712,9 @@ class Engine:
             "engine_config": self.config.model_dump(mode="json"),
             "startup": dataclasses.asdict(self.startup),
             "forward": self.forward_kernels.describe(),
+            # The prompt stage's weights (its tier and memory); None: the denoiser alone (the TextEncoder has it).
+            "text_encoder": (dataclasses.asdict(self.prompt_stage.weights) if self.prompt_stage is not None
+                             else None),
         }
 
     # --- Stages ------------------------------------------------------------------------------------

@@ -42,15 +42,15 @@ def _is_target(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and "adaln_proj" not in parts and ("attn" in parts or "ff" in parts)
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """QuantizationError unless `device` runs float8 GEMMs."""
+def check_fp8_device(device: torch.device, field: str = "engine.quantization") -> None:
+    """QuantizationError naming `field` (the setting that asked for fp8) unless `device` runs float8 GEMMs."""
     if device.type != "cuda":
-        raise QuantizationError(f"engine.quantization: fp8 needs a CUDA GPU with float8 tensor cores (compute "
-                                f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); this engine runs on "
-                                f"{device.type}. Use quantization: none")
+        raise QuantizationError(f"{field}: fp8 needs a CUDA GPU with float8 tensor cores (compute "
+                                f"capability >= {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}); it runs on "
+                                f"{device.type} here. Use quantization: none")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise QuantizationError(f"engine.quantization: fp8 needs compute capability >= {MIN_CAPABILITY[0]}."
+        raise QuantizationError(f"{field}: fp8 needs compute capability >= {MIN_CAPABILITY[0]}."
                                 f"{MIN_CAPABILITY[1]}; {torch.cuda.get_device_name(device)} has "
                                 f"{capability[0]}.{capability[1]}. Use quantization: none")
 
@@ -84,24 +84,41 @@ def _config():
 def quantize_linears_fp8(blocks: nn.ModuleList, device: torch.device) -> list[str]:
     """`quantize_blocks_fp8` without our device check (torchao still checks the machine): each target linear is
     quantized on `device` and left where its weight was."""
-    from torchao.quantization import quantize_
-
     targets = fp8_targets(blocks)
     if not targets:
         raise QuantizationError("engine.quantization: fp8 found no attention or feed-forward linears in the blocks")
+    quantize_named_fp8(blocks, targets, device, "engine.quantization")
+    return targets
+
+
+def quantize_named_fp8(root: nn.Module, names: list[str], device: torch.device, field: str) -> None:
+    """The FP8 quantizer of every tier (`field` names the setting in errors): each linear `names` gives (within
+    `root`) quantized in place on `device` and left where its weight was."""
+    from torchao.quantization import quantize_
+
     config = _config()
-    for name in targets:
-        linear = blocks.get_submodule(name)
+    for name in names:
+        linear = root.get_submodule(name)
         home = linear.weight.device
         quantize_(linear.to(device), config)
         if not is_wrapped(linear.weight):  # torchao leaves a linear whose shape its float8 GEMM cannot take
-            raise QuantizationError(f"engine.quantization: fp8 cannot quantize {name} (weight "
+            raise QuantizationError(f"{field}: fp8 cannot quantize {name} (weight "
                                     f"{tuple(linear.weight.shape)}: float8 GEMMs need both dims multiples of 16)")
         if home != device:  # back where the linear's weights were loaded (the offloader streams it from there)
             linear.weight = nn.Parameter(rebuilt_on(linear.weight, home), requires_grad=False)
             if linear.bias is not None:
                 linear.bias.data = linear.bias.data.to(home)
-    return targets
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters and buffers as stored (a float8 weight: its fp8 data and scales)."""
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_meta:
+            continue
+        parts = inner_tensors(t).values() if is_wrapped(t) else (t,)
+        total += sum(p.numel() * p.element_size() for p in parts)
+    return total
 
 
 def float8_copy(weight: torch.Tensor) -> nn.Parameter:

@@ -22,8 +22,10 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
 from engine.api import ClipFacts
-from engine.config import TextEncoderConfig
+from engine.config import TextEncoderConfig, TextEncoderQuantization
 from engine.errors import ClientError
+from engine.fp8 import stored_bytes
+from engine.text_fp8 import TextEncoderFp8
 from engine.wire import TensorsAsArrays, WireTensor
 from model.decode import AudioDecoder, DecoderLoadError, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents
@@ -36,7 +38,8 @@ from model.text_encoder import (LanguageModelSplit, PromptCacheStats, PromptEmbe
                                 TextEncoderLoadError)
 from model.weights import CONFIG_FILE, H3TransformerConfig
 
-__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage", "VaeEncoders"]
+__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage", "TextEncoderWeights",
+           "VaeEncoders"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +101,23 @@ class PromptEmbedding(TensorsAsArrays):
                                    conditions=self.conditions.cpu() if self.conditions is not None else None)
 
 
+@dataclass(frozen=True)
+class TextEncoderWeights:
+    """What the prompt stage holds (`describe()["text_encoder"]`, GET /v1/models)."""
+
+    device: str
+    quantization: TextEncoderQuantization  # text_encoder.quantization
+    quantized_linears: int  # decoder-layer linears in float8 (0: none)
+    decoder_layers: int  # layers loaded (those feeding hidden_states[index])
+    vision: bool  # the vision tower is held
+    bytes: int  # parameters and buffers as stored (float8 weights: their fp8 data and scales)
+
+    def summary(self) -> str:
+        return (f"{self.decoder_layers} layers on {self.device}, quantization {self.quantization} "
+                f"({self.quantized_linears} linears), {self.bytes / 2**30:.2f} GiB"
+                f"{', vision tower' if self.vision else ''}")
+
+
 class PromptStage:
     """Qwen3-VL prompt encoder and its LRU prompt-embedding cache. Thread-safe for `check` and `encode` from
     one caller thread at a time per encode (the cache is locked; the encoder runs one prompt at a time)."""
@@ -107,9 +127,16 @@ class PromptStage:
         """`split`: the encoder's share of a tensor-parallel group (`parallel.text_encoder`); None: whole.
         `vision`: also hold Qwen3-VL's vision tower (keyframe and reference prompts, `engine.conditioning`)."""
         self.config = config
+        # fp8: each decoder layer quantized as it is loaded (QuantizationError here on a device without float8).
+        fp8 = TextEncoderFp8(torch.device(device)) if config.quantization == "fp8" else None
         self.encoder = PromptEncoder(checkpoint.text_encoder_dir, checkpoint.tokenizer_dir, device,
                                      hidden_state_index=config.hidden_state_index, split=split, vision=vision,
-                                     processor_dir=checkpoint.processor_dir)
+                                     processor_dir=checkpoint.processor_dir, layer_transform=fp8)
+        self.weights = TextEncoderWeights(
+            device=str(self.encoder.device), quantization=config.quantization,
+            quantized_linears=len(fp8.quantized) if fp8 is not None else 0,
+            decoder_layers=self.encoder.num_loaded_layers, vision=self.encoder.has_vision,
+            bytes=stored_bytes(self.encoder.module))
         # Another model's encoder (e.g. a smaller Qwen3-VL) loads fine and fails every request in the transformer.
         config_path = checkpoint.transformer_dir / CONFIG_FILE
         text_dim = H3TransformerConfig.from_json(config_path.read_bytes(), checkpoint.layout, config_path).text_dim

@@ -30,7 +30,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.media import VideoMedia, VideoTask
-from engine.limits import ADAPTER_NAME_PATTERN, Quality
+from engine.limits import ADAPTER_NAME_PATTERN, Linears, Quality
 
 __all__ = [
     "CancelCheck",
@@ -133,6 +133,11 @@ class VideoStats(BaseModel):
     plan_cache_hits: int = Field(0, ge=0, description="AdaLN plans served from a cache tier.")
     plan_cache_misses: int = Field(0, ge=0, description="AdaLN plans rebuilt.")
     cached_steps: int = Field(0, ge=0, description="Steps Cache-DiT served from its cache (quality=high).")
+    linears: Linears = Field("bf16", description="The weights the transformer's block linears ran with: bf16, or "
+                             "fp8 (float8, `engine.quantization` fp8 or a bf16+fp8 server's quality=fp8 tier).")
+    adapters: dict[str, float] = Field(default_factory=dict, description="The LoRA adapters the job ran with, "
+                                       "name -> the scale it ran at (the lora field's, else the served default); "
+                                       "empty: none.")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import json
 import struct
 import threading
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -107,6 +108,18 @@ class LanguageModelSplit(Protocol):
     def install(self, model: Qwen3VLTextModel) -> None: ...
 
 
+class LayerTransform(Protocol):
+    """What the encoder applies to each decoder layer as soon as that layer's weights are on the device, before
+    the next layer is read (e.g. `engine.text_fp8.TextEncoderFp8`: its linears in float8), so the stack is never
+    held whole in its stored dtype. `label` becomes part of the encoder's identity (the layers compute other
+    bits)."""
+
+    @property
+    def label(self) -> str: ...
+
+    def apply(self, index: int, layer: torch.nn.Module) -> None: ...
+
+
 class PromptEncoder:
     """Qwen3-VL truncated to the layers feeding `hidden_states[hidden_state_index]`, on one device.
 
@@ -116,11 +129,14 @@ class PromptEncoder:
 
     `split`: this process holds and runs only its part of the model (`LanguageModelSplit`); `encode` is then a
     collective: every process of the split must call it with the same prompt, in the same order.
+    `layer_transform`: applied to each decoder layer as it is loaded (`LayerTransform`); the vision tower and the
+    embedding are left as stored.
     """
 
     def __init__(self, text_encoder_dir: str | Path, tokenizer_dir: str | Path, device: torch.device | str, *,
                  hidden_state_index: int = H3_HIDDEN_STATE_INDEX, split: LanguageModelSplit | None = None,
-                 vision: bool = False, processor_dir: str | Path | None = None) -> None:
+                 vision: bool = False, processor_dir: str | Path | None = None,
+                 layer_transform: LayerTransform | None = None) -> None:
         """`vision`: also load the vision tower and the image and video processors (`processor_dir`), for keyframe
         and reference prompts (`encode_presentation`); not with `split`."""
         self.text_encoder_dir, self.tokenizer_dir = Path(text_encoder_dir), Path(tokenizer_dir)
@@ -135,9 +151,11 @@ class PromptEncoder:
         self.split = split
         try:
             weight_files = _weight_files(self.text_encoder_dir)
-            self._model = _load_truncated_language_model(text_config, weight_files, self.device, split)
+            self._model = _load_truncated_language_model(text_config, weight_files, self.device, split,
+                                                         layer_transform)
+            labels = [part.label for part in (split, layer_transform) if part is not None]
             self.identity = _fingerprint(self.text_encoder_dir, weight_files, self.tokenizer_dir, hidden_state_index,
-                                         split.label if split is not None else "")
+                                         "".join(labels))
             self._multimodal: Qwen3VLModel | None = None
             self.image_processor: Qwen2VLImageProcessorPil | None = None
             self.video_processor: QwenVideoProcessor | None = None  # None: the processor has no video config
@@ -160,6 +178,12 @@ class PromptEncoder:
     @property
     def dtype(self) -> torch.dtype:
         return self._model.embed_tokens.weight.dtype
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """Everything the encoder holds: the language model, inside Qwen3-VL's multimodal model when the vision
+        tower is loaded too."""
+        return self._multimodal if self._multimodal is not None else self._model
 
     @property
     def num_loaded_layers(self) -> int:
@@ -274,29 +298,44 @@ def _weight_files(text_encoder_dir: Path) -> dict[str, Path]:
 
 
 def _load_truncated_language_model(text_config: Qwen3VLTextConfig, weight_files: dict[str, Path],
-                                   device: torch.device, split: LanguageModelSplit | None) -> Qwen3VLTextModel:
+                                   device: torch.device, split: LanguageModelSplit | None,
+                                   transform: LayerTransform | None) -> Qwen3VLTextModel:
     if split is not None:
         text_config = split.local_config(text_config)
     with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed for real
         model = Qwen3VLTextModel(text_config)
     model.norm = torch.nn.Identity()  # the state read is pre-norm (see the module docstring)
     wanted = set(model.state_dict())
-    by_file: dict[Path, list[str]] = {}
-    for stored_name, path in weight_files.items():
-        if stored_name.startswith(LANGUAGE_MODEL_PREFIX) and stored_name[len(LANGUAGE_MODEL_PREFIX):] in wanted:
-            by_file.setdefault(path, []).append(stored_name)
-    state: dict[str, torch.Tensor] = {}
-    for path, stored_names in sorted(by_file.items()):
-        with safe_open(path, framework="pt", device=str(device)) as handle:
-            for stored_name in stored_names:
-                name = stored_name[len(LANGUAGE_MODEL_PREFIX):]
-                state[name] = handle.get_tensor(stored_name) if split is None else split.read(handle, stored_name, name)
-    missing = sorted(wanted - set(state))
+    stored = {stored_name[len(LANGUAGE_MODEL_PREFIX):]: stored_name for stored_name in weight_files
+              if stored_name.startswith(LANGUAGE_MODEL_PREFIX) and stored_name[len(LANGUAGE_MODEL_PREFIX):] in wanted}
+    missing = sorted(wanted - set(stored))
     if missing:
         raise TextEncoderLoadError(f"text encoder weights lack {len(missing)} of the tensors needed (under "
                                    f"{LANGUAGE_MODEL_PREFIX!r}), e.g. {missing[:3]}")
-    model.load_state_dict(state, strict=True, assign=True)
-    model = model.to(device).eval().requires_grad_(False)
+    with ExitStack() as files:
+        handles: dict[Path, SafetensorsHandle] = {}
+
+        def read(name: str) -> torch.Tensor:
+            path = weight_files[stored[name]]
+            if path not in handles:
+                handles[path] = files.enter_context(safe_open(path, framework="pt", device=str(device)))
+            handle = handles[path]
+            return handle.get_tensor(stored[name]) if split is None else split.read(handle, stored[name], name)
+
+        # Layer by layer: each reaches the device and is transformed (e.g. to float8) before the next is read.
+        for index, layer in enumerate(model.layers):
+            prefix = f"layers.{index}."
+            layer.load_state_dict({name[len(prefix):]: read(name) for name in wanted if name.startswith(prefix)},
+                                  strict=True, assign=True)
+            layer.requires_grad_(False)
+            if transform is not None:
+                transform.apply(index, layer)
+        for child_name, child in model.named_children():  # the embedding (norm: identity, rotary: buffers)
+            if child_name != "layers":
+                prefix = f"{child_name}."
+                child.load_state_dict({name[len(prefix):]: read(name) for name in wanted if name.startswith(prefix)},
+                                      strict=True, assign=True)
+    model = model.to(device).eval().requires_grad_(False)  # the rotary buffers (the weights are there already)
     if split is not None:
         split.install(model)
     return model
