@@ -1,14 +1,13 @@
-"""Both MiniMax-H3 partitions behind one ingress, through Ray Serve on CPU with the tiny real checkpoints: two
-apps, each serving `partitions: [fl2va, ref2va]` (a Worker per partition), one fused and one split (the shipped
-default: one TextEncoder and one Decoder shared by both Workers, the keyframes' and references' encodes in the
-TextEncoder). Over both APIs: `GET /v1/models` lists both models with their tasks and limits, the task picks the
+"""Both MiniMax-H3 partitions behind one ingress, through Ray Serve on CPU with the tiny real checkpoints: the
+`split` app serves `partitions: [fl2va, ref2va]` (a Worker per partition, one TextEncoder and one Decoder shared
+by both, the keyframes' and references' encodes in the TextEncoder: what any two-partition app binds,
+`deployments.app.stages_split`); the fused apps serve one partition each (`fused`: fl2va, `fused-ref2va`: ref2va),
+where every stage runs in the Worker. Over both APIs: `GET /v1/models` lists both models with their tasks and limits, the task picks the
 partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/generations` takes typed
 keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped length)
 with the bytes `/v1/generations` gives for the same request, split == fused bit for bit (latents and MP4), and
 bad uploads and wrong models are 4xx naming the field while `/healthz` stays 200. One cluster for
-the module; the apps side by side. Since a two-partition app binds split even with `stages: fused`
-(`deployments.app.stages_split`), the 'fused' app here runs split too: split == fused at the engine level is
-tests/test_split_conditioning.py's.
+the module; the apps side by side.
 """
 
 from __future__ import annotations
@@ -33,9 +32,15 @@ GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "ma
 PROMPT = "a red fox runs across a snowy field at dawn"
 #: 1 s at 24 fps: 25 frames snapped up to 17n + 5 = 39.
 SECONDS, NUM_FRAMES, STEPS, SEED = 1.0, 39, 3, 4
-#: app name -> stages; each app serves both partitions
-APPS = {"fused": "fused", "split": "split"}
+#: app name -> (stages, the partitions it serves)
+APPS = {"split": ("split", ["fl2va", "ref2va"]), "fused": ("fused", ["fl2va"]), "fused-ref2va": ("fused", ["ref2va"])}
 MODELS = {"minimax-h3": ["t2va", "fl2va"], "minimax-h3-ref2va": ["ref2va"]}
+PARTITION_MODELS = {"fl2va": "minimax-h3", "ref2va": "minimax-h3-ref2va"}
+
+
+def app_serving(stages: str, model: str) -> str:
+    """The app of `stages` that serves `model` (the split app serves both)."""
+    return "split" if stages == "split" else "fused" if model == "minimax-h3" else "fused-ref2va"
 WAIT_S = 300.0
 
 
@@ -59,9 +64,9 @@ def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("fl2va-serve")
     with serve_cluster(num_cpus=8) as url:
         urls = {}
-        for name, stages in APPS.items():
+        for name, (stages, partitions) in APPS.items():
             args = serve_config_args(root / "checkpoints")
-            args.update({"stages": stages, "partitions": ["fl2va", "ref2va"]})
+            args.update({"stages": stages, "partitions": partitions})
             args["engine"].update({"device": "cpu", "geometry": GEOMETRY})
             args["jobs"].update({"state_dir": str(root / f"state-{name}"), "poll_s": 0.2, "events_poll_s": 0.2})
             run_app(url, args, name=name, route_prefix=f"/{name}")
@@ -97,24 +102,27 @@ def completed_job(base_url: str, video_id: str) -> dict:
 
 
 def test_models_lists_both_partitions_models_with_their_tasks_and_limits(apps):
-    for name in APPS:
+    for name, (_, partitions) in APPS.items():
         cards = requests.get(f"{apps[name]}/v1/models", timeout=30).json()["data"]
-        assert {card["limits"]["name"]: card["tasks"] for card in cards} == MODELS, name
+        served = {PARTITION_MODELS[partition]: MODELS[PARTITION_MODELS[partition]] for partition in partitions}
+        assert {card["limits"]["name"]: card["tasks"] for card in cards} == served, name
         for card in cards:
             assert card["limits"]["tasks"] == card["tasks"] and card["id"].startswith(card["limits"]["name"] + "@")
             assert card["limits"]["max_pixels"] == GEOMETRY["max_pixels"]
-        assert cards[0]["fingerprint"] != cards[1]["fingerprint"]  # two transformers, each its own plan cache key
         health = requests.get(f"{apps[name]}/healthz", timeout=30).json()
-        assert set(health["workers"]) == {"fl2va", "ref2va"}
+        assert set(health["workers"]) == set(partitions)
+    split_cards = requests.get(f"{apps['split']}/v1/models", timeout=30).json()["data"]
+    assert split_cards[0]["fingerprint"] != split_cards[1]["fingerprint"]  # two transformers, two plan cache keys
 
 
-@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("stages", ["split", "fused"])
 @pytest.mark.parametrize("fields, model", [
     ({}, "minimax-h3"),
     ({"keyframes": [{"image": base64.b64encode(FIRST).decode(), "anchor": "first"}]}, "minimax-h3"),
     ({"references": [{"kind": "image", "data": base64.b64encode(FIRST).decode()}]}, "minimax-h3-ref2va"),
 ])
-def test_the_task_picks_the_partition(apps, app, fields, model):
+def test_the_task_picks_the_partition(apps, stages, fields, model):
+    app = app_serving(stages, model)
     body = {"prompt": PROMPT, "steps": STEPS, "seconds": SECONDS, "seed": SEED, "width": 64, "height": 32,
             "return_video": False, **fields}
     response = requests.post(f"{apps[app]}/v1/generations", json=body, timeout=300)
@@ -129,7 +137,7 @@ def test_the_task_picks_the_partition(apps, app, fields, model):
 ])
 def test_generations_take_typed_keyframes_split_as_fused(apps, case, keyframes):
     bodies = {}
-    for app in APPS:
+    for app in ("split", "fused"):
         response = requests.post(f"{apps[app]}/v1/generations", json=generation(keyframes), timeout=300)
         assert response.status_code == 200, (app, response.text)
         bodies[app] = response.json()
@@ -154,7 +162,7 @@ def test_a_keyframe_changes_the_clip(apps):
     assert not (with_video == text_video).all()
 
 
-@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("app", ["split", "fused"])
 def test_a_png_upload_makes_a_video_job_whose_mp4_is_the_generations_mp4(apps, app):
     base_url = apps[app]
     created = requests.post(f"{base_url}/v1/videos", timeout=60,
@@ -208,13 +216,13 @@ def test_bad_uploads_are_4xx_naming_the_field_and_the_replica_stays_healthy(apps
 
 
 def test_generations_refuse_a_model_that_does_not_serve_the_task(apps):
-    for app in APPS:
-        wrong = requests.post(f"{apps[app]}/v1/generations", timeout=60, json=generation(
-            [keyframe(FIRST, anchor="first")], model="minimax-h3-ref2va"))
-        assert wrong.status_code == 422, wrong.text
-        error = wrong.json()["error"]
-        assert error["errors"][0]["loc"] == ["model"] and "serves ref2va, not fl2va" in error["message"]
-        assert requests.get(f"{apps[app]}/healthz", timeout=30).status_code == 200
+    base_url = apps["split"]  # the app serving both models
+    wrong = requests.post(f"{base_url}/v1/generations", timeout=60, json=generation(
+        [keyframe(FIRST, anchor="first")], model="minimax-h3-ref2va"))
+    assert wrong.status_code == 422, wrong.text
+    error = wrong.json()["error"]
+    assert error["errors"][0]["loc"] == ["model"] and "serves ref2va, not fl2va" in error["message"]
+    assert requests.get(f"{base_url}/healthz", timeout=30).status_code == 200
 
 
 
@@ -228,7 +236,7 @@ def test_generations_refuse_a_model_that_does_not_serve_the_task(apps):
 ])
 def test_references_make_a_ref2va_job_split_as_fused(apps, case, files):
     mp4s = {}
-    for app in APPS:
+    for app in ("split", "fused-ref2va"):
         base_url = apps[app]
         created = requests.post(f"{base_url}/v1/videos", timeout=60, files=files, data={
             "prompt": PROMPT, "seconds": str(SECONDS), "num_inference_steps": str(STEPS), "seed": str(SEED)})
@@ -237,4 +245,4 @@ def test_references_make_a_ref2va_job_split_as_fused(apps, case, files):
         assert job["task"] == "ref2va" and job["model"] == "minimax-h3-ref2va"  # the task picked the partition
         mp4s[app] = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
         assert mp4_facts(mp4s[app])[:3] == ("h264", "aac", NUM_FRAMES)
-    assert mp4s["split"] == mp4s["fused"]  # split == fused, bit for bit
+    assert mp4s["split"] == mp4s["fused-ref2va"]  # split == fused, bit for bit
