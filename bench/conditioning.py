@@ -631,7 +631,7 @@ class Bench:
         self.vision_config = multimodal.visual.config
         self.text_config = language.config
         self.text_layer_params = sum(p.numel() for p in language.layers[0].parameters())
-        stage = timed_stage(ConditioningStage(engine.checkpoint, engine.prompt_stage, engine.decode_stage,
+        stage = timed_stage(ConditioningStage(engine.checkpoint, engine.prompt_stage, engine.decode_stage.encoders(),
                                               self.geometry_limits), self.clock)
         self.served[Partition.FL2VA] = Served(engine, stage)
         self.warm_up_decoders(engine)
@@ -656,7 +656,7 @@ class Bench:
             load_s = time.perf_counter() - t0
         self.report.setup.append({"what": "Ref2VA engine (transformer_ref, online AdaLN; denoiser only)",
                                   "seconds": round(load_s, 2), "GB": gib(peak.extra_bytes, self.device)})
-        stage = timed_stage(ConditioningStage(engine.checkpoint, fl2va.prompt_stage, fl2va.decode_stage,
+        stage = timed_stage(ConditioningStage(engine.checkpoint, fl2va.prompt_stage, fl2va.decode_stage.encoders(),
                                               self.geometry_limits), self.clock)
         self.served[Partition.REF2VA] = Served(engine, stage)
         self.component_memory(engine, Partition.REF2VA)

@@ -14,39 +14,6 @@ from tests.adaln_support import Models, models_for
 from tests.serve_helpers import SESSION
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules whose every test is `slow` (Ray/Serve apps, benchmark smokes: 10-130 s each) run first, then the
-    mixed ones, then the fast ones, each module's tests kept together and in order. Under `-n 2 --dist loadfile`
-    the long modules then start early and the short ones fill in the end, instead of a long module alphabetically
-    last (test_videos_*) running alone on one worker while the other idles."""
-    by_module: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
-
-    def weight(module_items: list[pytest.Item]) -> int:
-        slow = sum(item.get_closest_marker("slow") is not None for item in module_items)
-        return 0 if slow == len(module_items) else 1 if slow else 2
-
-    items[:] = [item for group in sorted(by_module.values(), key=weight) for item in group]
-    for group in by_module.values():
-        for item in group:
-            item.stash[_MODULE_WEIGHT] = weight(group)
-
-
-_MODULE_WEIGHT = pytest.StashKey[int]()
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    """Past the last module that may use Ray, the session's cluster goes down: its idle daemons (raylet, GCS,
-    Serve's controller and proxy) would otherwise share the two cores with the fast modules. After the item's
-    own teardown (the wrapper's yield), which ends the module's fixtures: their apps shut down on a live cluster."""
-    result = yield
-    if nextitem is not None and nextitem.stash.get(_MODULE_WEIGHT, 0) == 2 and SESSION.started:
-        SESSION.stop()
-    return result
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _session_cluster():
     """The one Ray cluster Ray modules share (tests/serve_helpers.py `SESSION`, started on first use): stopped

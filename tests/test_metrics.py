@@ -6,6 +6,7 @@ engine (a schedule's first request builds its plans, later ones hit the GPU slab
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import pytest
@@ -232,13 +233,16 @@ class CountedRouter:
         self.counters = AffinityCounters(hits, spills, unkeyed)
 
 
-def test_router_decisions_are_reported_for_every_partitions_worker(recorded_metrics):
+def test_router_decisions_are_reported_for_every_partitions_worker(recorded_metrics, monkeypatch):
     """An app of both partitions routes to `Worker` and `Worker-ref2va`, each through its own router: the gauge
     carries each one's counts under its deployment's name (two routers of one deployment, e.g. two handles, sum)."""
     from deployments.metrics import RoutingMetrics
     from deployments.partitions import worker_deployment_name
+    from deployments.routing import registry
     from deployments.routing.registry import register_router
 
+    # Only this test's routers: an earlier test in this process may have left a live router registered.
+    monkeypatch.setattr(registry, "_ROUTERS", weakref.WeakSet())
     names = [worker_deployment_name(index, partition) for index, partition in enumerate(("fl2va", "ref2va"))]
     routers = [CountedRouter(names[0], hits=5, spills=1, unkeyed=0), CountedRouter(names[0], hits=2, spills=0,
                unkeyed=1), CountedRouter(names[1], hits=3, spills=2, unkeyed=4), CountedRouter("Other", 9, 9, 9)]
