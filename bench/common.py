@@ -115,3 +115,24 @@ def write_results(
     md_path.write_text("\n".join(md))
     json_path.write_text(json.dumps({**meta, "notes": list(notes), "rows": list(rows)}, indent=1, default=str) + "\n")
     return md_path, json_path
+
+
+def write_sectioned_report(out: Path, stem: str, title: str, meta: dict[str, Any], notes: Sequence[str],
+                           sections: Sequence[tuple[str, Sequence[dict[str, Any]]]], skipped: Sequence[str],
+                           record: dict[str, Any]) -> Path:
+    """`<out>/<stem>.md` (the run's header, then one table per non-empty section, then what was not measured) and
+    `<stem>.json` (`record`); returns the markdown path. The multi-table benches' one writer."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {title} ({meta['device']})", "",
+             f"- commit: `{meta['commit']}`", f"- device: {meta['device_description']}",
+             f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}", *[f"- {n}" for n in notes], ""]
+    for heading, rows in sections:
+        if rows:
+            lines += [f"## {heading}", "", markdown_table(rows), ""]
+    if skipped:
+        lines += ["## Not measured", "", *[f"- {s}" for s in skipped], ""]
+    path = out / f"{stem}.md"
+    path.write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    return path

@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import gc
 import io
-import json
 import logging
 import shlex
 import shutil
@@ -62,7 +61,7 @@ from PIL import Image
 
 from bench.checkpoints import (PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, make_random_checkpoint,
                                write_canvas_rule, write_h3_components)
-from bench.common import device_description, git_commit, markdown_table
+from bench.common import device_description, git_commit, write_sectioned_report
 from bench.h3 import (PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS, SMOKE_PROMPT,
                       Deadline, Peak, Rig, forward_flops, measure_limits, param_bytes, run_steps, sync)
 from engine.conditioning import ConditioningStage
@@ -380,28 +379,17 @@ class Report:
         return rows
 
     def write(self, out: Path, tag: str) -> Path:
-        out.mkdir(parents=True, exist_ok=True)
-        m = self.meta
-        lines = [f"# MiniMax-H3 fl2va and ref2va stages beside t2va ({m['device']})", "",
-                 f"- commit: `{m['commit']}`", f"- device: {m['device_description']}", f"- command: `{m['command']}`",
-                 f"- date: {m['date']}", *[f"- {n}" for n in self.notes], ""]
         tables = (("Setup", self.setup), ("Requests (tokens of the packed sequence)", self.requests),
                   ("Seconds per stage at the release's size (scaled_s)", self.stage_matrix("scaled_s")),
                   ("Peak memory per stage, GiB over what was resident (extra_GiB)", self.stage_matrix("extra_GiB")),
                   ("End to end at the release's size", self.end_to_end()),
                   ("Memory per component (weights)", self.memory), ("Every stage", self.stages))
-        for title, rows in tables:
-            rows = [row for row in rows if any(value is not None for key, value in row.items() if key != "stage")]
-            if rows:
-                lines += [f"## {title}", "", markdown_table(rows), ""]
-        if self.skipped:
-            lines += ["## Not measured", "", *[f"- {s}" for s in self.skipped], ""]
-        path = out / f"conditioning-{tag}.md"
-        path.write_text("\n".join(lines))
+        sections = [(title, [row for row in rows if any(value is not None for key, value in row.items()
+                                                        if key != "stage")]) for title, rows in tables]
         record = {**dataclasses.asdict(self), "seconds_per_stage": self.stage_matrix("scaled_s"),
                   "extra_GiB_per_stage": self.stage_matrix("extra_GiB"), "end_to_end": self.end_to_end()}
-        (out / f"conditioning-{tag}.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-        return path
+        return write_sectioned_report(out, f"conditioning-{tag}", "MiniMax-H3 fl2va and ref2va stages beside t2va",
+                                      self.meta, self.notes, sections, self.skipped, record)
 
 
 def gib(nbytes: int | None, device: torch.device) -> float | None:
@@ -672,7 +660,8 @@ class Bench:
         engine.video_decoder.decode(torch.zeros(geometry.video_latent_shape, device=self.device))
         engine.audio_decoder.decode(torch.zeros(geometry.num_audio_rows, 32, device=self.device))
         sync(self.device)
-        self.report.setup.append({"what": "decoder warm-up (one latent clip)", "seconds": round(time.perf_counter() - t0, 2)})
+        self.report.setup.append({"what": "decoder warm-up (one latent clip)",
+                                  "seconds": round(time.perf_counter() - t0, 2)})
 
     def component_memory(self, engine, partition: Partition) -> None:
         config, blocks = self.config, self.args.num_blocks

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import io
-import json
 import logging
 import shlex
 import shutil
@@ -45,7 +44,7 @@ import torch
 
 from bench.checkpoints import (PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, ComponentSizes, checkpoint_nbytes,
                                make_random_checkpoint, write_h3_components)
-from bench.common import device_description, git_commit, markdown_table
+from bench.common import device_description, git_commit, write_sectioned_report
 
 logger = logging.getLogger("bench.h3")
 
@@ -265,22 +264,11 @@ class Report:
     skipped: list[str] = field(default_factory=list)
 
     def write(self, out: Path, tag: str) -> Path:
-        out.mkdir(parents=True, exist_ok=True)
-        m = self.meta
-        lines = [f"# MiniMax-H3 denoise and request stages ({m['device']})", "",
-                 f"- commit: `{m['commit']}`", f"- device: {m['device_description']}", f"- command: `{m['command']}`",
-                 f"- date: {m['date']}", *[f"- {n}" for n in self.notes], ""]
-        for title, rows in (("Setup", self.setup), ("Denoise step per shape", self.denoise),
-                            ("Stages of one request", self.stages), ("Memory per component", self.memory),
-                            ("End to end", self.end_to_end)):
-            if rows:
-                lines += [f"## {title}", "", markdown_table(rows), ""]
-        if self.skipped:
-            lines += ["## Not measured", "", *[f"- {s}" for s in self.skipped], ""]
-        path = out / f"h3-{tag}.md"
-        path.write_text("\n".join(lines))
-        (out / f"h3-{tag}.json").write_text(json.dumps(dataclasses.asdict(self), indent=1, default=str) + "\n")
-        return path
+        sections = (("Setup", self.setup), ("Denoise step per shape", self.denoise),
+                    ("Stages of one request", self.stages), ("Memory per component", self.memory),
+                    ("End to end", self.end_to_end))
+        return write_sectioned_report(out, f"h3-{tag}", "MiniMax-H3 denoise and request stages", self.meta,
+                                      self.notes, sections, self.skipped, dataclasses.asdict(self))
 
 
 class Deadline:

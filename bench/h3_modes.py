@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import shlex
 import shutil
@@ -50,7 +49,7 @@ import torch
 
 from bench.adapters import build_model, lora_targets, random_factors
 from bench.checkpoints import PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, make_random_checkpoint, write_h3_components
-from bench.common import device_description, git_commit, markdown_table
+from bench.common import device_description, git_commit, write_sectioned_report
 from bench.h3 import (H3_REQUEST, PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS,
                       SMOKE_PROMPT, SMOKE_REQUEST, Deadline, Peak, Rig, forward_flops, measure_limits, run_steps, sync)
 from engine.fp8 import stored_bytes
@@ -81,25 +80,15 @@ class Report:
     skipped: list[str] = field(default_factory=list)
 
     def write(self, out: Path, tag: str) -> Path:
-        out.mkdir(parents=True, exist_ok=True)
-        m = self.meta
-        lines = [f"# MiniMax-H3 request end to end per forward mode ({m['device']})", "",
-                 f"- commit: `{m['commit']}`", f"- device: {m['device_description']}", f"- command: `{m['command']}`",
-                 f"- date: {m['date']}", *[f"- {n}" for n in self.notes], ""]
-        for title, rows in (("Setup", self.setup), ("Stages shared by every mode (measured once, eager engine)",
-                                                    self.shared_stages),
-                            ("Denoise per mode (50-step schedule)", self.modes),
-                            ("Turbo request per mode (9 points, 8 forwards)", self.turbo),
-                            ("End to end, scaled to 50 blocks", self.end_to_end),
-                            ("Text encoder bf16 vs fp8 (text_encoder.quantization)", self.text_encoder)):
-            if rows:
-                lines += [f"## {title}", "", markdown_table([_flat(r) for r in rows]), ""]
-        if self.skipped:
-            lines += ["## Not measured", "", *[f"- {s}" for s in self.skipped], ""]
-        path = out / f"h3-modes-{tag}.md"
-        path.write_text("\n".join(lines))
-        (out / f"h3-modes-{tag}.json").write_text(json.dumps(dataclasses.asdict(self), indent=1, default=str) + "\n")
-        return path
+        sections = (("Setup", self.setup), ("Stages shared by every mode (measured once, eager engine)",
+                                            self.shared_stages),
+                    ("Denoise per mode (50-step schedule)", self.modes),
+                    ("Turbo request per mode (9 points, 8 forwards)", self.turbo),
+                    ("End to end, scaled to 50 blocks", self.end_to_end),
+                    ("Text encoder bf16 vs fp8 (text_encoder.quantization)", self.text_encoder))
+        return write_sectioned_report(out, f"h3-modes-{tag}", "MiniMax-H3 request end to end per forward mode",
+                                      self.meta, self.notes, [(t, [_flat(r) for r in rows]) for t, rows in sections],
+                                      self.skipped, dataclasses.asdict(self))
 
 
 def _flat(row: dict[str, Any]) -> dict[str, Any]:
