@@ -9,8 +9,9 @@ Three starts, each in a fresh process (one engine per process: dynamo's and indu
 empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defaults otherwise):
 
 - `no compile`: `compile.mode: off`, no warm-up: the start-up as it is without this feature;
-- `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases at the first request's step
-  count, `compile.cache_dir` an empty folder: every kernel is generated;
+- `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases, `compile.cache_dir` an
+  empty folder: every kernel is generated (the warm-up runs what compiles: the canvas of fewest tokens, a
+  schedule's first two forwards, `engine.forward.warm_up`);
 - `compile, warm cache`: the same config and folder again: inductor loads what the cold start wrote.
 
 The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
@@ -18,6 +19,18 @@ the first request (canvas 0) and `--repeats` more of it: `x later` is the first 
 the later ones' median (goal <= 1.05); then the mixed stream, 4 canvases x 3 step counts in a seeded order,
 each request's compiles after the warm-up summed (goal 0). `x no-compile start` is each start's seconds over the
 no-compile one's (goal for the warm cache <= 1.2).
+
+The checkpoint has `--num-blocks` of the released 50 blocks, so beside it stands a 50-block estimate of each start
+(`start_s_50`, `x no-compile start, 50 blocks`), scaling what grows with the blocks as bench/h3.py does and leaving
+the rest (device init, headers, hooks, plan cache) as measured:
+
+    start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x (50 / blocks - 1)
+    bytes_50   = (transformer_bytes - block_bytes) + block_bytes x 50 / blocks
+
+`transformer_s` / `transformer_bytes`: the engine's load of the transformer and what it read (`Engine.startup`),
+`block_bytes` the blocks' share; `warmup_forward_s`: the warm-up's forwards timed again after the start (the same
+request, nothing left to compile), all of their work scaled by the blocks (the embedders and heads too: a slight
+overestimate); 0 for the no-compile start. The compile itself (or the cache load) is one shared graph: unscaled.
 
 Writes bench/results/compile-<device>.md and .json (commit, device, command).
 """
@@ -35,6 +48,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 logger = logging.getLogger("bench.compile")
 
@@ -54,8 +71,13 @@ SMOKE_CANVASES = (Canvas(64, 64, 0.5), Canvas(128, 64, 0.5), Canvas(64, 128, 0.5
 H3_STEPS = (5, 9, 3)  # the first is the warm-up's and the first request's
 SMOKE_STEPS = (5, 4, 3)
 STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
-COLUMNS = ["start", "start_s", "x no-compile start", "warmup_s", "frames_compiled", "graph_breaks", "first_ms",
-           "later_ms", "x later", "stream_requests", "stream_recompiles"]
+COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
+           "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
+           "stream_requests", "stream_recompiles"]
+RELEASED_BLOCKS = 50
+#: The 50-block estimate's formula, as the report states it.
+ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
+            "(50 / blocks - 1), bytes_50 = non-block bytes + block_bytes x 50 / blocks")
 
 
 def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_dir: Path):
@@ -63,7 +85,7 @@ def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_
 
     canvases, steps = _canvases(args)
     compiled = start != "no compile"
-    warmup = [dict(asdict(canvas), steps=steps[0]) for canvas in canvases] if compiled else []
+    warmup = [asdict(canvas) for canvas in canvases] if compiled else []
     text_encoder = {"hidden_state_index": args.text_layers} if args.model == "h3" else {}
     return EngineConfig(
         checkpoint=str(checkpoint), device=args.device, text_encoder=text_encoder,
@@ -86,14 +108,18 @@ def serve_one(args: argparse.Namespace) -> dict:
     engine = Engine(engine_config(args, checkpoint, args.start, cache_dir), parts=EngineParts.DENOISER)
     start_s = time.perf_counter() - begin
     compile_stats = engine.describe()["forward"]["compile"]
-    row: dict = {"start": args.start, "start_s": round(start_s, 2)}
+    blocks = engine.transformer.transformer_blocks
+    row: dict = {"start": args.start, "start_s": round(start_s, 2), "blocks": len(blocks),
+                 "transformer_s": round(engine.startup.transformer_s, 4),
+                 "transformer_bytes": engine.startup.transformer_bytes,
+                 "block_bytes": sum(p.nbytes for p in blocks.parameters() if not p.is_meta), "warmup_forward_s": 0.0}
     if compile_stats is None:
         return row
-    row.update(warmup_s=round(compile_stats["warmup_s"], 2), frames_compiled=compile_stats["frames_compiled"],
-               graph_breaks=compile_stats["graph_breaks"])
+    row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
+               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"])
+    canvases, steps = _canvases(args)
     embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
     prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
-    canvases, steps = _canvases(args)
 
     def run(canvas: Canvas, num_steps: int, seed: int):
         request = GenerationRequest(prompt="bench", steps=num_steps, seed=seed, return_video=False, **asdict(canvas))
@@ -106,9 +132,40 @@ def serve_one(args: argparse.Namespace) -> dict:
     random.Random(0).shuffle(stream)
     recompiles = max(run(canvas, n, 10 + i)[1] for i, (canvas, n) in enumerate(stream))  # cumulative counter
     later_ms = statistics.median(later)
+    # Last, so the first request above is the first after the start.
+    row["warmup_forward_s"] = round(warmup_forwards_again(engine, canvases, compile_stats["warmup_forwards"]), 4)
     row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)},
                stream_requests=len(stream), stream_recompiles=recompiles)
     return row
+
+
+def warmup_forwards_again(engine: Engine, canvases: tuple[Canvas, ...], forwards: int) -> float:
+    """Seconds of the warm-up's forwards run again after the start (its canvas of fewest tokens, as many forwards,
+    the warm-up's stand-in prompt rows: nothing left to compile), the part of the warm-up that grows with the
+    blocks."""
+    import torch
+
+    from engine.api import GenerationRequest
+    from engine.forward import WARMUP_TEXT_TOKENS
+    from engine.stages import PromptEmbedding
+    from model.text_encoder import PromptCacheStats
+
+    canvas = min(canvases, key=lambda c: c.width * c.height * c.seconds)  # no adapters, one tier: one run
+    embeds = torch.zeros(WARMUP_TEXT_TOKENS, engine.model_config.text_dim, dtype=engine.model_config.torch_dtype)
+    request = GenerationRequest(prompt="warm-up", steps=forwards + 1, seed=0, return_video=False, **asdict(canvas))
+    before = engine.forward_kernels.compile_stats().since_warmup
+    result = engine.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
+    if (compiled := result.stats.compile.since_warmup - before) != 0:
+        raise RuntimeError(f"the warm-up's forwards compiled again ({compiled} graphs): the warm-up did not run them")
+    return result.timings.denoise_s
+
+
+def estimate_at_50_blocks(row: dict) -> float:
+    """The start's seconds with the released 50 blocks (`ESTIMATE`)."""
+    scale = RELEASED_BLOCKS / row["blocks"]
+    bytes_50 = row["transformer_bytes"] - row["block_bytes"] + row["block_bytes"] * scale
+    return (row["start_s"] + row["transformer_s"] * (bytes_50 / row["transformer_bytes"] - 1)
+            + row["warmup_forward_s"] * (scale - 1))
 
 
 def _canvases(args: argparse.Namespace) -> tuple[tuple[Canvas, ...], tuple[int, ...]]:
@@ -171,16 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("start: %s", start)
             out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
-    baseline = rows[0]["start_s"]
+    baseline, baseline_50 = rows[0]["start_s"], estimate_at_50_blocks(rows[0])
     for row in rows:
         row["x no-compile start"] = round(row["start_s"] / baseline, 3)
+        row["start_s_50"] = round(estimate_at_50_blocks(row), 2)
+        row["x no-compile start, 50 blocks"] = round(estimate_at_50_blocks(row) / baseline_50, 3)
     canvases, steps = _canvases(args)
     print(markdown_table(rows, COLUMNS))
     notes = [
         f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
         f"; engine.Engine denoiser only, served defaults but engine.compile; backend {args.backend}",
         "canvases: " + ", ".join(f"{c.width}x{c.height} {c.seconds:g} s" for c in canvases)
-        + f"; warm-up: each at {steps[0]} steps; stream: each x steps {', '.join(map(str, steps))}, seeded order",
+        + "; warm-up: what compiles (the canvas of fewest tokens, a schedule's first two forwards: warmup_forwards); "
+        f"stream: each x steps {', '.join(map(str, steps))}, seeded order",
+        f"50-block estimate ({rows[0]['blocks']} blocks measured): {ESTIMATE}; transformer_s and its bytes from "
+        "Engine.startup, warmup_forward_s: the warm-up's forwards timed again after the start (0 without compile); "
+        "other phases as measured",
         f"first_ms / later_ms: ms per forward of the first request after the start (canvas 0, {steps[0]} steps) "
         f"and the median of {args.repeats} later ones; x later goal <= 1.05",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "

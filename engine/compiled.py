@@ -11,9 +11,12 @@ around them: `parallel.sequence`; SP2 compiled == SP1 compiled bit for bit under
 3 counted graph breaks per rank on the tiny model: tests/test_parallel_compile.py).
 
 The sequence dimension is dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a
-prompt length never seen before does not recompile; dynamo still specializes a forward of one timestep (the
-first step of a schedule) apart from one of several, so a warm-up runs whole schedules. `dynamic: false` gives
-one graph per token count (each prompt length recompiles): for measuring the static graph, not for serving.
+prompt length never seen before does not recompile; dynamo still specializes a size of 1, so a forward of one
+timestep (`temb` of one row: a schedule's first forward) is another graph than one of several (every later forward),
+and the warm-up runs a schedule's first two forwards (`engine.forward.warm_up`). `dynamic: false` gives one graph
+per token count (each prompt length recompiles) and, with nothing symbolic, `_BlockRows.index` specialized again
+(a graph per block: past dynamo's recompile limit of 8 the rest run eager, uncounted): for measuring the static
+graph, not for serving.
 
 Compiled and eager differ by reassociation (bf16 fusion): the bound is stated where it is tested
 (tests/test_compiled_blocks.py) and measured per block at the released width (bench/forward.py).
@@ -52,6 +55,7 @@ class CompileStats:
     since_warmup: int  # of those, compiled after the warm-up ended (the serving goal: 0)
     graph_breaks: int
     warmup_s: float | None  # None: no warm-up ran
+    warmup_forwards: int | None  # transformer forwards the warm-up ran (None: no warm-up ran)
 
 
 def _frames_compiled() -> int:
@@ -97,6 +101,7 @@ class CompiledBlocks:
         self._breaks_at_apply = 0
         self._frames_at_warmup: int | None = None
         self.warmup_s: float | None = None
+        self.warmup_forwards: int | None = None
 
     def apply(self) -> CompiledBlocks:
         if self._applied:
@@ -119,13 +124,16 @@ class CompiledBlocks:
             del block.forward  # the instance attribute; the class's forward shows again
         self._applied = False
 
-    def warmup_ended(self, seconds: float) -> None:
-        """The engine's warm-up ran: later compiles are counted as `since_warmup`."""
+    def warmup_ended(self, seconds: float, forwards: int) -> None:
+        """The engine's warm-up ran (`forwards` transformer forwards in `seconds`): later compiles are counted as
+        `since_warmup`."""
         self._frames_at_warmup = _frames_compiled()
         self.warmup_s = seconds
+        self.warmup_forwards = forwards
 
     def stats(self) -> CompileStats:
         frames = _frames_compiled()
         after = frames - (self._frames_at_warmup if self._frames_at_warmup is not None else self._frames_at_apply)
         return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
-                            graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s)
+                            graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s,
+                            warmup_forwards=self.warmup_forwards)

@@ -207,14 +207,18 @@ class AdapterConfig(BaseModel):
 
 
 class WarmupCanvas(BaseModel):
-    """One request shape the engine runs at start so no request pays the compile."""
+    """One request shape whose compiled graphs the engine makes at start so no request pays the compile (what runs
+    for it: `engine.forward.warm_up`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     width: int = Field(..., ge=32, description="Pixels.")
     height: int = Field(..., ge=32, description="Pixels.")
     seconds: float = Field(..., gt=0, description="Clip length (snapped as a request's is).")
-    steps: int = Field(..., ge=2, description="Sampling grid points (a whole schedule: steps - 1 forwards).")
+    steps: int | None = Field(
+        None, ge=2, description="Not read: accepted for configs written when the warm-up ran whole schedules. The "
+        "warm-up runs a schedule's first two forwards (one graph for a forward of one timestep, one for every later "
+        "one: a graph does not depend on the step count), so one canvas serves every step count.")
     adapters: tuple[str, ...] = Field(
         (), max_length=2, description="Configured adapters (engine.adapters names) active in this warm-up request: "
         "a compiled block with LoRA layers on is another graph, so warm the adapters requests will name (a Turbo "
@@ -241,8 +245,11 @@ class CompileConfig(BaseModel):
         None, description="Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) on local disk, so a restarted or "
         "scaled-out replica loads its kernels instead of compiling them; null: inductor's default (/tmp/...).")
     warmup: tuple[WarmupCanvas, ...] = Field(
-        (), description="Canvases the engine runs at start (a random prompt embedding, seed 0), so the first "
-        "request of these shapes pays no compile.")
+        (), description="Canvases whose graphs the engine compiles at start (a stand-in prompt embedding, seed 0), "
+        "so the first request of these shapes pays no compile. Each graph is made once: with dynamic: true the "
+        "canvases of one adapter set share a graph and only the one of fewest tokens runs, with dynamic: false each "
+        "distinct token count does; each run is two forwards per served weight tier. Checked but not run with "
+        "mode: off.")
 
 
     @property

@@ -328,8 +328,9 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
-        # The configured canvases once, so no request pays the compile (their plans stay cached too).
-        forward.warm_up(self.forward_kernels, config.compile.warmup, self._warm_up_canvas)
+        # The configured canvases' graphs, so no request pays the compile: a few forwards, not their schedules.
+        forward.warm_up(self.forward_kernels, config.compile.warmup, self._warm_up_tiers(),
+                        tokens=self._warm_up_tokens, run=self._warm_up_run)
         self._num_requests = 0
         self.startup = EngineStartup(
             device_init_s=device_init_s, checkpoint_s=checkpoint_s, transformer_s=transformer_s,
@@ -342,18 +343,31 @@ class Engine:
                     config.cache_dit.enabled, self.startup.summary())
         logger.info("forward: %s", self.forward_kernels.summary())
 
-    def _warm_up_canvas(self, canvas: WarmupCanvas) -> None:
-        """One request of `canvas` through the denoiser per served weight set (bf16+fp8: both, each its own
-        graphs), with the canvas's adapters on, on a stand-in prompt embedding (seed 0, no decode)."""
+    def _warm_up_tiers(self) -> list[Quality]:
+        """The served weight sets, each its own graphs (bf16+fp8: both), as the tier a warm-up request names."""
+        return [quality for quality in ("lossless", "fp8") if quality in self.limits.qualities]
+
+    def _warm_up_request(self, canvas: WarmupCanvas, quality: Quality) -> GenerationRequest:
+        """The request a warm-up of `canvas` runs: the schedule's first `forward.WARMUP_FORWARDS` forwards (fewer
+        when max_steps allows no more: then no request has more), with the canvas's adapters on, no decode."""
+        return GenerationRequest(prompt="warm-up", steps=min(forward.WARMUP_FORWARDS + 1, self.limits.max_steps),
+                                 seconds=canvas.seconds, width=canvas.width, height=canvas.height, seed=0,
+                                 return_video=False, quality=quality,
+                                 adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))
+
+    def _warm_up_tokens(self, canvas: WarmupCanvas) -> int:
+        """Packed rows of a warm-up forward of `canvas` (ClientError, a ValueError, when this engine refuses it)."""
+        request = with_adapter_defaults(self._warm_up_request(canvas, self.limits.default_quality), self.limits)
+        geometry, _, _ = self._checked(request)
+        return geometry.num_tokens(forward.WARMUP_TEXT_TOKENS)
+
+    def _warm_up_run(self, run: forward.WarmupRun) -> int:
+        """One warm-up request through the denoiser on a stand-in prompt embedding (zeros); its forwards."""
         embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
                              dtype=self.model_config.torch_dtype)
-        tiers = [q for q in ("lossless", "fp8") if q in self.limits.qualities]
-        for quality in tiers:
-            request = GenerationRequest(prompt="warm-up", steps=canvas.steps, seconds=canvas.seconds,
-                                        width=canvas.width, height=canvas.height, seed=0, return_video=False,
-                                        quality=quality,
-                                        adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))
-            self.denoise(request, PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
+        result = self.denoise(self._warm_up_request(run.canvas, run.quality),
+                              PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
+        return result.stats.forwards
 
     def _load_text_encoder(self) -> float:
         """Build the prompt stage; its seconds."""

@@ -1,7 +1,8 @@
 """The transformer forward's kernels, set up once per engine: FP8 block linears (`engine.quantization`), the
 attention backend (`engine.attention`), compiled blocks (`engine.compile`) and the start-up warm-up of the
-configured canvases. The engine calls `quantize` right after the load, `install` after every hook
-(ExternalModulation, sequence parallel, offloader, Cache-DiT) is in place, and `warm_up` once it can serve.
+configured canvases (the runs that make their graphs, not their whole schedules). The engine calls `quantize` right
+after the load, `install` after every hook (ExternalModulation, sequence parallel, offloader, Cache-DiT) is in
+place, and `warm_up` once it can serve.
 
 What it set up is `describe()["forward"]` (`GET /v1/models`) and a line of the start-up log.
 """
@@ -9,8 +10,10 @@ What it set up is `describe()["forward"]` (`GET /v1/models`) and a line of the s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +23,15 @@ from engine.attention import AttentionChoice, choose_attention
 from engine.compiled import CompiledBlocks, CompileStats
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
+from engine.limits import Quality
+
+logger = logging.getLogger(__name__)
 
 #: Prompt rows of the warm-up's stand-in embedding (the sequence dimension is dynamic: any length would do).
 WARMUP_TEXT_TOKENS = 64
+#: Forwards of one warm-up run: dynamo specializes a size of 1, so a schedule's first forward (one timestep row:
+#: both sigmas are 1) is one graph and every later forward (two or more rows) another; steps = forwards + 1.
+WARMUP_FORWARDS = 2
 
 
 @dataclass
@@ -71,15 +80,71 @@ def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
 
 
-def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], run: Callable[[WarmupCanvas], None]) -> None:
-    """`run` each canvas (a whole request through the engine's denoiser), then start counting compiles as
-    after the warm-up. A canvas the engine refuses fails the start naming it."""
-    begin = time.perf_counter()
+@dataclass(frozen=True)
+class WarmupRun:
+    """One warm-up request: a schedule's first `WARMUP_FORWARDS` forwards of `canvas` on one weight tier, with the
+    canvas's adapters on."""
+
+    index: int  # in engine.compile.warmup (errors and the log name it)
+    canvas: WarmupCanvas
+    tokens: int  # packed rows of one of its forwards (with WARMUP_TEXT_TOKENS prompt rows)
+    quality: Quality  # the weight tier: lossless (bf16 linears) or fp8
+
+
+@dataclass(frozen=True)
+class _GraphKey:
+    """What gives a canvas compiled graphs of its own: LoRA layers on are other graphs, and without a symbolic
+    sequence length so is every token count (None: dynamic, one graph for all). The weight tier is another too:
+    every chosen canvas runs on each. (A warm-up canvas is a t2va request: it has no condition rows.)"""
+
+    adapters: tuple[str, ...]
+    tokens: int | None
+
+
+def warmup_runs(canvases: Sequence[WarmupCanvas], tokens: Sequence[int], tiers: Sequence[Quality],
+                dynamic: bool) -> tuple[WarmupRun, ...]:
+    """The runs that compile every graph the configured `canvases` (`tokens[i]` rows each) need: per graph key the
+    canvas of fewest tokens (its forwards are the cheapest; the others would hit its graphs), on every tier, in
+    the configured order."""
+    chosen: dict[_GraphKey, int] = {}
     for index, canvas in enumerate(canvases):
-        try:
-            run(canvas)
-        except ValueError as exc:
-            raise ValueError(f"engine.compile.warmup[{index}] ({canvas.width}x{canvas.height}, {canvas.seconds:g} s, "
-                             f"{canvas.steps} steps): {exc}") from exc
-    if kernels.compiled is not None:
-        kernels.compiled.warmup_ended(time.perf_counter() - begin)
+        key = _GraphKey(canvas.adapters, None if dynamic else tokens[index])
+        if key not in chosen or tokens[index] < tokens[chosen[key]]:
+            chosen[key] = index
+    return tuple(WarmupRun(index, canvases[index], tokens[index], quality)
+                 for quality in tiers for index in sorted(chosen.values()))
+
+
+def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], tiers: Sequence[Quality], *,
+            tokens: Callable[[WarmupCanvas], int], run: Callable[[WarmupRun], int]) -> None:
+    """Check every canvas (`tokens`: its packed rows, or ValueError when the engine refuses it: that fails the
+    start naming it), then, with compiled blocks, `run` each of `warmup_runs` (it returns the forwards it ran)
+    and start counting compiles as after the warm-up. With compile off nothing runs: there is no graph to make."""
+    begin = time.perf_counter()
+    counts = []
+    for index, canvas in enumerate(canvases):
+        with _naming(index, canvas):
+            counts.append(tokens(canvas))
+    if kernels.compiled is None:
+        return
+    runs = warmup_runs(canvases, counts, tiers, kernels.compiled.options.dynamic)
+    forwards = 0
+    for one in runs:
+        with _naming(one.index, one.canvas):
+            forwards += run(one)
+    seconds = time.perf_counter() - begin
+    kernels.compiled.warmup_ended(seconds, forwards)
+    if canvases:
+        logger.info("compile warm-up: %d forwards in %.2f s (%d runs for %d canvases: %s)", forwards, seconds,
+                    len(runs), len(canvases), ", ".join(f"[{one.index}] {one.tokens} tokens {one.quality}"
+                                                        for one in runs))
+
+
+@contextmanager
+def _naming(index: int, canvas: WarmupCanvas) -> Iterator[None]:
+    """A ValueError inside, as one naming the configured canvas."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"engine.compile.warmup[{index}] ({canvas.width}x{canvas.height}, {canvas.seconds:g} s): "
+                         f"{exc}") from exc

@@ -1,6 +1,7 @@
 """bench.compile's smoke run on CPU writes the table its GPU run writes: three starts in fresh processes (no
 compile, a cold and a warm compile cache), the compiled ones' first-vs-later request and the mixed stream's
-recompiles after the warm-up, each start beside the no-compile one."""
+recompiles after the warm-up, each start beside the no-compile one, measured and estimated at 50 blocks (the
+formula recomputed from the row's own fields)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pytest
 
 from bench import compile as bench_compile
+from engine.forward import WARMUP_FORWARDS
 
 pytestmark = pytest.mark.slow  # three engine starts in subprocesses, two of them tracing the blocks (dynamo)
 
@@ -27,3 +29,16 @@ def test_compile_smoke_writes_every_start_and_the_stream_compiles_nothing_after_
         assert row["stream_requests"] == len(bench_compile.SMOKE_CANVASES) * len(bench_compile.SMOKE_STEPS)
         assert row["stream_recompiles"] == 0
         assert row["x later"] == pytest.approx(row["first_ms"] / row["later_ms"], rel=0.01)
+        assert row["warmup_forwards"] == WARMUP_FORWARDS  # 4 canvases, one graph key: one run
+        assert 0 < row["warmup_forward_s"] <= row["warmup_s"]
+    # The 50-block estimate: the load scaled by the blocks' bytes, the warm-up's forwards by the blocks.
+    for row in rows.values():
+        scale = bench_compile.RELEASED_BLOCKS / row["blocks"]
+        assert 0 < row["block_bytes"] < row["transformer_bytes"]
+        load_50 = row["transformer_s"] * (row["transformer_bytes"] + (scale - 1) * row["block_bytes"]) \
+            / row["transformer_bytes"]
+        want = row["start_s"] - row["transformer_s"] + load_50 + (scale - 1) * row["warmup_forward_s"]
+        assert row["start_s_50"] == pytest.approx(want, abs=0.01)
+        baseline_50 = rows["no compile"]["start_s_50"]
+        assert row["x no-compile start, 50 blocks"] == pytest.approx(row["start_s_50"] / baseline_50, rel=0.01)
+    assert rows["no compile"]["warmup_forward_s"] == 0

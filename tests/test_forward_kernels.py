@@ -157,7 +157,7 @@ def test_compiled_blocks_equal_eager_bit_for_bit_and_share_one_graph_per_timeste
     assert_same_velocities(denoise(model, t2va), eager_run)
     # 4 blocks, 3 forwards: one graph for a forward of one timestep, one for several; none per block.
     assert compiled.stats().frames_compiled == 2
-    compiled.warmup_ended(0.0)
+    compiled.warmup_ended(0.0, 3)
     longer = longer_prompt(t2va, 9)
     denoise(model, longer)  # another sequence length: the dynamic graph serves it
     assert compiled.stats().since_warmup == 0
@@ -334,14 +334,42 @@ def test_fp8_with_offload_is_a_served_config():
 # --- the engine --------------------------------------------------------------------------------------------
 
 
-def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothing(tiny_checkpoint):
-    from engine.api import GenerationRequest
-    from engine.engine import Engine, EngineParts
+class ForwardRows:
+    """Every transformer forward of this process from now on, as its video rows (`TransformerInputs.run` spied on:
+    an independent count of what the engine's stats report)."""
+
+    def __init__(self, monkeypatch):
+        from model.denoise import TransformerInputs
+
+        self.rows: list[int] = []
+        run = TransformerInputs.run
+
+        def counted(inputs, transformer):
+            self.rows.append(inputs.hidden_states.shape[1])
+            return run(inputs, transformer)
+
+        monkeypatch.setattr(TransformerInputs, "run", counted)
+
+    def since(self, start: int) -> list[int]:
+        return self.rows[start:]
+
+
+def prompt_of(rows: int, seed: int = 0):
     from engine.stages import PromptEmbedding
     from model.text_encoder import PromptCacheStats
 
+    embeds = torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
+    return PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+
+
+def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothing(tiny_checkpoint, monkeypatch):
+    from engine.api import GenerationRequest
+    from engine.engine import Engine, EngineParts
+    from engine.forward import WARMUP_FORWARDS
+
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
-    canvas = dict(width=64, height=64, seconds=5.0, steps=3)
+    forwards = ForwardRows(monkeypatch)
+    canvas = dict(width=64, height=64, seconds=5.0)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                                  compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}),
                     parts=EngineParts.DENOISER)
@@ -350,11 +378,13 @@ def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothin
     assert described["quantization"] == "none" and described["quantized_linears"] == 0
     assert described["compile"]["frames_compiled"] >= 1 and described["compile"]["since_warmup"] == 0
     assert described["compile"]["warmup_s"] > 0
+    # One canvas, one weight tier: the first two forwards of a schedule, not the whole one.
+    assert described["compile"]["warmup_forwards"] == len(forwards.rows) == WARMUP_FORWARDS
     assert engine.health()["requests"] == 0  # the warm-up is no request
 
-    # 11 prompt rows (the warm-up ran 64): another sequence length, served by the same dynamic graph.
-    prompt = PromptEmbedding(torch.randn(11, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
-    result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, return_video=False, **canvas), prompt)
+    # 11 prompt rows (the warm-up ran 64) and 9 steps: another sequence length and step count, same graphs.
+    result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=9, return_video=False, **canvas),
+                            prompt_of(11))
     assert result.stats.compile is not None and result.stats.compile.since_warmup == 0
     assert result.stats.model_dump()["compile"]["since_warmup"] == 0
 
@@ -365,59 +395,104 @@ STREAM_CANVASES = [dict(width=64, height=64, seconds=0.5), dict(width=128, heigh
 STREAM_STEPS = (2, 3, 4)  # 1 to 3 forwards: a forward of one timestep, then of two
 
 
-def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint):
+def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint,
+                                                                                         monkeypatch):
+    """With a symbolic sequence length the canvases share their graphs: the warm-up runs the one of fewest tokens,
+    once (its first two forwards), and every canvas of the stream, larger ones included, compiles nothing."""
     from engine.api import GenerationRequest
     from engine.engine import Engine, EngineParts
-    from engine.stages import PromptEmbedding
-    from model.text_encoder import PromptCacheStats
+    from engine.forward import WARMUP_FORWARDS
 
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
+    forwards = ForwardRows(monkeypatch)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                                  geometry={"short_edge": None, "min_seconds": 0.1},
-                                 compile={"mode": "blocks", "backend": "eager",
-                                          "warmup": [dict(canvas, steps=3) for canvas in STREAM_CANVASES]}),
+                                 compile={"mode": "blocks", "backend": "eager",  # steps: accepted, not read
+                                          "warmup": [dict(canvas, steps=9) for canvas in reversed(STREAM_CANVASES)]}),
                     parts=EngineParts.DENOISER)
-    warmed = engine.describe()["forward"]["compile"]["frames_compiled"]
-    assert warmed >= 2  # a graph for the first forward (one timestep) and one for the others
-    prompt = PromptEmbedding(torch.randn(23, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
-    tokens = set()
+    warmed = engine.describe()["forward"]["compile"]
+    assert warmed["frames_compiled"] >= 2  # a graph for the first forward (one timestep) and one for the others
+    assert warmed["warmup_forwards"] == len(forwards.rows) == WARMUP_FORWARDS
+    warm_up_rows = set(forwards.rows)
+    stream_start = len(forwards.rows)
+    rows_of: dict[int, int] = {}
     for i, (canvas, steps) in enumerate((c, n) for n in STREAM_STEPS for c in reversed(STREAM_CANVASES)):
         result = engine.denoise(GenerationRequest(prompt="p", seed=i, steps=steps, return_video=False, **canvas),
-                                prompt)
+                                prompt_of(23))
         assert result.stats.compile.since_warmup == 0, (canvas, steps)
-        tokens.add(result.stats.tokens)
-    assert len(tokens) == 3  # the stream did change the sequence length
-    assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed
+        rows_of[result.stats.tokens] = forwards.rows[-1]
+    assert len(rows_of) == 3  # the stream did change the sequence length
+    assert warm_up_rows == {rows_of[min(rows_of)]}  # the warm-up ran the smallest canvas only
+    assert len(forwards.since(stream_start)) == sum(len(STREAM_CANVASES) * (n - 1) for n in STREAM_STEPS)
+    assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed["frames_compiled"]
+
+
+def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_checkpoint, monkeypatch):
+    """dynamic: false makes a graph per token count: the warm-up runs each distinct count (the two orientations of
+    one count once). Whether requests then compile nothing is not asserted here: without a symbolic length dynamo
+    also specializes `_BlockRows.index`, a graph per block, and past its recompile limit (8: the 4 tiny blocks x 2
+    graphs of the first count) it runs the rest eager without counting a compile."""
+    from engine.engine import Engine, EngineParts
+    from engine.forward import WARMUP_FORWARDS
+
+    torch._dynamo.reset()
+    forwards = ForwardRows(monkeypatch)
+    canvases = STREAM_CANVASES[:3]  # 2 token counts
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                 geometry={"short_edge": None, "min_seconds": 0.1},
+                                 compile={"mode": "blocks", "backend": "eager", "dynamic": False,
+                                          "warmup": canvases}),
+                    parts=EngineParts.DENOISER)
+    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == len(forwards.rows) == 2 * WARMUP_FORWARDS
+    assert len(set(forwards.rows)) == 2
 
 
 @pytest.mark.parametrize("warm_adapters", [(), ("turbo",)])
 def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compile(tiny_checkpoint, tmp_path,
                                                                                   warm_adapters):
     """LoRA layers on are another graph of the compiled block: a canvas warmed without the adapter leaves its first
-    adapter request compiling (the case the warm-up's `adapters` field exists for), one warmed with it does not."""
+    adapter request compiling (the case the warm-up's `adapters` field exists for), one warmed with it does not.
+    Each adapter set is warmed once: two canvases of one set run once."""
     from engine.api import AdapterChoice, GenerationRequest
     from engine.engine import Engine, EngineParts
-    from engine.stages import PromptEmbedding
-    from model.text_encoder import PromptCacheStats
+    from engine.forward import WARMUP_FORWARDS
     from model.tiny_adapter import save_adapter, tiny_lora_factors
 
     torch._dynamo.reset()
     path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
-    canvas = dict(width=64, height=64, seconds=5.0, steps=3)
+    canvas = dict(width=64, height=64, seconds=5.0)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adapters={"turbo": {"path": str(path)}},
                                  compile={"mode": "blocks", "backend": "eager",
                                           "warmup": [canvas, dict(canvas, adapters=warm_adapters)]}),
                     parts=EngineParts.DENOISER)
-    prompt = PromptEmbedding(torch.randn(11, 32, dtype=torch.bfloat16), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
+    adapter_sets = 2 if warm_adapters else 1
+    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == adapter_sets * WARMUP_FORWARDS
     before = 0
     for adapters in ((AdapterChoice(name="turbo"),), ()):
-        result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, return_video=False, adapters=adapters,
-                                                  **canvas), prompt)
+        result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False,
+                                                  adapters=adapters, **canvas), prompt_of(11, seed=1))
         compiled_by_this_request, before = result.stats.compile.since_warmup - before, result.stats.compile.since_warmup
         if adapters and not warm_adapters:
             assert compiled_by_this_request > 0
         else:
             assert compiled_by_this_request == 0, adapters
+
+
+def test_the_warm_up_runs_each_graph_key_once_at_its_fewest_tokens_on_every_tier():
+    from engine.config import WarmupCanvas
+    from engine.forward import warmup_runs
+
+    def canvas(width: int, *adapters: str) -> WarmupCanvas:
+        return WarmupCanvas(width=width, height=64, seconds=1.0, adapters=adapters)
+
+    canvases = [canvas(128), canvas(64), canvas(96, "turbo"), canvas(64, "turbo"), canvas(32), canvas(96)]
+    tokens = [c.width for c in canvases[:5]] + [64]  # the last: another canvas of the second one's count
+    dynamic = warmup_runs(canvases, tokens, ("lossless", "fp8"), dynamic=True)
+    assert [(run.index, run.quality) for run in dynamic] == [(3, "lossless"), (4, "lossless"), (3, "fp8"), (4, "fp8")]
+    assert all(run.canvas is canvases[run.index] and run.tokens == tokens[run.index] for run in dynamic)
+    static = warmup_runs(canvases, tokens, ("lossless",), dynamic=False)
+    assert [run.index for run in static] == [0, 1, 2, 3, 4]  # 64 tokens without adapters: once
+    assert warmup_runs([], [], ("lossless",), dynamic=True) == ()
 
 
 def test_a_warmup_adapter_must_be_configured_naming_the_field():
