@@ -5,10 +5,15 @@ built (`runner_for`):
 
 - `stages: split`: the ingress runs the one `Pipeline` itself over handle-backed steps: `TextEncoder.encode`
   (for fl2va / ref2va the embedding carries the keyframes' and references' condition latents),
-  `Worker.denoise_stream`, `Decoder.decode`. The Worker replica is a pure denoiser: its request slot, and the
+  `Worker.denoise_stream` (`Worker.denoise` when no progress is followed), `Decoder.decode`. The Worker replica is a pure denoiser: its request slot, and the
   ongoing count it reports to the router, cover denoising only (never a wait on the Decoder).
 - `stages: fused`: the worker's engine holds every stage and runs the same `Pipeline` in its process
-  (`Engine.generate`); the runner follows its `generate_stream`.
+  (`Engine.generate`); the runner follows its `generate_stream` (calls `Worker.generate` when no progress is
+  followed).
+
+A caller that follows no progress (`/v1/generations` without `stream`, a handle's `generate`) makes a unary
+call: a Serve stream of one item cost ~9 ms more per request than a unary call on an H200 host (bench.app,
+side by side with 7410116, which called unary).
 
 Either way the caller gets a `PipelineResult` (MP4, thumbnail and clip facts when decoded; per-stage timings
 and how long each call took), progress as `on_progress(step, steps)` (step 0 once the worker accepted the
@@ -32,7 +37,8 @@ from engine.api import CancelledFn, GenerationRequest, GenerationResult, Latents
 from engine.pipeline import Pipeline, PipelineResult, StageCallTimes, check_cancelled
 from engine.stages import DecodedVideo, PromptEmbedding
 
-__all__ = ["CANCEL_POLL_S", "FusedRunner", "GenerationRunner", "SplitRunner", "StageHandles", "follow", "runner_for"]
+__all__ = ["CANCEL_POLL_S", "FusedRunner", "GenerationRunner", "SplitRunner", "StageHandles", "follow", "runner_for",
+           "wait_result"]
 
 #: How often a followed stream checks `cancelled()`.
 CANCEL_POLL_S = 0.1
@@ -40,10 +46,6 @@ CANCEL_POLL_S = 0.1
 
 def _never() -> bool:
     return False
-
-
-def _ignore(step: int, steps: int) -> None:
-    pass
 
 
 async def follow(stream: Any, on_progress: ProgressFn, cancelled: CancelledFn) -> GenerationResult:
@@ -73,6 +75,32 @@ async def follow(stream: Any, on_progress: ProgressFn, cancelled: CancelledFn) -
     finally:
         stream.cancel()  # a no-op once the worker finished
         if pending is not None:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
+
+
+async def wait_result(response: Any, cancelled: CancelledFn) -> GenerationResult:
+    """A worker's unary call (`Worker.denoise` / `Worker.generate`): its `GenerationResult`, `cancelled()` polled as
+    `follow` does; leaving in any way before the worker answered cancels the call, which stops the engine at its
+    next step."""
+
+    async def answer() -> GenerationResult:
+        return await response
+
+    pending = asyncio.ensure_future(answer())
+    try:
+        while True:
+            check_cancelled(cancelled)
+            done, _ = await asyncio.wait({pending}, timeout=CANCEL_POLL_S)
+            if not done:
+                continue
+            try:
+                return pending.result()
+            except asyncio.CancelledError:  # the call, not this task, was cancelled (e.g. its replica stopping)
+                raise GenerationCancelled("the worker cancelled the call") from None
+    finally:
+        if not pending.done():
+            response.cancel()
             pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)  # retrieved: no "never retrieved" warning
 
@@ -118,10 +146,12 @@ class WorkerDenoiseStep:
     async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, on_progress: ProgressFn | None,
                       cancelled: CancelledFn) -> GenerationResult:
         # The schedule key lets the router keep requests of one schedule on the replica with warm AdaLN plans.
+        if on_progress is None:
+            return await wait_result(self.worker.denoise.remote(
+                request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names), cancelled)
         stream = self.worker.options(stream=True).denoise_stream.remote(
-            request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names,
-            progress=on_progress is not None)
-        return await follow(stream, on_progress or _ignore, cancelled)
+            request, embedding, schedule_key=request.schedule_key, adapters=request.adapter_names)
+        return await follow(stream, on_progress, cancelled)
 
 
 @dataclass(frozen=True)
@@ -167,10 +197,13 @@ class FusedRunner:
                   cancelled: CancelledFn | None = None,
                   on_denoised: Callable[[], None] | None = None) -> PipelineResult:
         start = time.perf_counter()
-        stream = self._worker.options(stream=True).generate_stream.remote(
-            request, schedule_key=request.schedule_key, adapters=request.adapter_names,
-            progress=on_progress is not None)
-        result = await follow(stream, on_progress or _ignore, cancelled or _never)
+        if on_progress is None:
+            result = await wait_result(self._worker.generate.remote(
+                request, schedule_key=request.schedule_key, adapters=request.adapter_names), cancelled or _never)
+        else:
+            stream = self._worker.options(stream=True).generate_stream.remote(
+                request, schedule_key=request.schedule_key, adapters=request.adapter_names)
+            result = await follow(stream, on_progress, cancelled or _never)
         if on_denoised is not None:  # the worker decoded too: it is free now, not earlier
             on_denoised()
         return PipelineResult(result=result, calls=StageCallTimes(

@@ -13,11 +13,12 @@ replica asks its engine to start loading the adapters it lacks (`prefetch_adapte
 engine thread keeps denoising the running request).
 
 Two calls, one per app shape (`stages` in serve_config.yaml; the ingress picks: `deployments/generation.py`):
-`generate_stream` runs a whole generation in the engine (`stages: fused`: `Engine.generate`, the one pipeline
-in this process); `denoise_stream` is the denoiser stage alone (`stages: split`: the engine holds the
-transformer only, `denoiser_engine_factory`), conditioned on the TextEncoder's embedding and answering latents,
-so the replica is free for the next request the moment its loop ends: its slot and its load report count
-denoising only. Both stream progress, then the `GenerationResult`.
+`generate` runs a whole generation in the engine (`stages: fused`: `Engine.generate`, the one pipeline in this
+process); `denoise` is the denoiser stage alone (`stages: split`: the engine holds the transformer only,
+`denoiser_engine_factory`), conditioned on the TextEncoder's embedding and answering latents, so the replica is
+free for the next request the moment its loop ends: its slot and its load report count denoising only. Both
+answer the `GenerationResult`; `generate_stream` / `denoise_stream` are the same calls streaming progress first
+(a caller that follows no progress calls the unary ones: a stream costs more per request).
 
 Shutdown: Serve drains a replica for at most `worker.graceful_shutdown_timeout_s` (short by default, so
 `serve run` stops within seconds of Ctrl-C). Drained in time, it calls `__del__`, which stops the weights
@@ -34,7 +35,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from ray import serve
 
@@ -205,38 +206,75 @@ class Worker(ScheduleAffinityReporter):
         generation. A split app's prompt is checked by the TextEncoder (the tokenizer lives there)."""
         await asyncio.to_thread(self._engine.validate, request)
 
+    async def generate(self, request: GenerationRequest, schedule_key: str | None = None,
+                       adapters: tuple[str, ...] = ()) -> GenerationResult:
+        """A whole generation (`stages: fused`): its `GenerationResult`. Model-limit errors (ClientError) are raised
+        before any work. A caller that cancels the call stops the engine at its next step; the plan references are
+        released there. `adapters`: the request's adapter names, for the router (`deployments.routing`)."""
+        await self._validate(request, None)
+        return await self._result(request, schedule_key, None)
+
     async def generate_stream(
         self, request: GenerationRequest, schedule_key: str | None = None, adapters: tuple[str, ...] = (),
-        progress: bool = True,
     ) -> AsyncIterator[ProgressEvent | GenerationResult]:
-        """A whole generation (`stages: fused`; `handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
-        request is accepted, then after every denoising step) and finally the `GenerationResult`. Model-limit
-        errors (ClientError) are raised before anything is yielded. A caller that cancels or stops iterating
-        stops the engine at its next step; the plan references are released there. `adapters`: the request's
-        adapter names, for the router (`deployments.routing`). `progress` false: the result alone (a caller that
-        follows no progress saves one streamed object per step: ~0.3 ms each through Serve)."""
-        await asyncio.to_thread(self._engine.validate, request)  # off the loop: see denoise_stream
-        async for event in self._stream(request, schedule_key, None, progress):
+        """`generate` with progress (`handle.options(stream=True)`): yields `ProgressEvent`s (step 0 once the
+        request is accepted, then after every denoising step) and finally the `GenerationResult`. A caller that
+        cancels or stops iterating stops the engine at its next step."""
+        await self._validate(request, None)
+        async for event in self._stream(request, schedule_key, None):
             yield event
+
+    async def denoise(self, request: GenerationRequest, embedding: PromptEmbedding, schedule_key: str | None = None,
+                      adapters: tuple[str, ...] = ()) -> GenerationResult:
+        """The denoiser stage of a split app: `embedding` is the TextEncoder's for `request.prompt`; the
+        `GenerationResult` with the latents and no MP4 (the Decoder decodes them). The replica takes its next
+        request as soon as this one's loop ends. Errors and cancellation as `generate`."""
+        await self._validate(request, embedding)
+        return await self._result(request, schedule_key, embedding)
 
     async def denoise_stream(self, request: GenerationRequest, embedding: PromptEmbedding,
                              schedule_key: str | None = None, adapters: tuple[str, ...] = (),
-                             progress: bool = True) -> AsyncIterator[ProgressEvent | GenerationResult]:
-        """The denoiser stage of a split app (`handle.options(stream=True)`): `embedding` is the TextEncoder's
-        for `request.prompt`. Yields progress events as `generate_stream`, then the `GenerationResult` with
-        the latents and no MP4 (the Decoder decodes them). The replica takes its next request as soon as this
-        one's loop ends."""
-        # Off the loop: a multi-GPU engine asks its rank 0 actor (a Ray round trip). A fl2va / ref2va request is
-        # planned from its embedding's `Conditions` (this engine holds neither the media encoders nor the VAEs).
-        if embedding.conditions is not None:
+                             ) -> AsyncIterator[ProgressEvent | GenerationResult]:
+        """`denoise` with progress (`handle.options(stream=True)`), as `generate_stream` yields it."""
+        await self._validate(request, embedding)
+        async for event in self._stream(request, schedule_key, embedding):
+            yield event
+
+    async def _validate(self, request: GenerationRequest, embedding: PromptEmbedding | None) -> None:
+        # Off the loop: a multi-GPU engine asks its rank 0 actor (a Ray round trip). A split denoiser plans a fl2va /
+        # ref2va request from its embedding's `Conditions` (it holds neither the media encoders nor the VAEs).
+        if embedding is not None and embedding.conditions is not None:
             await asyncio.to_thread(self._engine.validate, request, embedding)
         else:
             await asyncio.to_thread(self._engine.validate, request)
-        async for event in self._stream(request, schedule_key, embedding, progress):
-            yield event
+
+    @contextlib.contextmanager
+    def _accepted(self, request: GenerationRequest, schedule_key: str | None, embedding: PromptEmbedding | None,
+                  on_progress: Callable[[int, int], None] | None) -> Iterator[asyncio.Future]:
+        """`request` queued on the engine thread, its schedule and adapters reported to the router meanwhile; a
+        caller that leaves before it finished (cancelled, stopped iterating) stops the engine at its next step."""
+        cancelled = threading.Event()
+        with self.track_schedule(schedule_key, tuple(choice.name for choice in request.adapters)):
+            # Cold adapters start loading now, beside the generation running on the engine thread.
+            self._engine.prefetch_adapters(request)
+            future = self._submit(request, cancelled, on_progress, embedding)
+            try:
+                yield future
+            finally:
+                if not future.done():
+                    # Cancelled or closed by the caller: the engine stops at its next step and releases its plans.
+                    cancelled.set()
+                    logger.info("generation stopped by the caller; the engine stops after the current step")
+
+    async def _result(self, request: GenerationRequest, schedule_key: str | None,
+                      embedding: PromptEmbedding | None) -> GenerationResult:
+        with self._accepted(request, schedule_key, embedding, None) as future:
+            # Shielded: a cancelled call must leave the future running, so that `_accepted` sees it unfinished
+            # and stops the engine (cancelling an executor's future does not stop its thread).
+            return await asyncio.shield(future)
 
     async def _stream(self, request: GenerationRequest, schedule_key: str | None, embedding: PromptEmbedding | None,
-                      progress: bool) -> AsyncIterator[ProgressEvent | GenerationResult]:
+                      ) -> AsyncIterator[ProgressEvent | GenerationResult]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ProgressEvent] = asyncio.Queue()
         start = time.perf_counter()
@@ -245,34 +283,23 @@ class Worker(ScheduleAffinityReporter):
             event = ProgressEvent(step=step, steps=steps, elapsed_s=time.perf_counter() - start)
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        cancelled = threading.Event()
-        with self.track_schedule(schedule_key, tuple(choice.name for choice in request.adapters)):
-            # Cold adapters start loading now, beside the generation running on the engine thread.
-            self._engine.prefetch_adapters(request)
-            future = self._submit(request, cancelled, on_progress if progress else None, embedding)
-            try:
-                if progress:
-                    yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
-                while True:
-                    getter = asyncio.ensure_future(events.get())
-                    try:
-                        await asyncio.wait({getter, future}, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        getter.cancel()
-                    if getter.done() and not getter.cancelled():
-                        yield getter.result()
-                        continue
-                    if future.done():
-                        await asyncio.sleep(0)  # let call_soon_threadsafe callbacks of the last steps land
-                        while not events.empty():
-                            yield events.get_nowait()
-                        yield future.result()
-                        return
-            finally:
-                if not future.done():
-                    # Cancelled or closed by the caller: the engine stops at its next step and releases its plans.
-                    cancelled.set()
-                    logger.info("streaming generation stopped by the caller; the engine stops after the current step")
+        with self._accepted(request, schedule_key, embedding, on_progress) as future:
+            yield ProgressEvent(step=0, steps=request.steps - 1, elapsed_s=0.0)
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                try:
+                    await asyncio.wait({getter, future}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    yield getter.result()
+                    continue
+                if future.done():
+                    await asyncio.sleep(0)  # let call_soon_threadsafe callbacks of the last steps land
+                    while not events.empty():
+                        yield events.get_nowait()
+                    yield future.result()
+                    return
 
     # ---------------------------------------------------------------------------------------------
     # Weights, stats

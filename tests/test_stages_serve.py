@@ -128,9 +128,9 @@ def test_the_split_worker_is_a_pure_denoiser_answering_latents_for_the_text_enco
     assert result.timings.encode_s == 0.0 and result.timings.denoise_s > 0
 
 
-def test_a_worker_stream_without_progress_is_the_result_alone_with_the_same_bits(apps):
-    """A caller that follows no progress (`/v1/generations` without stream) asks for none: one streamed object, not
-    one per forward, and the same latents."""
+def test_a_unary_denoise_answers_the_result_with_the_bits_of_the_followed_stream(apps):
+    """A caller that follows no progress (`/v1/generations` without stream) makes a unary call (`Worker.denoise`):
+    the result itself, the same latents as the streamed call's last item."""
     from ray import serve
 
     from deployments.schemas import GenerationRequest
@@ -138,12 +138,12 @@ def test_a_worker_stream_without_progress_is_the_result_alone_with_the_same_bits
 
     request = GenerationRequest(**GENERATION)
     embedding = serve.get_deployment_handle("TextEncoder", "split").encode.remote(request).result(timeout_s=300)
-    worker = serve.get_deployment_handle("Worker", "split").options(stream=True)
-    quiet = list(worker.denoise_stream.remote(request, embedding, schedule_key=request.schedule_key, progress=False))
-    followed = list(worker.denoise_stream.remote(request, embedding, schedule_key=request.schedule_key))
-    assert len(quiet) == 1 and isinstance(quiet[0], GenerationResult)
-    assert len(followed) == request.steps + 1
-    assert torch.equal(quiet[0].video, followed[-1].video) and torch.equal(quiet[0].audio, followed[-1].audio)
+    worker = serve.get_deployment_handle("Worker", "split")
+    quiet = worker.denoise.remote(request, embedding, schedule_key=request.schedule_key).result(timeout_s=300)
+    followed = list(worker.options(stream=True).denoise_stream.remote(request, embedding,
+                                                                      schedule_key=request.schedule_key))
+    assert isinstance(quiet, GenerationResult) and len(followed) == request.steps + 1
+    assert torch.equal(quiet.video, followed[-1].video) and torch.equal(quiet.audio, followed[-1].audio)
 
 
 def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
