@@ -1,9 +1,9 @@
 """The attention kernel the transformer runs (`engine.attention`): a diffusers backend name, or `auto`.
 
 `auto` measures the exact backends this process can run, once at start on the engine's device, and keeps the
-fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed). On a CPU it keeps
-diffusers' default and measures nothing (no kernel choice there is worth a start-up cost). A named backend is
-set as is; one this process cannot run fails the start with the field named, and one whose kernels come from
+fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where
+the `flash-attn-4` wheel is: `engine.flash4`). On a CPU it keeps diffusers' default and measures nothing (no
+kernel choice there is worth a start-up cost). A named backend is set as is; one this process cannot run fails the start with the field named, and one whose kernels come from
 an optional package (FlashAttention 2/3/4, SageAttention, xformers: `OPTIONAL_KERNELS`) that is not importable
 fails naming the package and how to install it.
 
@@ -24,6 +24,8 @@ import torch
 from diffusers import ModelMixin
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
+from engine import flash4
+
 
 AUTO = "auto"
 #: diffusers' default when none is set: torch's scaled_dot_product_attention, which picks its own kernel.
@@ -32,6 +34,7 @@ DEFAULT_BACKEND = AttentionBackendName.NATIVE.value
 #: none that downloads a kernel (`*_hub`: a replica has no network), not the math kernel (it materializes the
 #: S x S scores: 320 GB at 38k tokens).
 EXACT_CANDIDATES = (
+    flash4.FLASH_4,
     AttentionBackendName._FLASH_3.value,
     AttentionBackendName._NATIVE_CUDNN.value,
     AttentionBackendName.FLASH.value,
@@ -59,12 +62,13 @@ _FA2 = OptionalKernel("flash_attn", "pip install 'flash-attn>=2.6.3' (FlashAtten
                                     "at serve time)")
 _FA3 = OptionalKernel("flash_attn_interface", "the FlashAttention-3 beta, built from FlashAttention's hopper/ "
                                               "folder into the venv (distribution flash_attn_3, Hopper GPUs)")
-_FA4 = OptionalKernel("kernels", "pip install 'ditserve[flash-attn-4]' (kernels >= 0.12.3; diffusers loads "
+_FA4 = OptionalKernel("kernels", "pip install 'ditserve[flash-attn-4-hub]' (kernels >= 0.12.3; diffusers loads "
                                  "kernels-community/flash-attn4 through it: put it in the Hugging Face cache "
                                  "before start, a replica has no network)")
 _SAGE = OptionalKernel("sageattention", "pip install 'sageattention>=2.1.1'")
 #: Backends whose kernels are an optional package; the others are PyTorch's own.
 OPTIONAL_KERNELS: dict[str, OptionalKernel] = {
+    flash4.FLASH_4: OptionalKernel(flash4.MODULE, flash4.INSTALL),
     AttentionBackendName.FLASH.value: _FA2,
     AttentionBackendName.FLASH_VARLEN.value: _FA2,
     AttentionBackendName._FLASH_3.value: _FA3,
@@ -78,7 +82,7 @@ OPTIONAL_KERNELS: dict[str, OptionalKernel] = {
 
 def backend_names() -> tuple[str, ...]:
     """Every value `engine.attention` accepts."""
-    return (AUTO, *(name.value for name in AttentionBackendName))
+    return (AUTO, flash4.FLASH_4, *(name.value for name in AttentionBackendName))
 
 
 class AttentionBackendError(ValueError):
@@ -121,6 +125,8 @@ def choose_attention(transformer: ModelMixin, setting: str, device: torch.device
     """Set `setting` (a backend name or `auto`) on `transformer` and say what runs. `timer`: how `auto` times a
     backend (default: `probe_timer` on `device` with the transformer's heads and head dim)."""
     if setting != AUTO:
+        if setting == flash4.FLASH_4 and device.type != "cuda":
+            raise AttentionBackendError(setting, f"FlashAttention-4 needs a CUDA GPU, not {device.type}")
         _set(transformer, setting)
         return AttentionChoice(setting, "configured")
     if device.type == "cpu":
@@ -154,7 +160,7 @@ def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int 
     reference = dispatch_attention_fn(q, k, v, backend=AttentionBackendName(DEFAULT_BACKEND))
 
     def time_ms(name: str) -> float:
-        backend = AttentionBackendName(name)
+        backend = _dispatch_name(name)
         out = dispatch_attention_fn(q, k, v, backend=backend)
         error = (out.float() - reference.float()).abs().max().item()
         if not error <= EXACT_TOLERANCE:
@@ -182,7 +188,13 @@ def _requirements(name: str) -> None:
     if kernel is not None and not _importable(kernel.module):
         raise AttentionBackendError(name, f"its kernels are the optional package {kernel.module!r}, not "
                                           f"importable in this environment; install: {kernel.install}")
-    _check_attention_backend_requirements(AttentionBackendName(name))
+    if name != flash4.FLASH_4:  # ours: diffusers' check of its hub name would ask for `kernels`
+        _check_attention_backend_requirements(AttentionBackendName(name))
+
+
+def _dispatch_name(name: str) -> AttentionBackendName:
+    """The diffusers backend that runs `name` (`flash_4` runs diffusers' FA4 function on the wheel's kernel)."""
+    return flash4.install() if name == flash4.FLASH_4 else AttentionBackendName(name)
 
 
 def _importable(module: str) -> bool:
@@ -202,10 +214,13 @@ def _set(transformer: ModelMixin, name: str) -> None:
     default = _AttentionBackendRegistry._active_backend
     try:
         _requirements(name)
-        transformer.set_attention_backend(name)
+        if name == flash4.FLASH_4:
+            flash4.set_on(transformer)
+        else:
+            transformer.set_attention_backend(name)
     except AttentionBackendError:
         raise
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, ImportError) as exc:
         raise AttentionBackendError(name, str(exc).splitlines()[0]) from None
     finally:
         _AttentionBackendRegistry.set_active_backend(default)

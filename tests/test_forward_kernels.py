@@ -9,6 +9,8 @@ bench/results/forward-nvidia-h200.md (relative error 2.7e-3 per block)."""
 
 from __future__ import annotations
 
+import importlib.machinery
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -141,6 +143,71 @@ def test_an_installed_optional_package_goes_on_to_diffusers_own_check(model, mon
 def test_auto_says_which_package_each_missing_candidate_needs(model):
     choice = choose_attention(model, AUTO, torch.device("cuda"), timer=lambda name: 1.0)
     assert "optional package 'flash_attn_interface'" in choice.unavailable["_flash_3"]
+
+
+@pytest.fixture
+def fake_fa4_wheel(monkeypatch):
+    """`flash_attn.cute` as the flash-attn-4 wheel exposes it, computing exact attention with torch (the wheel's
+    kernels need a Hopper or Blackwell GPU); counts its calls."""
+    import sys
+    import types
+
+    calls = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+        calls.append(tuple(q.shape))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale, is_causal=causal)
+        return out.transpose(1, 2), None  # (out, lse), as the wheel returns
+
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = flash_attn_func
+    package.cute = cute
+    package.__path__ = []  # a package: find_spec("flash_attn.cute") looks inside it
+    cute.__spec__ = importlib.machinery.ModuleSpec("flash_attn.cute", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    return calls
+
+
+def test_flash_4_runs_the_wheels_kernel_through_diffusers_fa4_backend_in_eager_and_compiled_blocks(
+        model, weights, t2va, eager_run, fake_fa4_wheel):
+    choice = choose_attention(model, "flash_4", torch.device("cuda"))
+    assert choice == AttentionChoice("flash_4", "configured")
+    assert processors_backends(model) == {AttentionBackendName.FLASH_4_HUB}
+    assert_same_velocities(denoise(model, t2va), eager_run)  # the fake runs SDPA as native does
+    eager_calls = len(fake_fa4_wheel)
+    from diffusers.models.attention import AttentionModuleMixin
+
+    attentions = sum(isinstance(module, AttentionModuleMixin) for module in model.modules())  # blocks + refiner
+    assert eager_calls == attentions * (NUM_STEPS - 1)
+
+    torch._dynamo.reset()
+    compiled_model = load_transformer(weights, "cpu")
+    choose_attention(compiled_model, "flash_4", torch.device("cuda"))
+    compiled = CompiledBlocks(compiled_model.transformer_blocks, EAGER).apply()
+    assert_same_velocities(denoise(compiled_model, t2va), eager_run)
+    assert len(fake_fa4_wheel) > eager_calls
+    # The custom op keeps the block one graph: no break at the attention call.
+    assert compiled.stats().graph_breaks == 0 and compiled.stats().frames_compiled == 2
+
+
+def test_flash_4_without_the_wheel_fails_naming_it_and_on_a_cpu_naming_the_device(model, monkeypatch):
+    from engine import attention
+
+    with pytest.raises(AttentionBackendError, match="'flash_4' cannot run here: FlashAttention-4 needs a CUDA GPU"):
+        choose_attention(model, "flash_4", torch.device("cpu"))
+    monkeypatch.setattr(attention, "_importable", lambda module: False)
+    with pytest.raises(AttentionBackendError, match="optional package 'flash_attn.cute'.*flash-attn-4"):
+        choose_attention(model, "flash_4", torch.device("cuda"))
+    assert processors_backends(model) == {None}
+
+
+def test_auto_times_flash_4_where_the_wheel_imports(model, fake_fa4_wheel):
+    fake_ms = {"flash_4": 2.5, "_native_cudnn": 3.1, "native": 3.3}
+    choice = choose_attention(model, AUTO, torch.device("cuda"), timer=lambda name: fake_ms[name])
+    assert choice.backend == "flash_4" and list(choice.measured_ms)[:2] == ["flash_4", "_native_cudnn"]
+    assert processors_backends(model) == {AttentionBackendName.FLASH_4_HUB}
 
 
 def test_the_config_refuses_an_unknown_backend_naming_the_field():
