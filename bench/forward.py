@@ -46,7 +46,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Rotar
 from torch import nn
 
 from bench.common import write_results
-from engine.attention import DEFAULT_BACKEND, choose_attention
+from engine.attention import DEFAULT_BACKEND, choose_attention, dispatch_name
 from engine.compiled import CompiledBlocks, CompileOptions
 from engine.fp8 import QuantizationError, quantize_blocks_fp8
 
@@ -127,7 +127,7 @@ def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmu
 
 
 def set_backend(block: nn.Module, backend: str) -> None:
-    block.attn.processor._attention_backend = AttentionBackendName(backend)
+    block.attn.processor._attention_backend = dispatch_name(backend)
 
 
 def rel_error(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v = (torch.randn(1, tokens, width.heads, width.head_dim, device=device, dtype=torch.bfloat16)
                    for _ in range(3))
         for backend in backends:
-            name = AttentionBackendName(backend)
+            name = dispatch_name(backend)
             ms = timed_ms(functools.partial(dispatch_attention_fn, q, k, v, backend=name), device, args.repeats)
             row(f"attention {backend}", ms, attention_flops / rate * 1e3)
         del q, k, v

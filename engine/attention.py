@@ -160,7 +160,7 @@ def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int 
     reference = dispatch_attention_fn(q, k, v, backend=AttentionBackendName(DEFAULT_BACKEND))
 
     def time_ms(name: str) -> float:
-        backend = _dispatch_name(name)
+        backend = dispatch_name(name)
         out = dispatch_attention_fn(q, k, v, backend=backend)
         error = (out.float() - reference.float()).abs().max().item()
         if not error <= EXACT_TOLERANCE:
@@ -192,7 +192,7 @@ def _requirements(name: str) -> None:
         _check_attention_backend_requirements(AttentionBackendName(name))
 
 
-def _dispatch_name(name: str) -> AttentionBackendName:
+def dispatch_name(name: str) -> AttentionBackendName:
     """The diffusers backend that runs `name` (`flash_4` runs diffusers' FA4 function on the wheel's kernel)."""
     return flash4.install() if name == flash4.FLASH_4 else AttentionBackendName(name)
 
