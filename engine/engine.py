@@ -56,7 +56,7 @@ from cache.cache_dit import CacheDit, CacheDitConfig, CacheDitOverrides, find_bl
 from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
 from engine.adapters import AdapterSet
-from engine.api import field_error, with_adapter_defaults
+from engine.api import field_error, request_size, with_adapter_defaults
 from engine.api import (
     AdapterChoice, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn,
     RankStats, SlabState,
@@ -76,6 +76,7 @@ from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents, Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
+from model.canvas import CanvasRule
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import ensure_checkpoint, served_partition
@@ -135,9 +136,12 @@ def served_model_name(config: EngineConfig) -> str:
     return MODEL_NAME if config.partition == "fl2va" else f"{MODEL_NAME}-{config.partition}"
 
 
-def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",)) -> ModelLimits:
+def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",),
+                 canvas: CanvasRule = CanvasRule()) -> ModelLimits:
     """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
-    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
+    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one. A request
+    without a size gets the checkpoint's default canvas (`canvas`, its model index's rule: the tiny model's is
+    64x32) where the geometry accepts it."""
     geometry = config.geometry
     if geometry is None:
         geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
@@ -150,6 +154,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
         default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
         adapters=tuple(adapter.served(name) for name, adapter in config.adapters.items()),
         quantization=config.quantization, qualities=served_qualities(config.quantization, config.cache_dit.enabled),
+        canvas=canvas.default_size(),
     )
 
 
@@ -314,7 +319,8 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
-        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks)
+        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks,
+                                   CanvasRule.of(self.checkpoint))
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
@@ -439,8 +445,8 @@ class Engine:
                               f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
         try:
             if request.task is Task.T2VA:
-                geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
-                                                      self._geometry_limits, H3_LATENTS)
+                width, height = request_size(request, self.limits)
+                geometry = VideoGeometry.from_seconds(width, height, request.seconds, self._geometry_limits, H3_LATENTS)
                 schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
             elif embedding is not None and embedding.conditions is not None:
                 if request.task.value not in self.checkpoint.tasks:
