@@ -15,8 +15,8 @@ from dataclasses import field as dataclass_field
 from typing import Any, Callable, Literal, Protocol
 
 import torch
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, field_validator,
+                      model_serializer, model_validator)
 
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
@@ -24,6 +24,7 @@ from engine.compiled import CompileStats
 from engine.config import MAX_STEPS
 from engine.errors import ClientError
 from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, Linears, ModelLimits, Quality
+from engine.media import has_audio_stream
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.geometry import GeometryError
@@ -79,6 +80,15 @@ class ReferenceInput(BaseModel):
 
     kind: Literal["image", "video", "audio"] = Field(..., description="What the file is.")
     data: bytes = Field(..., min_length=1, description="The file bytes: PNG/JPEG/WebP, a video, or audio.")
+    _has_audio: bool | None = PrivateAttr(None)
+
+    @property
+    def has_audio(self) -> bool:
+        """Whether it adds the reference audio rows to the plans: a soundtrack, or a video whose file carries one
+        (its header, read once: the router keys a request before any worker decodes it)."""
+        if self._has_audio is None:
+            self._has_audio = self.kind == "audio" or (self.kind == "video" and has_audio_stream(self.data))
+        return self._has_audio
 
 
 #: Most adapters one request composes (e.g. a distilled-step adapter and a style one).
@@ -210,9 +220,8 @@ def request_size(request: GenerationRequest, limits: ModelLimits) -> tuple[int, 
 
 
 def request_schedule_key(request: GenerationRequest) -> str:
-    # A soundtrack reference adds the t = 1 rows to every plan. (A video reference's own soundtrack would too;
-    # video references are not served yet: model.presentation.)
-    reference_audio = any(reference.kind == "audio" for reference in request.references or ())
+    # A soundtrack reference, or a video reference's own soundtrack, adds the t = 1 audio rows to every plan.
+    reference_audio = any(reference.has_audio for reference in request.references or ())
     return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, request.task, reference_audio)
 
 

@@ -779,8 +779,8 @@ class Engine:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
             prepared = self.agreement.prepare(self.plan_cache, schedule.plans)
-        if prepared is not None:
-            self.served_schedules.served(request.schedule_key, prepared.keys)
+        if prepared is not None:  # the plans' own key (what the media made of the request: a video's soundtrack)
+            self.served_schedules.served(schedule.key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)
             # This request's adapters, each at its scale (a cold one's read began on arrival: prefetch_adapters).
@@ -824,7 +824,7 @@ class Engine:
             steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
             tokens=geometry.num_tokens(text.shape[0]), text_tokens=text.shape[0], adaln_mode=self.config.adaln.mode,
             linears=linears,
-            schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=embedding.cache,
+            schedule_key=schedule.key, adaln=plan_stats, prompt_cache=embedding.cache,
             cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
             parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,

@@ -17,6 +17,7 @@ from engine.errors import ClientError
 from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor, VideoReference
 from model.layout import Partition
 from model.packing import audio_rows_to_channels
+from model.schedule import schedule_key
 from model.tiny import make_tiny_checkpoint
 from tests.conditioning_support import PROMPT, STEPS, Ours, random_image, random_video, soundtrack_samples, video_file
 
@@ -143,6 +144,24 @@ def test_a_video_reference_upload_is_the_model_composition_of_its_frames_and_sou
     assert prepared.reference_audio  # the video's soundtrack conditions the audio
     assert torch.equal(result.video, video)
     assert torch.equal(audio_rows_to_channels(result.audio, prepared.geometry), audio)
+
+
+def test_a_video_references_soundtrack_is_in_the_schedule_key_as_its_audio_rows_are_in_the_plans(both_partitions):
+    """A video with a soundtrack adds the reference audio rows (t = 1) to every plan, as a soundtrack reference
+    does: the router's key (the request's, before any decode), the served-schedule map's and the stats' say so."""
+    frames = random_video(30, 48, 32, seed=3)
+
+    def request(soundtrack_seconds):
+        return GenerationRequest(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False, references=(
+            ReferenceInput(kind="video", data=video_file(frames, fps=12, soundtrack_seconds=soundtrack_seconds)),))
+
+    with_sound, silent = request(2.0), request(None)
+    assert with_sound.schedule_key == schedule_key(STEPS, task="ref2va", reference_audio=True)
+    assert silent.schedule_key == schedule_key(STEPS, task="ref2va")
+    engine = make_engine(both_partitions, "online", partition="ref2va")
+    result = engine.generate(with_sound)
+    assert result.stats.schedule_key == with_sound.schedule_key
+    assert engine.served_schedules.slab_state(engine.plan_cache).schedule_keys == (with_sound.schedule_key,)
 
 
 @pytest.mark.parametrize("request_fields, field, served", [
