@@ -319,8 +319,8 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
-        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks,
-                                   CanvasRule.of(self.checkpoint))
+        self.limits = model_limits(config, self.model_config.hidden_size,
+                                   config.served_tasks(self.checkpoint.partition.value), CanvasRule.of(self.checkpoint))
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
@@ -443,6 +443,12 @@ class Engine:
             raise ClientError("references", f"t2va is not served by this model (the "
                               f"{self.checkpoint.partition.native_dir_name} partition serves "
                               f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
+        if request.task is not Task.T2VA and request.task.value in self.checkpoint.tasks \
+                and request.task.value not in self.limits.tasks:
+            # Refused alike on every rank of a group, before any collective (`EngineConfig.conditioning_refused`).
+            raise ClientError("keyframes" if request.keyframes else "references",
+                              f"{request.task.value} is not served by this engine: {self.config.conditioning_refused};"
+                              f" it serves {', '.join(self.limits.tasks)}", "served: " + ", ".join(self.limits.tasks))
         try:
             if request.task is Task.T2VA:
                 width, height = request_size(request, self.limits)

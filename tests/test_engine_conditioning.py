@@ -102,7 +102,8 @@ def test_references_on_the_fl2va_partition_name_the_served_tasks(online):
 def test_a_text_only_engine_refuses_keyframes(checkpoint):
     engine = make_engine(checkpoint, "resident", text_encoder={"vision": False})
     assert not engine.prompt_encoder.has_vision
-    with pytest.raises(ClientError, match="keyframes: fl2va is not served"):
+    assert engine.limits.tasks == ("t2va",)  # what GET /v1/models lists: not fl2va, which it would refuse
+    with pytest.raises(ClientError, match="keyframes: fl2va is not served.*text_encoder.vision: false"):
         engine.validate(fl2va_request())
 
 
