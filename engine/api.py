@@ -15,8 +15,8 @@ from dataclasses import field as dataclass_field
 from typing import Any, Callable, Literal, Protocol
 
 import torch
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, field_validator,
+                      model_serializer, model_validator)
 
 from cache.cache_dit import CacheDitOverrides, CacheDitStats
 from cache.plan_cache import AdalnStats
@@ -24,6 +24,7 @@ from engine.compiled import CompileStats
 from engine.config import MAX_STEPS
 from engine.errors import ClientError
 from engine.limits import ADAPTER_NAME_PATTERN, MAX_PROMPT_CHARS, Linears, ModelLimits, Quality
+from engine.media import has_audio_stream
 from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.geometry import GeometryError
@@ -34,7 +35,7 @@ from offload.layerwise import OffloadStats
 __all__ = [
     "AdalnStats", "AdapterChoice", "CacheDitStats", "CancelledFn", "ClipFacts", "EngineProtocol", "GenerationRequest", "GenerationResult",
     "GenerationStats", "GenerationTimings", "KeyframeInput", "OffloadStats", "ParallelStats", "ProgressFn",
-    "PromptCacheStats", "RankStats", "ReferenceInput", "Task", "request_schedule_key",
+    "PromptCacheStats", "RankStats", "ReferenceInput", "Task", "request_schedule_key", "request_size",
 ]
 
 MAX_SEED = 2**63 - 1
@@ -79,6 +80,15 @@ class ReferenceInput(BaseModel):
 
     kind: Literal["image", "video", "audio"] = Field(..., description="What the file is.")
     data: bytes = Field(..., min_length=1, description="The file bytes: PNG/JPEG/WebP, a video, or audio.")
+    _has_audio: bool | None = PrivateAttr(None)
+
+    @property
+    def has_audio(self) -> bool:
+        """Whether it adds the reference audio rows to the plans: a soundtrack, or a video whose file carries one
+        (its header, read once: the router keys a request before any worker decodes it)."""
+        if self._has_audio is None:
+            self._has_audio = self.kind == "audio" or (self.kind == "video" and has_audio_stream(self.data))
+        return self._has_audio
 
 
 #: Most adapters one request composes (e.g. a distilled-step adapter and a style one).
@@ -115,8 +125,12 @@ class GenerationRequest(BaseModel):
                        description="Sampling grid points including the final 0: `steps - 1` transformer forwards.")
     seconds: float = Field(5.0, gt=0, le=60, allow_inf_nan=False,
                            description="Clip length at 24 fps; frames are snapped up to 17n+5 (5 s -> 124 frames).")
-    width: int = Field(1344, ge=32, le=8192, description="Width in pixels (a multiple of 32).")
-    height: int = Field(768, ge=32, le=8192, description="Height in pixels (a multiple of 32).")
+    width: int | None = Field(
+        None, ge=32, le=8192, description="Width in pixels (a multiple of 32), given with height. null: the served "
+        "model's default canvas (`GET /v1/models` limits.default_size: 1344x768 for the release, 64x32 for the "
+        "tiny model); fl2va: the first keyframe's aspect ratio on the model's canvas rule.")
+    height: int | None = Field(None, ge=32, le=8192,
+                               description="Height in pixels (a multiple of 32), given with width. null: see width.")
     flow_shift: float = Field(VIDEO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
                               description="Sigma shift of the video schedule (the model's: 12).")
     audio_flow_shift: float = Field(AUDIO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
@@ -171,6 +185,9 @@ class GenerationRequest(BaseModel):
     def _one_task(self) -> GenerationRequest:
         if self.keyframes and self.references:
             raise ValueError("keyframes (fl2va) and references (ref2va) are different tasks: send one of them")
+        if (self.width is None) != (self.height is None):
+            # One edge alone has no aspect ratio to complete it from: the canvas is both or the model's.
+            raise ValueError("width and height: give both, or neither for the model's default canvas")
         return self
 
     @property
@@ -179,8 +196,8 @@ class GenerationRequest(BaseModel):
 
     @property
     def size_given(self) -> bool:
-        """Whether the request names its canvas (a fl2va / ref2va request without one takes the model's)."""
-        return "width" in self.model_fields_set or "height" in self.model_fields_set
+        """Whether the request names its canvas (one without takes the model's: `request_size`)."""
+        return self.width is not None
 
     @property
     def schedule_key(self) -> str:
@@ -193,10 +210,18 @@ class GenerationRequest(BaseModel):
         return tuple(choice.name for choice in self.adapters)
 
 
+def request_size(request: GenerationRequest, limits: ModelLimits) -> tuple[int, int]:
+    """(width, height) of a t2va request: its own, else the served model's default canvas (`limits.default_size`,
+    the checkpoint's rule). A fl2va / ref2va request without a size is placed by its conditioning stage."""
+    if request.width is not None and request.height is not None:
+        return request.width, request.height
+    width, _, height = limits.default_size.partition("x")
+    return int(width), int(height)
+
+
 def request_schedule_key(request: GenerationRequest) -> str:
-    # A soundtrack reference adds the t = 1 rows to every plan. (A video reference's own soundtrack would too;
-    # video references are not served yet: model.presentation.)
-    reference_audio = any(reference.kind == "audio" for reference in request.references or ())
+    # A soundtrack reference, or a video reference's own soundtrack, adds the t = 1 audio rows to every plan.
+    reference_audio = any(reference.has_audio for reference in request.references or ())
     return schedule_key(request.steps, request.flow_shift, request.audio_flow_shift, request.task, reference_audio)
 
 
@@ -406,7 +431,8 @@ def field_error(exc: GeometryError | ScheduleError, request: GenerationRequest) 
     """A `model/` refusal (field, value, limit) as the engine's ClientError on the request's field."""
     field = _REQUEST_FIELDS.get(exc.field, exc.field)
     detail = f"{exc.value!r} is out of range: {exc.limit}"
-    if field == "width*height":  # the area: the long edge is the one to shrink (the short edge is fixed)
+    if field == "width*height" and request.width is not None and request.height is not None:
+        # The area: the long edge is the one to shrink (the short edge is fixed).
         field = "width" if request.width >= request.height else "height"
         detail = f"{request.width}x{request.height} = {exc.value} px is out of range: {exc.limit}"
     return ClientError(field, detail, exc.limit)

@@ -18,6 +18,7 @@ from engine.attention import AUTO, backend_names
 from engine.compiled import CompileBackend, CompileOptions, InductorMode
 from engine.limits import Quantization
 from model.geometry import H3_LATENTS, snap_num_frames
+from model.layout import Partition
 from offload.layerwise import OffloadConfig
 
 #: Hard cap on sampling steps: the AdaLN plan slab admits up to 65 plans per request (H3 takes <= 65 steps).
@@ -375,6 +376,32 @@ class EngineConfig(BaseModel):
         if self.quantization == "bf16+fp8" and self.offload.enabled:
             raise ValueError("quantization: bf16+fp8 is not served with offload.enabled (the blocks hold bf16 and "
                              "float8 weights resident); use quantization: fp8 with offload")
+        return self
+
+    def served_tasks(self, partition: str | None = None) -> tuple[str, ...]:
+        """The tasks of `partition` (default: engine.partition) this config serves. fl2va and ref2va need
+        Qwen3-VL's vision tower (text_encoder.vision) and one device: a sequence-parallel replica runs every stage
+        on every rank, where only rank 0 holds the VAE encoders and text_encoder_tp leaves the vision tower out,
+        so it serves t2va alone (`conditioning_refused` says why to a request)."""
+        tasks = Partition(partition or self.partition).tasks
+        return tuple(task for task in tasks if task == "t2va" or self.conditioning_refused is None)
+
+    @property
+    def conditioning_refused(self) -> str | None:
+        """Why this config serves no keyframe or reference task (None: it serves its partition's)."""
+        if not self.text_encoder.vision:
+            return "they need Qwen3-VL's vision tower (engine.text_encoder.vision: false here)"
+        if self.parallel.sp > 1:
+            return (f"a sequence-parallel replica (engine.parallel.sp={self.parallel.sp}) serves t2va only: its "
+                    "ranks other than 0 hold no VAE encoders")
+        return None
+
+    @model_validator(mode="after")
+    def _serves_a_task(self) -> EngineConfig:
+        # The Ref2VA partition serves ref2va alone: without it the replica would start and refuse every request.
+        if not self.served_tasks():
+            raise ValueError(f"partition: {self.partition} serves {', '.join(Partition(self.partition).tasks)} "
+                             f"only, which this config cannot: {self.conditioning_refused}")
         return self
 
     @model_validator(mode="after")

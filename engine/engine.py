@@ -56,7 +56,7 @@ from cache.cache_dit import CacheDit, CacheDitConfig, CacheDitOverrides, find_bl
 from cache.plan_cache import AdmissionError, PlanCache, RemoteTier, make_adaln_provider
 from cache.rebuild import RebuildError
 from engine.adapters import AdapterSet
-from engine.api import field_error, with_adapter_defaults
+from engine.api import field_error, request_size, with_adapter_defaults
 from engine.api import (
     AdapterChoice, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn,
     RankStats, SlabState,
@@ -76,6 +76,7 @@ from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents, Denoiser
 from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
+from model.canvas import CanvasRule
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import ensure_checkpoint, served_partition
@@ -135,9 +136,12 @@ def served_model_name(config: EngineConfig) -> str:
     return MODEL_NAME if config.partition == "fl2va" else f"{MODEL_NAME}-{config.partition}"
 
 
-def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",)) -> ModelLimits:
+def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",),
+                 canvas: CanvasRule = CanvasRule()) -> ModelLimits:
     """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
-    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one."""
+    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one. A request
+    without a size gets the checkpoint's default canvas (`canvas`, its model index's rule: the tiny model's is
+    64x32) where the geometry accepts it."""
     geometry = config.geometry
     if geometry is None:
         geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
@@ -150,6 +154,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
         default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
         adapters=tuple(adapter.served(name) for name, adapter in config.adapters.items()),
         quantization=config.quantization, qualities=served_qualities(config.quantization, config.cache_dit.enabled),
+        canvas=canvas.default_size(),
     )
 
 
@@ -314,7 +319,8 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
-        self.limits = model_limits(config, self.model_config.hidden_size, self.checkpoint.tasks)
+        self.limits = model_limits(config, self.model_config.hidden_size,
+                                   config.served_tasks(self.checkpoint.partition.value), CanvasRule.of(self.checkpoint))
         self._geometry_limits = geometry_limits(self.limits)
         self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
                                                self._geometry_limits)
@@ -437,10 +443,16 @@ class Engine:
             raise ClientError("references", f"t2va is not served by this model (the "
                               f"{self.checkpoint.partition.native_dir_name} partition serves "
                               f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
+        if request.task is not Task.T2VA and request.task.value in self.checkpoint.tasks \
+                and request.task.value not in self.limits.tasks:
+            # Refused alike on every rank of a group, before any collective (`EngineConfig.conditioning_refused`).
+            raise ClientError("keyframes" if request.keyframes else "references",
+                              f"{request.task.value} is not served by this engine: {self.config.conditioning_refused};"
+                              f" it serves {', '.join(self.limits.tasks)}", "served: " + ", ".join(self.limits.tasks))
         try:
             if request.task is Task.T2VA:
-                geometry = VideoGeometry.from_seconds(request.width, request.height, request.seconds,
-                                                      self._geometry_limits, H3_LATENTS)
+                width, height = request_size(request, self.limits)
+                geometry = VideoGeometry.from_seconds(width, height, request.seconds, self._geometry_limits, H3_LATENTS)
                 schedule = request_schedule(request.steps, request.flow_shift, request.audio_flow_shift)
             elif embedding is not None and embedding.conditions is not None:
                 if request.task.value not in self.checkpoint.tasks:
@@ -773,8 +785,8 @@ class Engine:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
             prepared = self.agreement.prepare(self.plan_cache, schedule.plans)
-        if prepared is not None:
-            self.served_schedules.served(request.schedule_key, prepared.keys)
+        if prepared is not None:  # the plans' own key (what the media made of the request: a video's soundtrack)
+            self.served_schedules.served(schedule.key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)
             # This request's adapters, each at its scale (a cold one's read began on arrival: prefetch_adapters).
@@ -818,7 +830,7 @@ class Engine:
             steps=request.steps, forwards=num_forwards, frames=geometry.num_frames,
             tokens=geometry.num_tokens(text.shape[0]), text_tokens=text.shape[0], adaln_mode=self.config.adaln.mode,
             linears=linears,
-            schedule_key=request.schedule_key, adaln=plan_stats, prompt_cache=embedding.cache,
+            schedule_key=schedule.key, adaln=plan_stats, prompt_cache=embedding.cache,
             cache_dit=self.cache_dit.stats() if self.cache_dit is not None else None,
             offload=self.offloader.stats.snapshot() if self.offloader is not None else None,
             parallel=RankStats(sp=self.group.world_size, rank=self.rank) if self.group is not None else None,

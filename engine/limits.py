@@ -106,7 +106,8 @@ class ModelLimits(BaseModel):
     max_prompt_chars: int = Field(MAX_PROMPT_CHARS, ge=1, description="Longest prompt in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens (checked by the text encoder).")
     tasks: tuple[str, ...] = Field(("t2va",), min_length=1, description="What the served partition takes: t2va and "
-                                   "fl2va (FL2VA), ref2va (Ref2VA); fewer where the app cannot run one (stages).")
+                                   "fl2va (FL2VA), ref2va (Ref2VA); t2va alone without the vision tower or with sp > 1 "
+                                   "(`EngineConfig.served_tasks`).")
     adapters: tuple[ServedAdapter, ...] = Field((), description="The LoRA adapters a request may name.")
     quantization: Quantization = Field("none", description="engine.quantization: none (bf16 block linears), fp8 "
                                        "(float8 only), bf16+fp8 (both, chosen per request by its quality).")
@@ -187,11 +188,12 @@ def served_limits(
     max_seconds: float, fps: int, frames_per_chunk: int, frame_offset: int, max_prompt_tokens: int,
     default_flow_shift: float, default_audio_flow_shift: float, tasks: tuple[str, ...] = ("t2va",),
     adapters: tuple[ServedAdapter, ...] = (), quantization: Quantization = "none",
-    qualities: tuple[Quality, ...] = ("lossless", "high"),
+    qualities: tuple[Quality, ...] = ("lossless", "high"), canvas: tuple[int, int] | None = None,
 ) -> ModelLimits:
     """The limits of a model serving these bounds, with the defaults a request gets: 5 s (within the bounds),
-    50 steps (at most max_steps), and a 16:9 frame: the model's short edge, else the largest short edge <= 768
-    whose 16:9 frame fits max_pixels (768 -> 1344x768; a small model gets a small default)."""
+    50 steps (at most max_steps), and a frame: `canvas` (width, height), the checkpoint's own default canvas
+    (`model.canvas.CanvasRule.default_size`), where it fits these bounds; else 16:9 at the model's short edge,
+    else at the largest short edge <= 768 whose 16:9 frame fits max_pixels (768 -> 1344x768)."""
     if short_edge is not None:
         default_short = min_edge = short_edge
         max_edge = max_pixels // short_edge // size_multiple * size_multiple
@@ -200,6 +202,11 @@ def served_limits(
         min_edge = size_multiple
         max_edge = min(MAX_EDGE, max_pixels // size_multiple // size_multiple * size_multiple)
     long_edge = _long_edge(default_short, size_multiple, max_pixels)
+    if canvas is not None and _fits(canvas, short_edge, min_edge, max(max_edge, min_edge), max_pixels, size_multiple):
+        default_short = min(canvas)  # aspect_ratio without short_edge: the checkpoint's short edge too
+        default_size = f"{canvas[0]}x{canvas[1]}"
+    else:
+        default_size = f"{long_edge}x{default_short}"
     default_seconds = min(max(DEFAULT_SECONDS, min_seconds), max_seconds)
     if _snapped_frames(default_seconds, fps, frames_per_chunk, frame_offset) / fps > max_seconds:
         # 5 s snaps past a bound near 5 s: the longest clip within it (its frame count exactly, no snapping).
@@ -210,11 +217,19 @@ def served_limits(
         default_seconds=default_seconds, fps=fps,
         frames_per_chunk=frames_per_chunk, frame_offset=frame_offset, size_multiple=size_multiple,
         short_edge=short_edge, min_edge=min_edge, max_edge=max(max_edge, min_edge), max_pixels=max_pixels,
-        default_size=f"{long_edge}x{default_short}", default_short_edge=default_short, max_steps=max_steps,
+        default_size=default_size, default_short_edge=default_short, max_steps=max_steps,
         default_steps=min(DEFAULT_STEPS, max_steps), default_flow_shift=default_flow_shift,
         default_audio_flow_shift=default_audio_flow_shift, max_prompt_tokens=max_prompt_tokens, tasks=tasks,
         adapters=adapters, quantization=quantization, qualities=qualities,
     )
+
+
+def _fits(canvas: tuple[int, int], short_edge: int | None, min_edge: int, max_edge: int, max_pixels: int,
+          multiple: int) -> bool:
+    """Whether a checkpoint's default canvas is a size these bounds accept (a configured geometry may not)."""
+    width, height = canvas
+    return (all(edge % multiple == 0 and min_edge <= edge <= max_edge for edge in canvas)
+            and (short_edge is None or min(canvas) == short_edge) and width * height <= max_pixels)
 
 
 def _snapped_frames(seconds: float, fps: int, frames_per_chunk: int, frame_offset: int) -> int:

@@ -166,6 +166,16 @@ def decode_video(data: bytes, field: str, limits: MediaLimits = MediaLimits(),
     return DecodedVideo(np.stack(frames), float(Fraction(rate)), audio, AUDIO_SAMPLE_RATE if audio is not None else None)
 
 
+def has_audio_stream(data: bytes) -> bool:
+    """Whether a media file's header states an audio stream, read without decoding (a video reference's
+    soundtrack, known before a worker decodes it). False for a file PyAV cannot open: its decode refuses it."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            return bool(container.streams.audio)
+    except (av.FFmpegError, OSError, ValueError):
+        return False
+
+
 class _opened:
     """`av.open` on bytes, its errors as MediaError naming the field; closes the container."""
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.api import AdalnStats, AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, SlabState
+from engine.api import (AdalnStats, AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats,
+                        GenerationTimings, SlabState, request_size)
 from engine.config import EngineConfig
 from engine.engine import field_error, geometry_limits, model_limits
 from engine.media import AUDIO_SAMPLE_RATE
@@ -53,7 +54,8 @@ class FakeEngine:
         if request.steps > self.limits.max_steps:
             raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}")
         try:
-            return VideoGeometry.from_seconds(request.width, request.height, request.seconds,
+            width, height = request_size(request, self.limits)
+            return VideoGeometry.from_seconds(width, height, request.seconds,
                                               geometry_limits(self.limits), H3_LATENTS)
         except GeometryError as exc:
             raise field_error(exc, request) from None
@@ -81,7 +83,7 @@ class FakeEngine:
         mp4 = thumbnail = clip = None
         if request.return_video:
             mp4 = FAKE_MP4 + str(seed).encode()
-            thumbnail = thumbnail_png(np.full((request.height, request.width, 3), seed % 256, dtype=np.uint8))
+            thumbnail = thumbnail_png(np.full((geometry.height, geometry.width, 3), seed % 256, dtype=np.uint8))
             clip = ClipFacts(num_frames=geometry.num_frames, fps=float(H3_LATENTS.fps), sample_rate=AUDIO_SAMPLE_RATE)
         return GenerationResult(
             video=video, audio=audio, seed=seed, model=FAKE_MODEL, mp4=mp4, thumbnail_png=thumbnail, clip=clip,

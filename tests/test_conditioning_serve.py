@@ -55,6 +55,8 @@ FIRST, LAST = png(48, 27, seed=1), png(40, 40, seed=2)
 _GIF = io.BytesIO()
 Image.new("RGB", (8, 8)).save(_GIF, format="GIF")
 GIF = _GIF.getvalue()
+#: Past engine.media.MediaLimits' 15 s: a 17 s reference video (34 frames at 2 fps) and a 16 s soundtrack.
+LONG_VIDEO, LONG_SOUNDTRACK = video_file(random_video(34, 48, 32, seed=1), fps=2), wav(16.0)
 #: 1.5 s at 12 fps with its soundtrack (lossless FFV1 + PCM in Matroska)
 VIDEO = video_file(random_video(18, 48, 32, seed=3), fps=12, soundtrack_seconds=1.5)
 
@@ -206,6 +208,13 @@ def test_first_and_last_keyframes_as_data_urls_on_the_sync_route(apps):
     ("corrupt-video-reference", {"files": {"video_reference": ("v.mp4", b"not an mp4", "video/mp4")},
                                  "data": {"prompt": PROMPT, "model": "minimax-h3-ref2va"}}, 422,
      "video_reference: not a media file"),
+    ("over-long-video-reference", {"files": {"video_reference": ("v.mkv", LONG_VIDEO, "video/x-matroska")},
+                                   "data": {"prompt": PROMPT, "model": "minimax-h3-ref2va"}}, 422,
+     "video_reference: 17.00 s is over the limit of 15 s"),
+    ("over-long-soundtrack", {"files": [("image_reference", ("f.png", FIRST, "image/png")),
+                                        ("audio_reference", ("s.wav", LONG_SOUNDTRACK, "audio/wav"))],
+                              "data": {"prompt": PROMPT, "model": "minimax-h3-ref2va"}}, 422,
+     "audio_reference: 16.00 s is over the limit of 15 s"),
 ])
 def test_bad_uploads_are_4xx_naming_the_field_and_the_replica_stays_healthy(apps, case, send, status, message):
     base_url = apps["split"]

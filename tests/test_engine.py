@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from cache.rebuild import RebuildError
@@ -233,8 +234,24 @@ def test_health_and_describe(engine, checkpoint_root):
                                    "size_multiple", "fps", "max_prompt_tokens")} == {
         "max_steps": MAX_STEPS, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0,
         "max_seconds": 15.0, "size_multiple": 32, "fps": FPS, "max_prompt_tokens": MAX_PROMPT_TOKENS}
-    assert (limits["default_size"], limits["default_seconds"], limits["default_steps"]) == ("1344x768", 5.0, min(50, MAX_STEPS))
+    # The tiny checkpoint's canvas rule (its model index, as diffusers reads it), not the release's 1344x768.
+    assert (limits["default_size"], limits["default_seconds"], limits["default_steps"]) == ("64x32", 5.0, min(50, MAX_STEPS))
     assert card["model_config"]["num_layers"] == 4 and card["engine_config"]["adaln"]["mode"] == "online"
+
+
+def test_a_request_without_a_size_gets_the_checkpoints_default_canvas(engine):
+    bare = GenerationRequest(prompt="a red fox", steps=3, seed=11, return_video=False)
+    result = engine.generate(bare)
+    sized = engine.generate(bare.model_copy(update={"width": 64, "height": 32}))
+    assert (bare.width, bare.height, bare.size_given) == (None, None, False)
+    assert result.video.shape[-2:] == (2, 4)  # 64x32 px: 4x2 latent pixels (x16)
+    assert same_bits(result, sized)
+
+
+def test_a_lone_width_or_height_is_refused_naming_both():
+    for lone in ({"width": 64}, {"height": 64}):
+        with pytest.raises(ValidationError, match="width and height: give both"):
+            GenerationRequest(prompt="a red fox", **lone)
 
 
 # --- features: each one on gives the resident bits -----------------------------------------------------

@@ -17,6 +17,7 @@ from engine.errors import ClientError
 from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor, VideoReference
 from model.layout import Partition
 from model.packing import audio_rows_to_channels
+from model.schedule import schedule_key
 from model.tiny import make_tiny_checkpoint
 from tests.conditioning_support import PROMPT, STEPS, Ours, random_image, random_video, soundtrack_samples, video_file
 
@@ -101,7 +102,8 @@ def test_references_on_the_fl2va_partition_name_the_served_tasks(online):
 def test_a_text_only_engine_refuses_keyframes(checkpoint):
     engine = make_engine(checkpoint, "resident", text_encoder={"vision": False})
     assert not engine.prompt_encoder.has_vision
-    with pytest.raises(ClientError, match="keyframes: fl2va is not served"):
+    assert engine.limits.tasks == ("t2va",)  # what GET /v1/models lists: not fl2va, which it would refuse
+    with pytest.raises(ClientError, match="keyframes: fl2va is not served.*text_encoder.vision: false"):
         engine.validate(fl2va_request())
 
 
@@ -145,6 +147,24 @@ def test_a_video_reference_upload_is_the_model_composition_of_its_frames_and_sou
     assert torch.equal(audio_rows_to_channels(result.audio, prepared.geometry), audio)
 
 
+def test_a_video_references_soundtrack_is_in_the_schedule_key_as_its_audio_rows_are_in_the_plans(both_partitions):
+    """A video with a soundtrack adds the reference audio rows (t = 1) to every plan, as a soundtrack reference
+    does: the router's key (the request's, before any decode), the served-schedule map's and the stats' say so."""
+    frames = random_video(30, 48, 32, seed=3)
+
+    def request(soundtrack_seconds):
+        return GenerationRequest(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False, references=(
+            ReferenceInput(kind="video", data=video_file(frames, fps=12, soundtrack_seconds=soundtrack_seconds)),))
+
+    with_sound, silent = request(2.0), request(None)
+    assert with_sound.schedule_key == schedule_key(STEPS, task="ref2va", reference_audio=True)
+    assert silent.schedule_key == schedule_key(STEPS, task="ref2va")
+    engine = make_engine(both_partitions, "online", partition="ref2va")
+    result = engine.generate(with_sound)
+    assert result.stats.schedule_key == with_sound.schedule_key
+    assert engine.served_schedules.slab_state(engine.plan_cache).schedule_keys == (with_sound.schedule_key,)
+
+
 @pytest.mark.parametrize("request_fields, field, served", [
     ({}, "references", "t2va is not served by this model (the Ref2VA partition serves ref2va)"),
     ({"keyframes": (KeyframeInput(image=png(FIRST), anchor="first"),)}, "keyframes", "fl2va is not served"),
@@ -159,3 +179,42 @@ def test_the_fl2va_partition_of_a_checkpoint_with_both_is_the_fl2va_transformer(
     engine = make_engine(both_partitions, "resident")  # engine.partition defaults to fl2va
     assert engine.limits.tasks == ("t2va", "fl2va") and engine.checkpoint.transformer_dir.name == "transformer"
     assert engine.weights.fingerprint == online.weights.fingerprint  # same seed: the FL2VA-only checkpoint's bits
+
+
+# --- the caches on the conditioned tasks: each one on gives the resident bits (or Cache-DiT's own) -----------
+
+#: tests/test_engine.py's Cache-DiT settings: Fn=1, Bn=1 of the 4 blocks, one warm-up forward.
+CACHE_DIT = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 1,
+             "residual_diff_threshold": 0.15, "max_continuous_cached_steps": 2}
+
+
+def ref2va_request() -> GenerationRequest:
+    return GenerationRequest(prompt=PROMPT, steps=STEPS, seconds=5.0, seed=4, return_video=False, references=(
+        ReferenceInput(kind="image", data=png(FIRST)), ReferenceInput(kind="image", data=png(LAST))))
+
+
+def test_ref2va_online_adaln_gives_the_resident_bits(both_partitions, ref2va_engine):
+    online = make_engine(both_partitions, "online", partition="ref2va")
+    ours, theirs = online.generate(ref2va_request()), ref2va_engine.generate(ref2va_request())
+    assert torch.equal(ours.video, theirs.video) and torch.equal(ours.audio, theirs.audio)
+    assert ours.stats.adaln.built_plans > 0  # the plans were the cache's, not the resident projection's
+
+
+def test_fl2va_layerwise_offload_gives_the_resident_bits(checkpoint, resident):
+    offloaded = make_engine(checkpoint, "resident", offload={"enabled": True})
+    out = offloaded.generate(fl2va_request(steps=4))
+    expected = resident.generate(fl2va_request(steps=4))
+    assert torch.equal(out.video, expected.video) and torch.equal(out.audio, expected.audio)
+    assert out.stats.offload.steps == 3 and out.stats.offload.h2d_bytes > 0
+
+
+def test_cache_dit_runs_on_fl2va_and_off_per_request_gives_the_resident_bits(checkpoint, resident):
+    cached = make_engine(checkpoint, "resident", cache_dit=CACHE_DIT)
+    out = cached.generate(fl2va_request(steps=9))
+    assert out.stats.cache_dit.config == "F1B1 W1 R0.15 MC2" and len(out.stats.cache_dit.cached_steps) > 0
+    again = cached.generate(fl2va_request(steps=9))  # nothing leaks between requests
+    assert again.stats.cache_dit.cached_steps == out.stats.cache_dit.cached_steps
+    assert torch.equal(again.video, out.video)
+    off = cached.generate(fl2va_request(steps=9, cache_dit={"enabled": False}))
+    assert off.stats.cache_dit.cached_steps == []
+    assert torch.equal(off.video, resident.generate(fl2va_request(steps=9)).video)

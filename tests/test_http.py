@@ -173,6 +173,13 @@ def test_latents_are_left_out_unless_asked_for(base_url):
     assert response["latents"] is None and response["video_shape"] == VIDEO_LATENTS
 
 
+def test_a_bare_prompt_gets_the_tiny_checkpoints_canvas(base_url):
+    # width/height null: the checkpoint's default canvas (its model index: 64x32 for the tiny model), not 1344x768.
+    response = post(base_url, {"prompt": "a lighthouse at dusk", "steps": 3, "seed": 5, "return_video": False})
+    assert response.status_code == 200, response.text
+    assert response.json()["video_shape"] == [24, 37, 2, 4]
+
+
 def test_models_lists_the_loaded_checkpoint(base_url, local_engine):
     body = requests.get(f"{base_url}/v1/models", timeout=30).json()
     (card,) = body["data"]
@@ -184,7 +191,7 @@ def test_models_lists_the_loaded_checkpoint(base_url, local_engine):
     assert {k: card["limits"][k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",
                                            "size_multiple", "fps", "max_prompt_tokens", "default_size")} == {
         "max_steps": 65, "short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 5.0, "max_seconds": 15.0,
-        "size_multiple": 32, "fps": 24, "max_prompt_tokens": MAX_PROMPT_TOKENS, "default_size": "1344x768"}
+        "size_multiple": 32, "fps": 24, "max_prompt_tokens": MAX_PROMPT_TOKENS, "default_size": "64x32"}
     assert card["layout"] == "diffusers" and card["engine_config"]["adaln"]["mode"] == "online"
 
 

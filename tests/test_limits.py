@@ -15,11 +15,13 @@ from jobs.errors import InvalidVideoRequest
 from jobs.limits import resolve_spec
 from jobs.schemas import VideoCreateRequest
 from model.geometry import GeometryError, VideoGeometry, frames_for_seconds, snap_num_frames
-from model.tiny import TINY_TRANSFORMER
+from model.canvas import CanvasRule
+from model.tiny import TINY_CANVAS, TINY_TRANSFORMER
 
 REPO = Path(__file__).resolve().parents[1]
 H3 = model_limits(EngineConfig(), H3_HIDDEN_SIZE)
 TINY = model_limits(EngineConfig(), TINY_TRANSFORMER.hidden_size)
+TINY_RULE = {"short_edge": TINY_CANVAS["canvas_short_edge"], "max_pixels": TINY_CANVAS["canvas_max_pixels"]}
 
 
 def test_engine_limits_import_nothing_but_pydantic():
@@ -42,6 +44,18 @@ def test_the_released_model_serves_its_size_rules_and_the_defaults_of_before():
 def test_the_quick_start_tiny_model_takes_any_32_px_multiple_with_the_same_defaults():
     assert (TINY.short_edge, TINY.min_edge, TINY.max_edge, TINY.default_size) == (None, 32, 8192, "1344x768")
     assert (TINY.default_seconds, TINY.default_steps, TINY.min_seconds, TINY.max_seconds) == (5.0, 50, 5.0, 15.0)
+
+
+def test_the_default_canvas_is_the_checkpoints_rule_where_the_geometry_takes_it():
+    # The tiny checkpoint's model index (model.tiny.TINY_CANVAS): short edge 32, <= 32x64 px -> 64x32.
+    tiny = model_limits(EngineConfig(), TINY_TRANSFORMER.hidden_size, canvas=CanvasRule(**TINY_RULE))
+    assert (tiny.default_size, tiny.default_short_edge) == ("64x32", 32)
+    assert resolve_spec(VideoCreateRequest(prompt="a fox"), tiny).model_dump(include={"width", "height"}) == {
+        "width": 64, "height": 32}
+    # A configured short edge the rule's canvas does not have: the geometry's own default.
+    fixed = model_limits(EngineConfig(geometry={"short_edge": 768}), TINY_TRANSFORMER.hidden_size,
+                         canvas=CanvasRule(**TINY_RULE))
+    assert fixed.default_size == "1344x768"
 
 
 def test_a_small_canvas_gets_a_small_16_9_default_and_a_clip_that_fits_a_short_bound():
