@@ -104,16 +104,26 @@ class AttentionChoice:
     #: Backends auto tried that could not run here, each with why.
     unavailable: dict[str, str] = field(default_factory=dict)
     probe_tokens: int | None = None
+    #: Matmul FLOPs of one probe call (QK^T and PV: 4 x tokens^2 x heads x head_dim), for the rates.
+    probe_flops: float | None = None
 
     @property
     def ms(self) -> float | None:
         return self.measured_ms.get(self.backend)
 
+    @property
+    def tflops(self) -> float | None:
+        """The chosen kernel's measured rate on the probe (TFLOP/s), beside the GEMM rate it is judged by."""
+        if self.ms is None or not self.probe_flops:
+            return None
+        return self.probe_flops / (self.ms * 1e-3) / 1e12
+
     def summary(self) -> str:
         if not self.measured_ms:
             return f"{self.backend} ({self.reason})"
         ranked = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.measured_ms.items())
-        return f"{self.backend} ({self.reason} at {self.probe_tokens} tokens: {ranked})"
+        rate = f", {self.tflops:.0f} TFLOP/s" if self.tflops is not None else ""
+        return f"{self.backend} ({self.reason} at {self.probe_tokens} tokens{rate}: {ranked})"
 
 
 #: Times one backend on the probe (ms), or raises if it cannot run it; a seam so CPU tests can rank fakes.
@@ -131,8 +141,8 @@ def choose_attention(transformer: ModelMixin, setting: str, device: torch.device
         return AttentionChoice(setting, "configured")
     if device.type == "cpu":
         return AttentionChoice(DEFAULT_BACKEND, "default")
+    config = transformer.config
     if timer is None:
-        config = transformer.config
         timer = probe_timer(device, config.num_attention_heads, config.attention_head_dim)
     measured: dict[str, float] = {}
     unavailable: dict[str, str] = {}
@@ -147,7 +157,8 @@ def choose_attention(transformer: ModelMixin, setting: str, device: torch.device
     ranked = dict(sorted(measured.items(), key=lambda item: item[1]))
     best = next(iter(ranked))
     _set(transformer, best)
-    return AttentionChoice(best, "measured", ranked, unavailable, PROBE_TOKENS)
+    flops = 4.0 * PROBE_TOKENS**2 * config.num_attention_heads * config.attention_head_dim
+    return AttentionChoice(best, "measured", ranked, unavailable, PROBE_TOKENS, flops)
 
 
 def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int = PROBE_TOKENS,

@@ -49,7 +49,8 @@ class ForwardKernels:
 
     def describe(self) -> dict[str, object]:
         stats = self.compile_stats()
-        return {"attention": {**dataclasses.asdict(self.attention), "ms": self.attention.ms},
+        return {"attention": {**dataclasses.asdict(self.attention), "ms": self.attention.ms,
+                              "tflops": self.attention.tflops},
                 "quantization": self.quantization, "quantized_linears": self.quantized_linears,
                 "compile": dataclasses.asdict(stats) if stats is not None else None}
 

@@ -91,6 +91,9 @@ def test_auto_keeps_the_fastest_backend_that_runs_and_says_why_the_others_did_no
 
     choice = choose_attention(model, AUTO, torch.device("cuda"), timer=timer)
     assert choice.backend == "_native_cudnn" and choice.reason == "measured" and choice.ms == 3.1
+    heads, head_dim = model.config.num_attention_heads, model.config.attention_head_dim
+    assert choice.tflops == pytest.approx(4 * 8192**2 * heads * head_dim / 3.1e-3 / 1e12)  # the probe's rate
+    assert "TFLOP/s" in choice.summary()
     assert list(choice.measured_ms) == ["_native_cudnn", "native", "_native_flash", "_native_efficient"]
     assert {"flash", "_flash_3"} <= set(choice.unavailable)  # packages this venv lacks
     assert "_native_math" not in choice.measured_ms and "_native_math" not in choice.unavailable
@@ -208,6 +211,27 @@ def test_auto_times_flash_4_where_the_wheel_imports(model, fake_fa4_wheel):
     choice = choose_attention(model, AUTO, torch.device("cuda"), timer=lambda name: fake_ms[name])
     assert choice.backend == "flash_4" and list(choice.measured_ms)[:2] == ["flash_4", "_native_cudnn"]
     assert processors_backends(model) == {AttentionBackendName.FLASH_4_HUB}
+
+
+def test_sequence_parallel_attention_runs_the_chosen_backend_set_before_or_after_it(model, tmp_path, t2va, eager_run,
+                                                                                    fake_fa4_wheel):
+    from parallel.group import init_group
+    from parallel.sequence import SequenceParallel, UlyssesAttnProcessor
+
+    group = init_group(0, 1, f"file://{tmp_path / 'rendezvous'}", "cpu", timeout_s=30)  # one rank: no peers
+    try:
+        choose_attention(model, "_native_math", torch.device("cpu"))
+        sp = SequenceParallel.install(model, group)
+        assert all(isinstance(block.attn.processor, UlyssesAttnProcessor) for block in model.transformer_blocks)
+        assert processors_backends(model) == {AttentionBackendName._NATIVE_MATH}  # kept from before
+        choose_attention(model, "native", torch.device("cpu"))
+        assert processors_backends(model) == {AttentionBackendName.NATIVE}  # and set on the SP processors after
+        choose_attention(model, "flash_4", torch.device("cuda"))
+        assert_same_velocities(denoise(model, t2va), eager_run)
+        assert len(fake_fa4_wheel) >= len(model.transformer_blocks) * (NUM_STEPS - 1)  # the SP processors called it
+        sp.remove()
+    finally:
+        group.destroy()
 
 
 def test_the_config_refuses_an_unknown_backend_naming_the_field():
