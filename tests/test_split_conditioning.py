@@ -14,7 +14,7 @@ import torch
 from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
 from engine.config import EngineConfig
 from engine.engine import DenoiserEngine, Engine
-from engine.errors import ClientError
+from engine.errors import ClientError, UploadField, UploadKind
 from engine.prepare import prepare_stage
 from engine.stages import Conditions
 from model.tiny import make_tiny_checkpoint
@@ -143,3 +143,4 @@ def test_a_corrupt_video_reference_is_refused_naming_it(prepare, data, message):
     with pytest.raises(ClientError) as error:
         prepare.check(request(references=(ReferenceInput(kind="image", data=FIRST), video)))
     assert error.value.field == "references[1]" and message in str(error.value)
+    assert error.value.upload == UploadField(UploadKind.REFERENCES, 1)
