@@ -99,13 +99,13 @@ def serve_one(args: argparse.Namespace) -> dict:
     import torch
 
     from engine.api import GenerationRequest
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
     from engine.stages import PromptEmbedding
     from model.text_encoder import PromptCacheStats
 
     checkpoint, cache_dir = Path(args.checkpoint), Path(args.cache_dir)
     begin = time.perf_counter()
-    engine = Engine(engine_config(args, checkpoint, args.start, cache_dir), parts=EngineParts.DENOISER)
+    engine = DenoiserEngine(engine_config(args, checkpoint, args.start, cache_dir))
     start_s = time.perf_counter() - begin
     compile_stats = engine.describe()["forward"]["compile"]
     blocks = engine.transformer.transformer_blocks

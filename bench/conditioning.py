@@ -11,7 +11,7 @@ edge). Smoke: tiny width, a one-block vision tower, small VAEs and a tiny canvas
 
 Tasks, one request each (`--tasks`), through the engine's own stages: `engine.Engine` of the FL2VA partition (its prompt
 stage with the vision tower, its VAEs, plan cache and transformer) serves t2va and fl2va; ref2va denoises on the
-Ref2VA partition's transformer and plan cache (`Engine(partition=ref2va, parts=DENOISER)`) and is prepared and decoded
+Ref2VA partition's transformer and plan cache (`DenoiserEngine(partition=ref2va)`) and is prepared and decoded
 by the same prompt and decode stages, as an app serving both partitions does (`engine.conditioning.ConditioningStage`
 over that checkpoint):
 - `t2va`: the prompt alone;
@@ -635,12 +635,12 @@ class Bench:
         return self.served[partition]
 
     def load_ref2va(self) -> None:
-        from engine.engine import Engine, EngineParts
+        from engine.engine import DenoiserEngine
 
         fl2va = self.served[Partition.FL2VA].engine
         with Peak(self.device) as peak:
             t0 = time.perf_counter()
-            engine = Engine(self.engine_config(Partition.REF2VA), parts=EngineParts.DENOISER)
+            engine = DenoiserEngine(self.engine_config(Partition.REF2VA))
             load_s = time.perf_counter() - t0
         self.report.setup.append({"what": "Ref2VA engine (transformer_ref, online AdaLN; denoiser only)",
                                   "seconds": round(load_s, 2), "GB": gib(peak.extra_bytes, self.device)})

@@ -324,13 +324,13 @@ class Bench:
     # --- one mode --------------------------------------------------------------------------------------
 
     def run_mode(self, mode: str) -> None:
-        from engine.engine import Engine, EngineParts
+        from engine.engine import DenoiserEngine, Engine
 
         first = self.shared is None
         if "compiled" in mode:
             torch._dynamo.reset()  # the previous mode's graphs: one engine's compiles never count against another's
         t0 = time.perf_counter()
-        engine = Engine(self.engine_config(mode), parts=EngineParts.FULL if first else EngineParts.DENOISER)
+        engine = (Engine if first else DenoiserEngine)(self.engine_config(mode))
         load_s = time.perf_counter() - t0
         compile_stats = engine.forward_kernels.compile_stats()
         warmup_s = compile_stats.warmup_s if compile_stats is not None else None

@@ -80,7 +80,7 @@ class AdalnStats(BaseModel):
     pool_published_plans: int = Field(0, description="Built plans offered to the remote tier/pool (background).")
     pool_lookup_s: float = Field(0.0, description="Wall seconds spent asking the remote tier/pool.")
     built_plans: int = Field(0, description="Plans projected by a streaming rebuild from the checkpoint.")
-    gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (segmented LRU) to make room.")
+    gpu_evicted_plans: int = Field(0, description="Plans evicted from the GPU slab (LRU) to make room.")
     host_stored_plans: int = Field(0, description="Plans copied D2H into the host tier.")
     host_evicted_groups: int = Field(0, description="Host tier groups evicted (LRU) to make room.")
     host_pressure_skips: int = Field(0, description="Groups not stored: larger than the whole host tier.")

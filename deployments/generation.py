@@ -36,8 +36,7 @@ from engine.api import CancelledFn, GenerationRequest, GenerationResult, Latents
 from engine.pipeline import Pipeline, PipelineResult, StageCallTimes, check_cancelled
 from engine.stages import DecodedVideo, PromptEmbedding
 
-__all__ = ["CANCEL_POLL_S", "FusedRunner", "GenerationRunner", "SplitRunner", "StageHandles", "follow", "runner_for",
-           "wait_result"]
+__all__ = ["CANCEL_POLL_S", "FusedRunner", "GenerationRunner", "SplitRunner", "follow", "runner_for", "wait_result"]
 
 #: How often a followed stream checks `cancelled()`.
 CANCEL_POLL_S = 0.1
@@ -123,15 +122,6 @@ class GenerationRunner(Protocol):
 
 
 @dataclass(frozen=True)
-class StageHandles:
-    """The three deployments of a split app."""
-
-    worker: DeploymentHandle
-    text_encoder: DeploymentHandle
-    decoder: DeploymentHandle
-
-
-@dataclass(frozen=True)
 class TextEncoderStep:
     text_encoder: DeploymentHandle
 
@@ -164,12 +154,11 @@ class DecoderStep:
 
 
 class SplitRunner:
-    """The pipeline over the three deployments, run in the caller's process."""
+    """The pipeline over the three deployments of a split app, run in the caller's process."""
 
-    def __init__(self, stages: StageHandles) -> None:
-        self._text_encoder = stages.text_encoder
-        self._pipeline = Pipeline(TextEncoderStep(stages.text_encoder), WorkerDenoiseStep(stages.worker),
-                                  DecoderStep(stages.decoder))
+    def __init__(self, worker: DeploymentHandle, text_encoder: DeploymentHandle, decoder: DeploymentHandle) -> None:
+        self._text_encoder = text_encoder
+        self._pipeline = Pipeline(TextEncoderStep(text_encoder), WorkerDenoiseStep(worker), DecoderStep(decoder))
 
     async def check(self, request: GenerationRequest) -> None:
         await self._text_encoder.validate.remote(request)  # the TextEncoder holds the tokenizer
@@ -218,5 +207,5 @@ def runner_for(worker: DeploymentHandle, text_encoder: DeploymentHandle | None,
         raise ValueError("a split app needs both the TextEncoder and the Decoder handle")
     if text_encoder is None or decoder is None:
         return FusedRunner(worker)
-    return SplitRunner(StageHandles(worker, text_encoder, decoder))
+    return SplitRunner(worker, text_encoder, decoder)
 

@@ -3,7 +3,7 @@ prompt-embedding cache; for fl2va / ref2va also Qwen3-VL's vision tower and the 
 references, whose latents travel to the Worker in the embedding: `engine.prepare`) and `Decoder` (video + audio VAE
 decode, MP4 mux). One of each serves every partition of the app (they share the text encoder and the VAEs).
 
-With them the `Worker` holds the denoiser alone (`engine.engine.EngineParts.DENOISER`) and is free for the next
+With them the `Worker` holds the denoiser alone (`engine.engine.DenoiserEngine`) and is free for the next
 request the moment its denoising loop ends; the ingress runs the pipeline over the three
 (`deployments/generation.py`). Each holds one stage object of `engine.stages` and runs it on one
 thread (one device, one call at a time; later calls queue). Errors are the engine's types (`ClientError` for a

@@ -13,7 +13,7 @@ deployments, or inside a fused worker), and comes back as the job's MP4.
   the worker while this one decodes. Timings: each stage's own seconds plus what each call took beyond them
   (`*_wait_s`: a replica's queue, transfers).
 - Errors: the engine's `ClientError` -> `VideoRequestError` under the video API's name of its `field`
-  (`VIDEO_FIELDS`), a cancel the job did not ask for (the worker replica stopping) or any other failure ->
+  (`VIDEO_FIELDS`) or of the upload it is about (its typed `upload`: list and index), a cancel the job did not ask for (the worker replica stopping) or any other failure ->
   `VideoServerError` with a message fit for the job record (no server paths). A worker replica that died
   mid-run (`RayActorError`) is `VideoWorkerLost`: the service retries the job when no denoising step had run.
 - Limits: the worker's `describe()["limits"]` is the engine's `ModelLimits` (`ModelCard`), what the job layer
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +35,7 @@ from deployments.errors import engine_error, fault_summary, unwrap
 from deployments.generation import GenerationRunner
 from engine.api import (AdalnStats, AdapterChoice, CacheDitOverrides, GenerationRequest, GenerationStats,
                         KeyframeInput, ReferenceInput)
-from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable
+from engine.errors import ClientError, EngineError, GenerationCancelled, ServerFault, Unavailable, UploadKind
 from engine.limits import ModelLimits
 from engine.pipeline import PipelineResult
 from jobs.backend import (
@@ -177,32 +176,29 @@ VIDEO_FIELDS = {
     "prompt": "prompt", "steps": "num_inference_steps", "seconds": "seconds", "width": "size", "height": "size",
     "flow_shift": "flow_shift", "audio_flow_shift": "audio_flow_shift", "seed": "seed", "cache_dit": "quality", "quality": "quality",
     "adapters": "lora",
+    # The uploads as a whole (an upload of the list: `ClientError.upload`, named as the client sent it).
+    "keyframes": "input_reference", "references": "references",
 }
 
 
 def invalid_request(error: ClientError, spec: VideoSpec | None = None) -> InvalidVideoRequest:
     """An engine refusal as the video API's 422, under the video API's name of its field: `keyframes[i]...` and
-    `references[i]` are the job's uploads in order, named as the client sent them (`input_references[1]`)."""
-    return InvalidVideoRequest(video_field(error.field, spec), error.detail)
+    `references[i]` (its typed `upload`) are the job's uploads in order, named as the client sent them
+    (`input_references[1]`)."""
+    return InvalidVideoRequest(video_field(error, spec), error.detail)
 
 
-def video_field(engine_field: str, spec: VideoSpec | None) -> str:
-    field = VIDEO_FIELDS.get(engine_field)
-    if field is not None:
-        return field
-    match = _UPLOAD_FIELD.match(engine_field)
-    if match is None:
-        return "request"
+def video_field(error: ClientError, spec: VideoSpec | None) -> str:
+    """The video API's name of the field `error` is about: the upload it names by list and index (`upload`), else
+    its engine field's (`VIDEO_FIELDS`; "request" for a field no job sends)."""
+    upload = error.upload
+    if upload is None:
+        return VIDEO_FIELDS.get(error.field, "request")
     uploads = () if spec is None or spec.media is None else (
-        spec.media.keyframes if match["kind"] == "keyframes" else spec.media.references)
-    index = int(match["index"]) if match["index"] is not None else None
-    if index is not None and index < len(uploads):
-        return uploads[index].field
-    return "input_reference" if match["kind"] == "keyframes" else "references"
-
-
-#: The engine's names of a request's uploads: `keyframes[0].image`, `keyframes[1].frame_index`, `references[2]`.
-_UPLOAD_FIELD = re.compile(r"^(?P<kind>keyframes|references)(?:\[(?P<index>\d+)\])?")
+        spec.media.keyframes if upload.kind is UploadKind.KEYFRAMES else spec.media.references)
+    if upload.index < len(uploads):
+        return uploads[upload.index].field
+    return VIDEO_FIELDS[upload.kind.value]
 
 
 def backend_error(exc: BaseException, cancel_asked: bool, spec: VideoSpec | None = None) -> Exception:

@@ -79,10 +79,10 @@ def default_engine_factory(config: EngineConfig) -> EngineProtocol:
 def denoiser_engine_factory(config: EngineConfig) -> EngineProtocol:
     """The engine of a `stages: split` worker: the transformer and its AdaLN plans, no text encoder, no VAEs."""
     from actors.host_cache_pool import make_pool_client
-    from engine.engine import Engine, EngineParts, resolve_device
+    from engine.engine import DenoiserEngine, resolve_device
 
     remote = make_pool_client(config.pool, resolve_device(config.device), config.adaln.mode)
-    return Engine(config, remote=remote, parts=EngineParts.DENOISER)
+    return DenoiserEngine(config, remote=remote)
 
 
 def module_import_times() -> tuple[float, float, bool]:

@@ -19,7 +19,7 @@ per token count (each prompt length recompiles) and, with nothing symbolic, `_Bl
 graph, not for serving.
 
 Compiled and eager differ by reassociation (bf16 fusion): the bound is stated where it is tested
-(tests/test_compiled_blocks.py) and measured per block at the released width (bench/forward.py).
+(tests/test_forward_kernels.py, the inductor test) and measured per block at the released width (bench/forward.py).
 """
 
 from __future__ import annotations

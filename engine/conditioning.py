@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.api import GenerationRequest, field_error
-from engine.errors import ClientError
+from engine.errors import ClientError, UploadField, UploadKind
 from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
 from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage, VaeEncoders
 from model.canvas import CanvasError, CanvasRule
@@ -105,7 +105,7 @@ class ConditioningStage:
             schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, request.task,
                                         conditioning.has_reference_audio)
         except (MediaError, ConditioningError, CanvasError) as exc:
-            raise _client_error(exc) from None
+            raise _client_error(exc, request) from None
         except (GeometryError, ScheduleError) as exc:  # they name their field, value and limit
             raise field_error(exc, request) from None
         return self._keep(_Entry(request, conditioning, geometry, schedule))
@@ -118,7 +118,7 @@ class ConditioningStage:
                 prepared = prepare_conditioning(entry.conditioning, request.prompt, size, entry.geometry.num_frames,
                                                 self.rule, self.limits, self.encoders)
             except (ConditioningError, CanvasError) as exc:
-                raise _client_error(exc) from None
+                raise _client_error(exc, request) from None
             entry = self._keep(_Entry(request, entry.conditioning, entry.geometry, entry.schedule, prepared))
         return entry
 
@@ -137,23 +137,29 @@ class ConditioningStage:
             keyframes = []
             for index, keyframe in enumerate(request.keyframes):
                 field = f"keyframes[{index}]"
-                anchor = KeyframeAnchor(keyframe.anchor) if keyframe.anchor is not None else \
-                    KeyframeAnchor.of_frame_index(keyframe.frame_index, num_frames, f"{field}.frame_index")
-                keyframes.append(Keyframe(decode_image(keyframe.image, f"{field}.image", limits), anchor))
+                try:
+                    anchor = KeyframeAnchor(keyframe.anchor) if keyframe.anchor is not None else \
+                        KeyframeAnchor.of_frame_index(keyframe.frame_index, num_frames, f"{field}.frame_index")
+                    keyframes.append(Keyframe(decode_image(keyframe.image, f"{field}.image", limits), anchor))
+                except (MediaError, ConditioningError) as exc:
+                    raise _client_error(exc, request, index) from None
             return Conditioning(keyframes=tuple(keyframes))
         references: list[Reference] = []
         # A video reference is truncated to the generated clip (`normalize_references`): decode no more of it.
         clip_seconds = snap_num_frames(frames_for_seconds(request.seconds)) / FPS
         for index, reference in enumerate(request.references):
             field = f"references[{index}]"
-            if reference.kind == "image":
-                references.append(ImageReference(decode_image(reference.data, field, limits)))
-            elif reference.kind == "video":
-                video = decode_video(reference.data, field, limits, keep_seconds=clip_seconds)
-                references.append(VideoReference(video.frames, video.fps, video.audio, video.sample_rate))
-            else:
-                audio = decode_audio(reference.data, field, limits)
-                references.append(AudioReference(audio.audio, audio.sample_rate))
+            try:
+                if reference.kind == "image":
+                    references.append(ImageReference(decode_image(reference.data, field, limits)))
+                elif reference.kind == "video":
+                    video = decode_video(reference.data, field, limits, keep_seconds=clip_seconds)
+                    references.append(VideoReference(video.frames, video.fps, video.audio, video.sample_rate))
+                else:
+                    audio = decode_audio(reference.data, field, limits)
+                    references.append(AudioReference(audio.audio, audio.sample_rate))
+            except MediaError as exc:
+                raise _client_error(exc, request, index) from None
         return Conditioning(references=tuple(references))
 
 
@@ -190,7 +196,12 @@ def conditioned_plan(request: GenerationRequest, conditions: Conditions,
     return geometry, schedule
 
 
-def _client_error(exc: MediaError | ConditioningError | CanvasError) -> ClientError:
-    """An upload or condition refused below the engine, as the ClientError on the field it names."""
+def _client_error(exc: MediaError | ConditioningError | CanvasError, request: GenerationRequest,
+                  index: int | None = None) -> ClientError:
+    """An upload or condition refused below the engine, as the ClientError on the field it names; about the
+    request's upload `index` (here, or as the model's `ConditioningError.index` says) when it is about one."""
     detail = str(exc).removeprefix(f"{exc.field}: ")
-    return ClientError(exc.field, detail)
+    if index is None and isinstance(exc, ConditioningError):
+        index = exc.index
+    kind = UploadKind.KEYFRAMES if request.keyframes else UploadKind.REFERENCES
+    return ClientError(exc.field, detail, upload=UploadField(kind, index) if index is not None else None)

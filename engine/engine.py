@@ -40,7 +40,6 @@ and the replica does not start.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -210,25 +209,15 @@ def default_request_plans() -> list[torch.Tensor]:
                                  fields["audio_flow_shift"].default).plans)
 
 
-class EngineParts(enum.Enum):
-    """What an engine holds: everything (prompt -> MP4), or the denoiser alone (the text encoder and the VAEs
-    run in their own processes: `engine.stages`, deployed as the app's TextEncoder and Decoder)."""
-
-    FULL = "full"
-    DENOISER = "denoiser"
-
-
 class Engine:
     """MiniMax-H3 on one device (or one rank of a multi-device replica). Thread-safe: generations (and weight
     updates) are serialized by a lock."""
 
-    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None, *, group: SpGroup | None = None,
-                 parts: EngineParts = EngineParts.FULL):
+    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None, *, group: SpGroup | None = None):
         """`remote`: optional node-shared plan pool (`cache.plan_cache.RemoteTier`, the pool client in
         `actors/`, built by the Serve worker); used in adaln.mode=online only. `group`: this process's rank of
-        a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device.
-        `parts`: DENOISER loads neither the text encoder nor the VAEs (`generate` is then refused; `denoise`
-        takes the prompt's embedding)."""
+        a replica of `config.parallel.sp` devices (`parallel.group.init_group`); None for one device. The
+        transformer alone, without the text encoder and the VAEs: `DenoiserEngine`."""
         begin = time.perf_counter()
         self.config = config
         self.group = _checked_group(config, group)
@@ -236,9 +225,6 @@ class Engine:
         #: What this rank agrees on with the others (None: one device).
         self.agreement = RankAgreement(self.group) if self.group is not None else None
         self.device = self.group.device if self.group is not None else resolve_device(config.device)
-        if parts is EngineParts.DENOISER and self.group is not None:
-            raise ValueError("a sequence-parallel engine runs every stage (only rank 0 decodes): parts=FULL")
-        self.parts = parts
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()
@@ -313,8 +299,7 @@ class Engine:
             # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
             self.plan_cache.warm_up(default_request_plans())
         warm_up_s = time.perf_counter() - t
-        text_encoder_s = self._load_text_encoder() if parts is EngineParts.FULL else 0.0
-        vae_s = self._load_vaes() if parts is EngineParts.FULL else 0.0
+        text_encoder_s, vae_s = self._load_stages()
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
@@ -374,6 +359,10 @@ class Engine:
         result = self.denoise(self._warm_up_request(run.canvas, run.quality),
                               PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
         return result.stats.forwards
+
+    def _load_stages(self) -> tuple[float, float]:
+        """Build the prompt and decode stages this engine runs in process; (text encoder, VAEs) seconds."""
+        return self._load_text_encoder(), self._load_vaes()
 
     def _load_text_encoder(self) -> float:
         """Build the prompt stage; its seconds."""
@@ -519,9 +508,6 @@ class Engine:
         mux, rank 0 alone decoding). Raises ClientError (the request, before any work), AdmissionRejected (the
         plan cache can never serve it), ServerFault (e.g. a checkpoint shard unreadable while rebuilding plans)
         or GenerationCancelled (`cancelled()` turned true between two steps)."""
-        if self.prompt_stage is None:
-            raise ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
-                              "TextEncoder deployment and passed to denoise()", FaultCause.STAGE_MISSING)
         with self._lock:  # the whole generation: a weight update waits for its decode too
             return run_local(self._pipeline, request, progress, cancelled).result
 
@@ -872,6 +858,33 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
+
+
+class DenoiserEngine(Engine):
+    """The transformer alone, what a `stages: split` Worker holds: its AdaLN plans, adapters and denoising loop,
+    neither the text encoder nor the VAEs (the app's TextEncoder and Decoder hold them: `engine.prepare`,
+    `engine.stages`). `denoise` takes an embedding encoded elsewhere; `generate` and `encode` are refused. One
+    device: under sequence parallel rank 0 decodes, so every rank runs a full `Engine`. A transformer whose latent
+    widths are not the VAEs' is refused here too, at open (`model.weights`: CheckpointError), though no VAE is
+    loaded to disagree with it."""
+
+    def __init__(self, config: EngineConfig, remote: RemoteTier | None = None):
+        super().__init__(config, remote)
+
+    def _load_stages(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def generate(self, request: GenerationRequest, progress: ProgressFn | None = None,
+                 cancelled: CancelledFn | None = None) -> GenerationResult:
+        raise _stage_missing()
+
+    def encode(self, request: GenerationRequest, cancelled: CancelledFn | None = None) -> PromptEmbedding:
+        raise _stage_missing()
+
+
+def _stage_missing() -> ServerFault:
+    return ServerFault("this engine holds the denoiser only (stages: split): the prompt is encoded by the "
+                       "TextEncoder deployment and passed to denoise()", FaultCause.STAGE_MISSING)
 
 
 def _translated(exc: BaseException) -> BaseException:

@@ -21,12 +21,13 @@ but the admin's when it names that checkpoint for a weight update.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionRejected", "ClientError", "EngineError", "ErrorKind", "FaultCause", "GenerationCancelled",
-    "ServerFault", "Unavailable", "WeightsRejected",
+    "ServerFault", "Unavailable", "UploadField", "UploadKind", "WeightsRejected",
 ]
 
 
@@ -82,16 +83,33 @@ class EngineError(Exception):
         return _rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
+class UploadKind(str, enum.Enum):
+    """A request's list of uploads (its field name)."""
+
+    KEYFRAMES = "keyframes"
+    REFERENCES = "references"
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadField:
+    """Which upload of a request a refusal is about: the list and the item's index in it, as data, so a caller
+    that named the uploads otherwise (the video API's `input_references[1]`) maps it without reading `field`."""
+
+    kind: UploadKind
+    index: int
+
+
 class ClientError(EngineError, ValueError):
     """The request cannot be served as sent (HTTP 4xx). `field` is the request field at fault (the engine's
-    request names: `steps`, `width`, `seconds`, `prompt`, `cache_dit`, ...), `detail` what is wrong with it,
-    `limit` the bound it broke (None when it is not a bound). The message is `"{field}: {detail}"`."""
+    request names: `steps`, `width`, `seconds`, `prompt`, `cache_dit`, `keyframes[1].image`, ...), `detail` what
+    is wrong with it, `limit` the bound it broke (None when it is not a bound), `upload` the keyframe or reference
+    it is about (None when it is about no single upload). The message is `"{field}: {detail}"`."""
 
     kind = ErrorKind.INVALID_REQUEST
 
-    def __init__(self, field: str, detail: str, limit: str | None = None) -> None:
+    def __init__(self, field: str, detail: str, limit: str | None = None, *, upload: UploadField | None = None) -> None:
         super().__init__(f"{field}: {detail}")
-        self.field, self.detail, self.limit = field, detail, limit
+        self.field, self.detail, self.limit, self.upload = field, detail, limit, upload
 
 
 class AdmissionRejected(ClientError):

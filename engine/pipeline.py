@@ -11,7 +11,7 @@ the per-stage timings. Where the steps run is the caller's choice:
 - in one process (`engine.engine.Engine.generate`: tests, a fused Serve worker, every rank of a multi-GPU
   replica): `local_steps` of an engine, run to completion by `run_local` on the caller's thread;
 - across Serve deployments (`stages: split`): the ingress runs the same `Pipeline` over handle-backed steps
-  (`deployments/pipeline_steps.py`), so the Worker replica is a pure denoiser whose request slot and load
+  (`deployments/generation.py`), so the Worker replica is a pure denoiser whose request slot and load
   report count denoising only.
 
 The steps are async so that the split app awaits its handles; the local steps run their blocking work

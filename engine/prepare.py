@@ -6,8 +6,8 @@
 
 What runs here is what a fused engine runs before its denoising loop (`engine.conditioning.ConditioningStage`:
 Qwen3-VL's presentation with the vision tower, the keyframes' and references' VAE encodes), so a denoiser that holds
-the transformer alone (`EngineParts.DENOISER`) runs fl2va and ref2va with the same bits as a fused engine: what it
-needs of the media travels in the embedding as typed data (`engine.stages.Conditions`). One prepare stage serves
+the transformer alone (`engine.engine.DenoiserEngine`) runs fl2va and ref2va with the same bits as a fused engine:
+what it needs of the media travels in the embedding as typed data (`engine.stages.Conditions`). One prepare stage serves
 every partition an app lists (they share the text encoder and the VAEs): it takes the tasks of them all. Loaded only
 for what it serves: the vision tower and the VAE encoders only when a listed partition takes keyframes or
 references and `engine.text_encoder.vision` is on (a t2va-only prepare stage keeps the text layers' memory), and of

@@ -39,11 +39,12 @@ MAX_IMAGES, MAX_VIDEOS, MAX_AUDIOS, MAX_REFERENCES = 9, 3, 3, 12
 
 
 class ConditioningError(ValueError):
-    """A keyframe or reference the model cannot condition on; `field` names the request field."""
+    """A keyframe or reference the model cannot condition on; `field` names the request field, `index` the
+    upload's place in its list when it is about one upload (None: the list as a whole, or another field)."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, index: int | None = None):
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.index = field, index
 
 
 class KeyframeAnchor(str, Enum):
@@ -208,25 +209,29 @@ def normalize_references(references: tuple[Reference, ...], num_frames: int, rul
     normalized: list[Reference] = []
     duration = num_frames / FPS
     for index, reference in enumerate(references):
-        audio = None
-        if reference.has_audio:
-            audio = _normalize_audio(reference.audio, reference.sample_rate, sample_rate, duration,
-                                     f"references[{index}].audio")
-        if isinstance(reference, ImageReference):
-            image = reference.image
-            width, height = image.size
-            if width > 4 * height or height > 4 * width:
-                raise ConditioningError(f"references[{index}]", f"an image reference must be within 1:4 and 4:1, "
-                                                                f"got {width}x{height}")
-            target = reference_image_size(width, height, rule)
-            if image.size != target:
-                image = image.resize(target, Image.Resampling.LANCZOS)
-            normalized.append(ImageReference(image))
-        elif isinstance(reference, VideoReference):
-            frames = _normalize_video(reference.frames, reference.fps, num_frames, rule, f"references[{index}]")
-            normalized.append(VideoReference(frames, float(FPS), audio, None if audio is None else sample_rate))
-        else:
-            normalized.append(AudioReference(audio, sample_rate))
+        try:
+            audio = None
+            if reference.has_audio:
+                audio = _normalize_audio(reference.audio, reference.sample_rate, sample_rate, duration,
+                                         f"references[{index}].audio")
+            if isinstance(reference, ImageReference):
+                image = reference.image
+                width, height = image.size
+                if width > 4 * height or height > 4 * width:
+                    raise ConditioningError(f"references[{index}]", f"an image reference must be within 1:4 and 4:1, "
+                                                                    f"got {width}x{height}")
+                target = reference_image_size(width, height, rule)
+                if image.size != target:
+                    image = image.resize(target, Image.Resampling.LANCZOS)
+                normalized.append(ImageReference(image))
+            elif isinstance(reference, VideoReference):
+                frames = _normalize_video(reference.frames, reference.fps, num_frames, rule, f"references[{index}]")
+                normalized.append(VideoReference(frames, float(FPS), audio, None if audio is None else sample_rate))
+            else:
+                normalized.append(AudioReference(audio, sample_rate))
+        except ConditioningError as exc:
+            exc.index = index  # the upload it is about, as data beside its field's name
+            raise
     return tuple(normalized)
 
 

@@ -110,7 +110,8 @@ class _VideoFeatures:
     video_grid_thw: torch.Tensor | None = None
 
 
-def sample_video_frames(num_frames: int, temporal_patch: int, field: str) -> tuple[list[int], list[float]]:
+def sample_video_frames(num_frames: int, temporal_patch: int, field: str,
+                        index: int | None = None) -> tuple[list[int], list[float]]:
     """The frame indices Qwen3-VL reads of a normalized (24 fps) video, and the timestamp of each merged block:
     every FPS / VIDEO_SAMPLE_FPS-th frame (rounded, deduplicated); the sampled frames' times padded with the last
     to a multiple of `temporal_patch`, each block labelled with the mean of its first and last."""
@@ -124,7 +125,7 @@ def sample_video_frames(num_frames: int, temporal_patch: int, field: str) -> tup
     if len(indices) < temporal_patch:
         minimum = round((temporal_patch - 1) * stride) + 1
         raise ConditioningError(field, f"a video reference must run at least {minimum} frames at {FPS} fps "
-                                       f"({minimum / FPS:.2g} s), got {num_frames}")
+                                       f"({minimum / FPS:.2g} s), got {num_frames}", index)
     times = [index / VIDEO_SAMPLE_FPS for index in range(len(indices))]
     times += [times[-1]] * (-len(times) % temporal_patch)
     blocks = [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
@@ -132,22 +133,24 @@ def sample_video_frames(num_frames: int, temporal_patch: int, field: str) -> tup
 
 
 def _video_features(video_processor: QwenVideoProcessor | None, references: tuple[Reference, ...]) -> _VideoFeatures:
-    fields = [f"references[{i}]" for i, reference in enumerate(references) if isinstance(reference, VideoReference)]
-    if not fields:
+    places = [i for i, reference in enumerate(references) if isinstance(reference, VideoReference)]
+    if not places:
         return _VideoFeatures()
     if video_processor is None:
-        raise ConditioningError(fields[0], "this checkpoint's processor has no video processor config "
-                                           "(video_preprocessor_config.json), so it serves no video references")
-    videos = [reference for reference in references if isinstance(reference, VideoReference)]
+        raise ConditioningError(f"references[{places[0]}]", "this checkpoint's processor has no video processor "
+                                "config (video_preprocessor_config.json), so it serves no video references", places[0])
     sampled, timestamps = [], []
-    for video, field in zip(videos, fields):
-        indices, blocks = sample_video_frames(video.frames.shape[0], video_processor.temporal_patch_size, field)
+    for place in places:
+        video = references[place]
+        assert isinstance(video, VideoReference)
+        indices, blocks = sample_video_frames(video.frames.shape[0], video_processor.temporal_patch_size,
+                                              f"references[{place}]", place)
         sampled.append(video.frames[indices])
         timestamps.append(tuple(blocks))
     try:
         features = video_processor(videos=sampled, do_sample_frames=False, return_tensors="pt")
     except VideoProcessingError as e:
-        raise ConditioningError(fields[0], str(e)) from None
+        raise ConditioningError(f"references[{places[0]}]", str(e), places[0]) from None
     grid = features["video_grid_thw"]
     merge = video_processor.merge_size ** 2
     return _VideoFeatures(tuple(sampled), tuple(timestamps), tuple(int(g[1] * g[2]) // merge for g in grid),

@@ -13,7 +13,7 @@ from PIL import Image
 from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ClientError
+from engine.errors import ClientError, UploadField, UploadKind
 from model.conditioning import Conditioning, ImageReference, Keyframe, KeyframeAnchor, VideoReference
 from model.layout import Partition
 from model.packing import audio_rows_to_channels
@@ -89,6 +89,7 @@ def test_bad_keyframes_are_client_errors_naming_the_field(online, keyframe, fiel
     with pytest.raises(ClientError) as error:
         online.validate(fl2va_request(keyframes=(keyframe,)))
     assert str(error.value).startswith(field)
+    assert error.value.upload == UploadField(UploadKind.KEYFRAMES, 0)  # the upload, as data (the video API's name)
     online.generate(fl2va_request())  # the engine stays usable
 
 

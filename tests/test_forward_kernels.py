@@ -455,15 +455,14 @@ def prompt_of(rows: int, seed: int = 0):
 
 def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothing(tiny_checkpoint, monkeypatch):
     from engine.api import GenerationRequest
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
     from engine.forward import WARMUP_FORWARDS
 
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
     forwards = ForwardRows(monkeypatch)
     canvas = dict(width=64, height=64, seconds=5.0)
-    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}),
-                    parts=EngineParts.DENOISER)
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
     described = engine.describe()["forward"]
     assert described["attention"]["backend"] == DEFAULT_BACKEND and described["attention"]["reason"] == "default"
     assert described["quantization"] == "none" and described["quantized_linears"] == 0
@@ -491,16 +490,15 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
     """With a symbolic sequence length the canvases share their graphs: the warm-up runs the one of fewest tokens,
     once (its first two forwards), and every canvas of the stream, larger ones included, compiles nothing."""
     from engine.api import GenerationRequest
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
     from engine.forward import WARMUP_FORWARDS
 
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
     forwards = ForwardRows(monkeypatch)
-    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                                 geometry={"short_edge": None, "min_seconds": 0.1},
-                                 compile={"mode": "blocks", "backend": "eager",  # steps: accepted, not read
-                                          "warmup": [dict(canvas, steps=9) for canvas in reversed(STREAM_CANVASES)]}),
-                    parts=EngineParts.DENOISER)
+    warmup = [dict(canvas, steps=9) for canvas in reversed(STREAM_CANVASES)]  # steps: accepted, not read
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         geometry={"short_edge": None, "min_seconds": 0.1},
+                                         compile={"mode": "blocks", "backend": "eager", "warmup": warmup}))
     warmed = engine.describe()["forward"]["compile"]
     assert warmed["frames_compiled"] >= 2  # a graph for the first forward (one timestep) and one for the others
     assert warmed["warmup_forwards"] == len(forwards.rows) == WARMUP_FORWARDS
@@ -523,17 +521,16 @@ def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_c
     one count once). Whether requests then compile nothing is not asserted here: without a symbolic length dynamo
     also specializes `_BlockRows.index`, a graph per block, and past its recompile limit (8: the 4 tiny blocks x 2
     graphs of the first count) it runs the rest eager without counting a compile."""
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
     from engine.forward import WARMUP_FORWARDS
 
     torch._dynamo.reset()
     forwards = ForwardRows(monkeypatch)
     canvases = STREAM_CANVASES[:3]  # 2 token counts
-    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                                 geometry={"short_edge": None, "min_seconds": 0.1},
-                                 compile={"mode": "blocks", "backend": "eager", "dynamic": False,
-                                          "warmup": canvases}),
-                    parts=EngineParts.DENOISER)
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         geometry={"short_edge": None, "min_seconds": 0.1},
+                                         compile={"mode": "blocks", "backend": "eager", "dynamic": False,
+                                                  "warmup": canvases}))
     assert engine.describe()["forward"]["compile"]["warmup_forwards"] == len(forwards.rows) == 2 * WARMUP_FORWARDS
     assert len(set(forwards.rows)) == 2
 
@@ -545,17 +542,17 @@ def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compil
     adapter request compiling (the case the warm-up's `adapters` field exists for), one warmed with it does not.
     Each adapter set is warmed once: two canvases of one set run once."""
     from engine.api import AdapterChoice, GenerationRequest
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
     from engine.forward import WARMUP_FORWARDS
     from model.tiny_adapter import save_adapter, tiny_lora_factors
 
     torch._dynamo.reset()
     path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
     canvas = dict(width=64, height=64, seconds=5.0)
-    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", adapters={"turbo": {"path": str(path)}},
-                                 compile={"mode": "blocks", "backend": "eager",
-                                          "warmup": [canvas, dict(canvas, adapters=warm_adapters)]}),
-                    parts=EngineParts.DENOISER)
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         adapters={"turbo": {"path": str(path)}},
+                                         compile={"mode": "blocks", "backend": "eager",
+                                                  "warmup": [canvas, dict(canvas, adapters=warm_adapters)]}))
     adapter_sets = 2 if warm_adapters else 1
     assert engine.describe()["forward"]["compile"]["warmup_forwards"] == adapter_sets * WARMUP_FORWARDS
     before = 0
@@ -592,12 +589,11 @@ def test_a_warmup_adapter_must_be_configured_naming_the_field():
 
 
 def test_a_warmup_canvas_the_engine_refuses_fails_the_start_naming_it(tiny_checkpoint):
-    from engine.engine import Engine, EngineParts
+    from engine.engine import DenoiserEngine
 
     with pytest.raises(ValueError, match=r"engine.compile.warmup\[0\] \(63x64"):
-        Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                            compile={"warmup": [dict(width=63, height=64, seconds=5.0, steps=3)]}),
-               parts=EngineParts.DENOISER)
+        DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                    compile={"warmup": [dict(width=63, height=64, seconds=5.0, steps=3)]}))
 
 
 # --- inductor ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -232,9 +233,11 @@ def test_stats_per_request_and_cumulative(tiny):
     cache = online_cache(tiny, gpu_plans=2, host_cache_gb=host_gb(4))
     cache.prepare(A).release()
     cache.prepare(B).release()            # evicts A's group from the 4-page host tier too
+    begin = time.perf_counter()
     last = cache.prepare(B)
+    called_s = time.perf_counter() - begin
     stats = last.stats.model_dump()
-    assert 0 < stats.pop("prepare_s") < 10
+    assert 0 < stats.pop("prepare_s") <= called_s  # this call's own time, measured inside it
     assert stats == {
         "requests": 1, "gpu_hit_plans": 2, "host_hit_plans": 0, "pool_hit_plans": 0,
         "pool_published_plans": 0, "pool_lookup_s": 0.0, "built_plans": 0,

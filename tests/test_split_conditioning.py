@@ -1,6 +1,6 @@
 """fl2va and ref2va split as a split app runs them, without Ray: the prepare stage (`engine.prepare`: the prompt,
 the vision tower, the keyframes' and references' VAE encodes) makes the embedding, it crosses a process boundary
-(pickled, as a Serve hop does), and a denoiser that holds the transformer alone (`EngineParts.DENOISER`) gives the
+(pickled, as a Serve hop does), and a denoiser that holds the transformer alone (`DenoiserEngine`) gives the
 latents a fused engine gives, bit for bit. One prepare stage serves both partitions; each refuses what it does not
 serve, naming the field and the served tasks; a corrupt video reference is refused naming it."""
 
@@ -13,8 +13,8 @@ import torch
 
 from engine.api import GenerationRequest, KeyframeInput, ReferenceInput
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineParts
-from engine.errors import ClientError
+from engine.engine import DenoiserEngine, Engine
+from engine.errors import ClientError, UploadField, UploadKind
 from engine.prepare import prepare_stage
 from engine.stages import Conditions
 from model.tiny import make_tiny_checkpoint
@@ -69,7 +69,7 @@ def prepare(checkpoint):
 def engines(checkpoint):
     """partition -> (the fused engine, the denoiser alone)."""
     return {partition: (Engine(config(checkpoint, partition)),
-                        Engine(config(checkpoint, partition), parts=EngineParts.DENOISER))
+                        DenoiserEngine(config(checkpoint, partition)))
             for partition in ("fl2va", "ref2va")}
 
 
@@ -143,3 +143,4 @@ def test_a_corrupt_video_reference_is_refused_naming_it(prepare, data, message):
     with pytest.raises(ClientError) as error:
         prepare.check(request(references=(ReferenceInput(kind="image", data=FIRST), video)))
     assert error.value.field == "references[1]" and message in str(error.value)
+    assert error.value.upload == UploadField(UploadKind.REFERENCES, 1)

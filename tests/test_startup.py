@@ -1,10 +1,13 @@
 """Start-up: the parallel transformer loader gives exactly the serial reader's tensors (both layouts, in place on
 the CPU and through staging buffers on a deferring fake device), a reader's error reaches the caller, and the
-start-up timings are filled in by the engine and reported by `describe()`."""
+start-up timings are filled in by the engine and reported by `describe()`; either engine, the denoiser alone too,
+refuses at start a transformer whose latent widths are not the VAEs'."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,8 +17,10 @@ import pytest
 import torch
 
 from device.streams import FakeDevice
+from engine.api import GenerationRequest
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineParts
+from engine.engine import DenoiserEngine, Engine
+from engine.errors import FaultCause, ServerFault
 from engine.startup import EngineStartup, ReplicaStartup, process_started_at
 from model.layout import CheckpointError, H3Checkpoint, Layout
 from model.loading import load_transformer, read_tensors
@@ -84,16 +89,31 @@ def test_process_start_is_a_wall_clock_time_before_now():
     assert mine < float(child.stdout) <= time.time() + 0.05  # the child started after this process (clock ticks)
 
 
+@pytest.mark.parametrize("field,value", [("in_channels", 16), ("audio_in_channels", 8)])
+@pytest.mark.parametrize("kind", [DenoiserEngine, Engine], ids=lambda kind: kind.__name__)
+def test_an_engine_refuses_a_transformer_whose_latent_widths_are_not_the_vaes_at_start(tiny_checkpoint, kind,
+                                                                                        field, value):
+    # The denoiser alone holds no VAE to disagree with: it used to start, validate requests and fail every one
+    # with "mat1 and mat2 shapes cannot be multiplied" inside the patch embedding.
+    config_file = H3Checkpoint.open(tiny_checkpoint).transformer_dir / "config.json"
+    data = json.loads(config_file.read_text())
+    assert data[field] != value
+    config_file.write_text(json.dumps(dict(data, **{field: value})))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(config_file))}: {field} is {value}, but the served "
+                                              r"VAEs' latent spec"):
+        kind(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu"))
+
+
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory) -> dict[EngineParts, Engine]:
+def engines(tmp_path_factory) -> dict[type[Engine], Engine]:
     root = tmp_path_factory.mktemp("checkpoints")
     config = EngineConfig(checkpoint_root=str(root), device="cpu", adaln={"host_cache_gb": 0.01})
-    return {parts: Engine(config, parts=parts) for parts in EngineParts}
+    return {kind: kind(config) for kind in (Engine, DenoiserEngine)}
 
 
-@pytest.mark.parametrize("parts", list(EngineParts), ids=lambda parts: parts.value)
-def test_engine_startup_is_filled_and_described(engines, parts):
-    engine = engines[parts]
+@pytest.mark.parametrize("kind", [Engine, DenoiserEngine], ids=lambda kind: kind.__name__)
+def test_engine_startup_is_filled_and_described(engines, kind):
+    engine = engines[kind]
     startup = engine.startup
     phases = (startup.device_init_s, startup.checkpoint_s, startup.transformer_s, startup.hooks_s,
               startup.plan_cache_s, startup.warm_up_s, startup.text_encoder_s, startup.vae_s)
@@ -104,15 +124,26 @@ def test_engine_startup_is_filled_and_described(engines, parts):
     weights = TransformerWeights(engine.checkpoint.transformer_dir, engine.checkpoint.layout)
     assert startup.transformer_bytes == sum(weights.read_plan(name).nbytes for name in weights.names()
                                             if not is_adaln_param(name))
-    held = parts is EngineParts.FULL
+    held = kind is Engine  # the denoiser alone loads neither the text encoder nor the VAEs
     assert (startup.text_encoder_s > 0, startup.vae_s > 0) == (held, held)
     assert EngineStartup(**engine.describe()["startup"]) == startup
+
+
+def test_the_denoiser_alone_refuses_the_stages_it_does_not_hold(engines):
+    denoiser = engines[DenoiserEngine]
+    assert denoiser.prompt_stage is None and denoiser.decode_stage is None
+    assert denoiser.describe()["text_encoder"] is None
+    request = GenerationRequest(prompt="a red fox", seed=0, steps=2)
+    for call in (lambda: denoiser.generate(request), lambda: denoiser.encode(request)):
+        with pytest.raises(ServerFault, match="holds the denoiser only") as raised:
+            call()
+        assert raised.value.cause is FaultCause.STAGE_MISSING
 
 
 def test_replica_startup_summary_names_every_phase(engines):
     replica = ReplicaStartup(role="worker", process_started_at=90.0, import_started_at=100.0, imported_at=103.5,
                              constructor_at=103.75, build_started_at=104.0, build_ended_at=106.0, ready_at=106.25,
-                             imports_s=0.25, engine=engines[EngineParts.FULL].startup)
+                             imports_s=0.25, engine=engines[Engine].startup)
     line = replica.summary()
     for part in ("module imports 3.50 s", "0.25 s to the constructor", "model imports 0.25 s", "build 2.00 s",
                  "ready 2.50 s after the constructor", "6.25 s after our first import", "transformer", "warm-up",

@@ -18,7 +18,7 @@ import torch
 from deployments.video_backend import LOSSLESS_CACHE_DIT, ModelCard, PipelineVideoBackend, video_output
 from engine.api import AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineParts, decode_stage
+from engine.engine import DenoiserEngine, Engine, decode_stage
 from engine.pipeline import LocalDecode, LocalDenoise, Pipeline, PipelineResult, StageCallTimes, local_steps
 from engine.prepare import PrepareStage, prepare_stage
 from engine.stages import PromptEmbedding
@@ -87,7 +87,7 @@ def test_fp8_and_adapter_jobs_say_so_in_split_and_fused_apps(tmp_path, monkeypat
                           adaln={"host_cache_gb": 0.01}, text_encoder={"vision": False},
                           geometry={"short_edge": None, "min_seconds": 0.1})
     fused = Engine(config)
-    denoiser = Engine(config, parts=EngineParts.DENOISER)
+    denoiser = DenoiserEngine(config)
     runners = {"fused": LocalRunner(Pipeline(*local_steps(fused))),
                "split": LocalRunner(Pipeline(PreparePrompt(prepare_stage(config)), LocalDenoise(denoiser),
                                              LocalDecode(decode_stage(config))))}

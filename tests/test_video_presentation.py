@@ -154,7 +154,7 @@ def test_a_video_too_short_to_sample_names_the_reference(checkpoint, encoder):
     with pytest.raises(ConditioningError) as error:
         reference_presentation(encoder.tokenizer, encoder.image_processor, encoder.video_processor, PROMPT,
                                references)
-    assert error.value.field == "references[1]"
+    assert error.value.field == "references[1]" and error.value.index == 1
 
 
 def test_the_media_hash_covers_the_video_pixels(checkpoint, encoder):
@@ -174,4 +174,16 @@ def test_a_processor_without_a_video_config_refuses_video_references(checkpoint,
     references = normalized(checkpoint, CASES["video"])
     with pytest.raises(ConditioningError) as error:
         reference_presentation(encoder.tokenizer, encoder.image_processor, None, PROMPT, references)
-    assert error.value.field == "references[0]"
+    assert error.value.field == "references[0]" and error.value.index == 0
+
+
+@pytest.mark.parametrize("references, field, index", [
+    ((ImageReference(random_image(40, 40, seed=1)), ImageReference(random_image(200, 40, seed=2))),
+     "references[1]", 1),  # 5:1
+    ((ImageReference(random_image(40, 40, seed=1)), AudioReference(stereo(1.0)[0], SAMPLE_RATE)),
+     "references[1].audio", 1),  # [samples], not [channels, samples]
+])
+def test_a_reference_normalization_refuses_names_its_place_as_data(checkpoint, references, field, index):
+    with pytest.raises(ConditioningError) as error:
+        normalized(checkpoint, references)
+    assert error.value.field == field and error.value.index == index

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pickle
 import struct
 import zlib
 from contextlib import ExitStack
@@ -21,7 +22,7 @@ from deployments.schemas import AppConfig
 from deployments.video_backend import generation_request, invalid_request
 from deployments.videos import VideoApi, build_videos_app
 from engine.api import KeyframeInput, Task
-from engine.errors import ClientError
+from engine.errors import ClientError, UploadField, UploadKind
 from jobs.backend import VideoServerError, VideoSpec
 from jobs.config import AuthConfig, JobsConfig
 from jobs.media import KeyframeMedia, ReferenceMedia, VideoMedia
@@ -293,18 +294,37 @@ def test_a_job_whose_uploads_are_missing_fails_as_a_server_error():
         generation_request(spec, AppConfig().videos.high_quality)
 
 
-@pytest.mark.parametrize("media, engine_field, api_field", [
-    (FIRST_AND_LAST, "keyframes[1].image", "input_references[1]"),
-    (FIRST_AND_LAST, "keyframes[0].frame_index", "input_references[0]"),
-    (FIRST_AND_LAST, "keyframes", "input_reference"),
-    (REFERENCES, "references[1]", "audio_reference"),
-    (WITH_VIDEO, "references[1]", "video_reference"),  # the engine refuses video references (no torchvision)
-    (REFERENCES, "references", "references"),
-    (REFERENCES, "seconds", "seconds"),
+KEYFRAMES, REFS = UploadKind.KEYFRAMES, UploadKind.REFERENCES
+
+
+@pytest.mark.parametrize("media, engine_field, upload, api_field", [
+    (FIRST_AND_LAST, "keyframes[1].image", UploadField(KEYFRAMES, 1), "input_references[1]"),
+    (FIRST_AND_LAST, "keyframes[0].frame_index", UploadField(KEYFRAMES, 0), "input_references[0]"),
+    (FIRST_AND_LAST, "keyframes", None, "input_reference"),
+    (REFERENCES, "references[1]", UploadField(REFS, 1), "audio_reference"),
+    (WITH_VIDEO, "references[1]", UploadField(REFS, 1), "video_reference"),
+    (REFERENCES, "references", None, "references"),
+    (REFERENCES, "seconds", None, "seconds"),
+    # An upload past the job's own (a job sent fewer than the engine counts): the list's name.
+    (FIRST_AND_LAST, "keyframes[5].image", UploadField(KEYFRAMES, 5), "input_reference"),
 ])
-def test_an_engine_refusal_names_the_upload_as_the_client_sent_it(media, engine_field, api_field):
-    error = invalid_request(ClientError(engine_field, "refused (fake)"), spec_with(media, False))
+def test_an_engine_refusal_names_the_upload_as_the_client_sent_it(media, engine_field, upload, api_field):
+    error = invalid_request(ClientError(engine_field, "refused (fake)", upload=upload), spec_with(media, False))
     assert error.field == api_field and str(error) == f"{api_field}: refused (fake)"
+
+
+def test_the_upload_is_read_from_the_errors_data_not_its_field_name():
+    # The field's text says keyframes[0]; the typed location says the second: the location wins (no parsing).
+    error = ClientError("keyframes[0].image", "refused (fake)", upload=UploadField(KEYFRAMES, 1))
+    assert invalid_request(error, spec_with(FIRST_AND_LAST, False)).field == "input_references[1]"
+    # An upload-looking field without a location names no upload.
+    assert invalid_request(ClientError("keyframes[1].image", "refused (fake)"),
+                           spec_with(FIRST_AND_LAST, False)).field == "request"
+
+
+def test_a_client_errors_upload_crosses_a_process_boundary():
+    error = pickle.loads(pickle.dumps(ClientError("references[2]", "refused", upload=UploadField(REFS, 2))))
+    assert error.upload == UploadField(REFS, 2) and error.field == "references[2]"
 
 
 # --- /v1/generations: the typed fields from a JSON body (deployments.ingress.parse_request) ---------------
