@@ -10,6 +10,7 @@ seed and steps, compared bit for bit with the engine's latents.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from engine.errors import ClientError
 from model.adapters import (FALLBACK_ALPHA, AdapterError, AlphaSource, activate, fuse_into_base_, install_adapter,
                             installed_adapters, read_lora_file)
 from model.packing import TEXT_TAG, audio_rows_to_channels
+from model.provisioning import auto_adapter_path, ensure_adapter
 from model.tiny import tiny_transformer
 from model.tiny_adapter import TURBO_TARGETS, save_adapter, tiny_lora_factors
 from model.weights import Transform, TransformerWeights, native_source
@@ -413,6 +415,41 @@ def test_the_tiny_adapter_cli_writes_a_file_the_server_reads(tmp_path, model):
     assert main(["--out", str(tmp_path / "tiny.safetensors"), "--seed", "5", "--rank", "2", "--alpha", "4"]) == 0
     lora = read_lora_file(tmp_path / "tiny.safetensors", model)
     assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (4.0, {2}, 30)
+
+
+def test_an_empty_path_is_a_seeded_tiny_adapter_made_once_under_the_checkpoint_root(tmp_path, model):
+    config = EngineConfig(checkpoint_root=str(tmp_path / "a"), adapters={"turbo-tiny": {"path": ""}})
+    path = ensure_adapter(config, "turbo-tiny")
+    assert path == auto_adapter_path(config, "turbo-tiny") == tmp_path / "a" / "adapters" / "tiny-turbo-tiny.safetensors"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    lora = read_lora_file(path, model)  # every check the engine's start makes
+    assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (8.0, {RANK}, 30)
+    mtime = path.stat().st_mtime_ns
+    assert ensure_adapter(config, "turbo-tiny") == path and path.stat().st_mtime_ns == mtime  # reused, not remade
+    # Seeded from the name alone: another root (another replica, a restart) makes the same bytes; another name not.
+    again = ensure_adapter(EngineConfig(checkpoint_root=str(tmp_path / "b")), "turbo-tiny")
+    assert again.read_bytes() == path.read_bytes()
+    assert ensure_adapter(config, "style").read_bytes() != path.read_bytes()
+
+
+def test_an_empty_adapter_path_beside_a_real_checkpoint_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValidationError, match=r"engine\.adapters\.turbo-tiny\.path is empty"):
+        EngineConfig(checkpoint=str(tmp_path / "h3"), adapters={"turbo-tiny": {"steps": 5}})
+    settings = SimpleNamespace(checkpoint=str(tmp_path / "h3"), checkpoint_root=str(tmp_path), preset="tiny")
+    with pytest.raises(ValueError, match=r"engine\.adapters\.turbo-tiny\.path is empty"):
+        ensure_adapter(settings, "turbo-tiny")
+    assert not (tmp_path / "adapters").exists()
+
+
+def test_an_engine_serves_an_auto_made_adapter_at_its_steps(checkpoint_root, resident):
+    engine = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cpu", adaln={"mode": "resident"},
+                                 adapters={"turbo-tiny": {"path": "", "steps": 4}}))
+    assert engine.adapters.held == ("turbo-tiny",)
+    result = engine.generate(GenerationRequest(prompt="a red fox", seconds=5.0, width=64, height=64, seed=11,
+                                               return_video=False, adapters=({"name": "turbo-tiny"},)))
+    assert (result.stats.steps, result.stats.forwards) == (4, 3)
+    assert result.stats.adapters.scales == {"turbo-tiny": 1.0}
+    assert not same_bits(result, resident.generate(small_request(steps=4)))
 
 
 @pytest.mark.parametrize("previous", [{"turbo": 0.3}, {}], ids=["after-turbo", "after-none"])
