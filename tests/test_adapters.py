@@ -23,7 +23,7 @@ from engine.adapters import AdapterSet
 from engine.api import AdapterChoice, GenerationRequest, with_adapter_defaults
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ClientError
+from engine.errors import ClientError, WeightsRejected
 from model.adapters import (FALLBACK_ALPHA, AdapterError, AlphaSource, activate, fuse_into_base_, install_adapter,
                             installed_adapters, read_lora_file)
 from model.packing import TEXT_TAG, audio_rows_to_channels
@@ -31,6 +31,7 @@ from model.provisioning import auto_adapter_path, ensure_adapter
 from model.tiny import tiny_transformer
 from model.tiny_adapter import TURBO_TARGETS, save_adapter, tiny_lora_factors
 from model.weights import Transform, TransformerWeights, native_source
+from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -398,6 +399,29 @@ def test_a_weight_update_keeps_the_adapters_installed(resident, adapter_dir, tmp
     resident.update_weights(resident.checkpoint.root)
     assert same_bits(resident.generate(small_request(adapters=({"name": "turbo", "scale": 1.0},))), before)
     resident.adapters.check()
+
+
+def test_a_weight_update_runs_the_adapters_on_the_new_transformer_and_one_they_would_not_fit_is_refused(
+        checkpoint_root, adapter_dir, tmp_path):
+    # The adapters are not checked again after an update: the update's own check (before anything is written)
+    # holds the new transformer to the served config, tensor names, shapes and dtypes, which is all an adapter's
+    # check reads, and the weights are written into the same modules. A transformer an adapter would not fit
+    # (another shape of an adapted to_q) is refused there.
+    engine = make_engine(checkpoint_root, adapter_dir, adaln={"mode": "resident"})
+    request = small_request(adapters=({"name": "turbo", "scale": 1.0},))
+    before = engine.generate(request)
+    with pytest.raises(WeightsRejected, match=f"shape mismatch for tensor '{WRONG_SHAPE_TENSOR}'"):
+        engine.update_weights(with_wrong_shape(engine.checkpoint.root, tmp_path / "wrong"))
+    assert same_bits(engine.generate(request), before)
+
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    engine.update_weights(new)
+    engine.adapters.check()
+    after = engine.generate(request)
+    fresh = Engine(EngineConfig(checkpoint=str(new), device="cpu", adaln={"mode": "resident"},
+                                adapters=adapter_configs(adapter_dir)))
+    assert same_bits(after, fresh.generate(request))  # the adapter on the new base weights, as a fresh start has it
+    assert not same_bits(after, before) and not same_bits(after, engine.generate(small_request()))
 
 
 def test_cache_dit_wrapping_the_blocks_serves_adapters_as_the_plain_engine_does(checkpoint_root, adapter_dir, resident):
