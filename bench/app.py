@@ -110,7 +110,8 @@ def engine_args(args, checkpoint: Path, num_plans: int, group_rows: int, page_by
     """serve_config.yaml's `engine` with this benchmark's checkpoint and tier sizes (see the module docstring)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     engine = config["applications"][0]["args"]["engine"]
-    engine.update(checkpoint=str(checkpoint), device="auto", geometry={"short_edge": None})
+    engine.update(checkpoint=str(checkpoint), device="auto", geometry={"short_edge": None}, adapters={})
+    # (no adapters: the shipped auto-made one fits only an auto-made checkpoint)
     if args.text_layers and not args.smoke and not args.checkpoint:
         engine["text_encoder"]["hidden_state_index"] = args.text_layers
     engine["adaln"].update(mode="online", gpu_plans=num_plans,

@@ -138,6 +138,7 @@ def served_configs(args: argparse.Namespace, checkpoint: Path) -> tuple[dict[str
     engine = app["engine"]
     engine.update(checkpoint=str(checkpoint), device=args.device,
                   geometry={"short_edge": None, "max_pixels": 768 * 1344, "min_seconds": 0.2, "max_seconds": 15.0})
+    engine["adapters"] = {}  # the shipped auto-made adapter fits only an auto-made checkpoint
     engine["cache_dit"] = {**engine["cache_dit"], "enabled": True}
     engine["pool"] = {**engine["pool"], "enabled": False}  # no Ray here
     if not args.quick and not args.checkpoint:  # a made h3 checkpoint holds text_layers + 1 Qwen3-VL layers

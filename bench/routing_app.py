@@ -153,7 +153,8 @@ def app_args(args, mode: str, checkpoint: Path, replicas: int) -> Dict[str, Any]
     """serve_config.yaml's args with this benchmark's engine and worker settings."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     app = config["applications"][0]["args"]
-    app["engine"].update(checkpoint=str(checkpoint), device="auto")
+    # No adapters: the shipped auto-made one fits only an auto-made checkpoint.
+    app["engine"].update(checkpoint=str(checkpoint), device="auto", adapters={})
     # thin-h3 has the released width, which gets the released size rules by default (short edge 768)
     app["engine"]["geometry"] = {"short_edge": None}
     app["engine"]["adaln"].update(mode="online", gpu_plans=args.gpu_plans, host_cache_gb=args.host_cache_gb)

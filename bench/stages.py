@@ -49,6 +49,7 @@ def app_args(args: argparse.Namespace) -> dict[str, Any]:
     engine["checkpoint_root"] = str(args.checkpoint_root.resolve())
     if args.checkpoint:
         engine["checkpoint"] = str(args.checkpoint)
+        engine["adapters"] = {}  # the shipped auto-made adapter fits only an auto-made checkpoint
         engine["text_encoder"]["hidden_state_index"] = hidden_state_index(args.checkpoint, engine)
     else:
         engine["geometry"] = TINY_GEOMETRY

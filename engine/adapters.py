@@ -141,7 +141,10 @@ class AdapterSet:
         return AdapterStats(scales=scales, fused=self.fused, loaded=loaded, load_s=time.perf_counter() - begin)
 
     def weights_updated(self, weights: TransformerWeights) -> None:
-        """The engine wrote every base weight from `weights` (a weight update): nothing is fused any more."""
+        """The engine wrote every base weight from `weights` (a weight update): nothing is fused any more. The
+        held adapters stay installed, unchecked: the update's own check (`Engine._checked_weights`, before any
+        write) held the new transformer to the served config, tensor names, shapes and dtypes, which is all a
+        file's check reads (`read_lora_file`), and the weights were written into the same modules."""
         self._weights = weights
         self._fused = None
         self._active = None

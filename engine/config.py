@@ -190,8 +190,10 @@ class AdapterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    path: str = Field(..., min_length=1, description="A .safetensors LoRA file (diffusers/peft layout, or the "
-                      "native layout without fused QKV) for the served transformer.")
+    path: str = Field("", description="A .safetensors LoRA file (diffusers/peft layout, or the native layout "
+                      "without fused QKV) for the served transformer. Empty: a seeded tiny random adapter made "
+                      "under checkpoint_root on first start (`model.provisioning.ensure_adapter`), only with an "
+                      "auto-made checkpoint (engine.checkpoint empty): the quick start's.")
     steps: int | None = Field(None, ge=2, le=MAX_STEPS, description="Grid points a request naming it gets when it "
                               "sets none (H3 Turbo 4-step files: 5; 8-step: 9). null: the model's default.")
     flow_shift: float | None = Field(None, gt=0, le=1e4, description="Video shift by default (Turbo 768p: 6).")
@@ -326,6 +328,10 @@ class EngineConfig(BaseModel):
             raise ValueError(f"adapters {fused}: fuse: true is not served with offload.enabled (the streamed blocks' "
                              "weights live in the offloader's host buffers); set fuse: false")
         for name, adapter in self.adapters.items():
+            if not adapter.path and self.checkpoint:  # a random tiny adapter fits no real transformer
+                raise ValueError(f"engine.adapters.{name}.path is empty, which means an auto-made tiny adapter and "
+                                 "needs an auto-made checkpoint (engine.checkpoint empty); with engine.checkpoint "
+                                 f"{self.checkpoint!r} name the adapter's .safetensors file")
             if adapter.steps is not None and adapter.steps > self.max_steps:
                 raise ValueError(f"adapters.{name}.steps={adapter.steps} exceeds max_steps={self.max_steps}")
         return self

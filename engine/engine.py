@@ -60,7 +60,7 @@ from engine.api import (
     AdapterChoice, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn,
     RankStats, SlabState,
 )
-from engine.config import EngineConfig, GeometryConfig, WarmupCanvas
+from engine.config import AdapterConfig, EngineConfig, GeometryConfig, WarmupCanvas
 from engine import forward
 from engine.fp8 import requantized
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
@@ -78,7 +78,7 @@ from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeome
 from model.canvas import CanvasRule
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
-from model.provisioning import ensure_checkpoint, served_partition
+from model.provisioning import ensure_adapter, ensure_checkpoint, served_partition
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
 from model.text_encoder import PromptCacheStats, PromptEncoder
 from model.text_memo import RefinedTextMemo
@@ -273,8 +273,8 @@ class Engine:
                                                    self._num_local_real_rows)
         # LoRA adapters after the offloader: their factors are made on the device and stay resident
         # (engine.adapters); every configured file is checked here (AdapterError names it: no start).
-        self.adapters = AdapterSet(config.adapters, int(config.adapters_cache_mb * 1e6), self.transformer,
-                                   self.weights)
+        self.adapters = AdapterSet(served_adapter_files(config), int(config.adapters_cache_mb * 1e6),
+                                   self.transformer, self.weights)
         # The attention backend and compiled blocks, once every hook is in place (the compiled forward runs
         # inside each block's own __call__, so the offloader's and Cache-DiT's hooks stay eager around it).
         self.forward_kernels = forward.install(self.transformer, attention=config.attention,
@@ -914,6 +914,13 @@ def _condition_latents(request: GenerationRequest, embedding: PromptEmbedding) -
         raise ServerFault(f"the {request.task.value} request's embedding holds no conditions: its prepare stage "
                           "did not encode the keyframes or references", FaultCause.STAGE_MISSING)
     return embedding.conditions.latents
+
+
+def served_adapter_files(config: EngineConfig) -> dict[str, AdapterConfig]:
+    """`config.adapters` with every empty path made a file: the auto-made tiny adapter of that name
+    (`model.provisioning.ensure_adapter`; the config allows one only beside an auto-made checkpoint)."""
+    return {name: adapter if adapter.path else adapter.model_copy(update={"path": str(ensure_adapter(config, name))})
+            for name, adapter in config.adapters.items()}
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:

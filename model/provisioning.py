@@ -5,7 +5,8 @@ start under `checkpoint_root` (`model.tiny.make_tiny_checkpoint`) and reused aft
 `text_encoder_shape` read the served (`served_partition`) transformer's and text encoder's sizes from their
 config.json alone (no
 weights), which the app builder needs to check a parallel degree before any process starts; an auto-made checkpoint
-answers with the tiny model's constants without being made.
+answers with the tiny model's constants without being made. `ensure_adapter(settings, name)` is the seeded tiny
+random LoRA adapter an empty `engine.adapters.<name>.path` stands for, made beside the auto-made checkpoint.
 
 `settings` is anything with the checkpoint fields of `engine.config.EngineConfig` (`CheckpointSettings`): `model/`
 imports nothing above it.
@@ -13,7 +14,10 @@ imports nothing above it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -92,6 +96,49 @@ def ensure_checkpoint(settings: CheckpointSettings) -> Path:
         if not _is_made(target):
             raise  # not a lost race: a real error
         logger.info("another process made %s first; using it", target)
+    return target
+
+
+def auto_adapter_path(settings: CheckpointSettings, name: str) -> Path:
+    """Where the auto-made adapter `name` of `settings` lives: `{root}/adapters/{preset}-{name}.safetensors` (its
+    shapes are the preset's whatever the checkpoint's seed, layout or partition)."""
+    return Path(settings.checkpoint_root) / "adapters" / f"{settings.preset}-{name}.safetensors"
+
+
+def adapter_seed(name: str) -> int:
+    """The seed of the auto-made adapter `name`: from its name alone (sha256, not `hash`, which varies per
+    process), so every replica and every restart makes the same bytes and two names differ."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")
+
+
+def ensure_adapter(settings: CheckpointSettings, name: str) -> Path:
+    """The seeded tiny random LoRA adapter (rank 4 on the H3 Turbo targets, alpha 8: `model.tiny_adapter`) that
+    an empty `engine.adapters.<name>.path` stands for, made on first start under `checkpoint_root` and reused.
+
+    Only beside an auto-made checkpoint: a random adapter of the tiny transformer fits no real one, so with
+    `settings.checkpoint` set this is a ValueError naming the setting. Written to a temporary file next to the
+    target and renamed into place, as `ensure_checkpoint` does (same name -> identical bytes, so a lost race
+    replaces the file with itself)."""
+    if settings.checkpoint:
+        raise ValueError(f"engine.adapters.{name}.path is empty: an auto-made adapter serves only an auto-made "
+                         f"checkpoint (engine.checkpoint empty), not {settings.checkpoint}; name the adapter's "
+                         ".safetensors file")
+    target = auto_adapter_path(settings, name)
+    if target.exists():
+        return target
+    # peft is imported only by a process that makes one (the app builder reads this module too).
+    from model.tiny_adapter import save_adapter, tiny_lora_factors
+
+    logger.info("making a tiny random LoRA adapter %r (seed %d) at %s", name, adapter_seed(name), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        save_adapter(tmp, tiny_lora_factors(adapter_seed(name)))
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return target
 
 

@@ -10,6 +10,7 @@ seed and steps, compared bit for bit with the engine's latents.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,13 +23,15 @@ from engine.adapters import AdapterSet
 from engine.api import AdapterChoice, GenerationRequest, with_adapter_defaults
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ClientError
+from engine.errors import ClientError, WeightsRejected
 from model.adapters import (FALLBACK_ALPHA, AdapterError, AlphaSource, activate, fuse_into_base_, install_adapter,
                             installed_adapters, read_lora_file)
 from model.packing import TEXT_TAG, audio_rows_to_channels
+from model.provisioning import auto_adapter_path, ensure_adapter
 from model.tiny import tiny_transformer
 from model.tiny_adapter import TURBO_TARGETS, save_adapter, tiny_lora_factors
 from model.weights import Transform, TransformerWeights, native_source
+from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -398,6 +401,29 @@ def test_a_weight_update_keeps_the_adapters_installed(resident, adapter_dir, tmp
     resident.adapters.check()
 
 
+def test_a_weight_update_runs_the_adapters_on_the_new_transformer_and_one_they_would_not_fit_is_refused(
+        checkpoint_root, adapter_dir, tmp_path):
+    # The adapters are not checked again after an update: the update's own check (before anything is written)
+    # holds the new transformer to the served config, tensor names, shapes and dtypes, which is all an adapter's
+    # check reads, and the weights are written into the same modules. A transformer an adapter would not fit
+    # (another shape of an adapted to_q) is refused there.
+    engine = make_engine(checkpoint_root, adapter_dir, adaln={"mode": "resident"})
+    request = small_request(adapters=({"name": "turbo", "scale": 1.0},))
+    before = engine.generate(request)
+    with pytest.raises(WeightsRejected, match=f"shape mismatch for tensor '{WRONG_SHAPE_TENSOR}'"):
+        engine.update_weights(with_wrong_shape(engine.checkpoint.root, tmp_path / "wrong"))
+    assert same_bits(engine.generate(request), before)
+
+    new = finetune_of(engine.checkpoint.root, tmp_path / "seed1")
+    engine.update_weights(new)
+    engine.adapters.check()
+    after = engine.generate(request)
+    fresh = Engine(EngineConfig(checkpoint=str(new), device="cpu", adaln={"mode": "resident"},
+                                adapters=adapter_configs(adapter_dir)))
+    assert same_bits(after, fresh.generate(request))  # the adapter on the new base weights, as a fresh start has it
+    assert not same_bits(after, before) and not same_bits(after, engine.generate(small_request()))
+
+
 def test_cache_dit_wrapping_the_blocks_serves_adapters_as_the_plain_engine_does(checkpoint_root, adapter_dir, resident):
     cache_dit = {"enabled": True, "Fn_compute_blocks": 1, "Bn_compute_blocks": 1, "max_warmup_steps": 1,
                  "residual_diff_threshold": 0.15, "max_continuous_cached_steps": 2}
@@ -413,6 +439,41 @@ def test_the_tiny_adapter_cli_writes_a_file_the_server_reads(tmp_path, model):
     assert main(["--out", str(tmp_path / "tiny.safetensors"), "--seed", "5", "--rank", "2", "--alpha", "4"]) == 0
     lora = read_lora_file(tmp_path / "tiny.safetensors", model)
     assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (4.0, {2}, 30)
+
+
+def test_an_empty_path_is_a_seeded_tiny_adapter_made_once_under_the_checkpoint_root(tmp_path, model):
+    config = EngineConfig(checkpoint_root=str(tmp_path / "a"), adapters={"turbo-tiny": {"path": ""}})
+    path = ensure_adapter(config, "turbo-tiny")
+    assert path == auto_adapter_path(config, "turbo-tiny") == tmp_path / "a" / "adapters" / "tiny-turbo-tiny.safetensors"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    lora = read_lora_file(path, model)  # every check the engine's start makes
+    assert (lora.alpha, set(lora.ranks.values()), len(lora.ranks)) == (8.0, {RANK}, 30)
+    mtime = path.stat().st_mtime_ns
+    assert ensure_adapter(config, "turbo-tiny") == path and path.stat().st_mtime_ns == mtime  # reused, not remade
+    # Seeded from the name alone: another root (another replica, a restart) makes the same bytes; another name not.
+    again = ensure_adapter(EngineConfig(checkpoint_root=str(tmp_path / "b")), "turbo-tiny")
+    assert again.read_bytes() == path.read_bytes()
+    assert ensure_adapter(config, "style").read_bytes() != path.read_bytes()
+
+
+def test_an_empty_adapter_path_beside_a_real_checkpoint_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValidationError, match=r"engine\.adapters\.turbo-tiny\.path is empty"):
+        EngineConfig(checkpoint=str(tmp_path / "h3"), adapters={"turbo-tiny": {"steps": 5}})
+    settings = SimpleNamespace(checkpoint=str(tmp_path / "h3"), checkpoint_root=str(tmp_path), preset="tiny")
+    with pytest.raises(ValueError, match=r"engine\.adapters\.turbo-tiny\.path is empty"):
+        ensure_adapter(settings, "turbo-tiny")
+    assert not (tmp_path / "adapters").exists()
+
+
+def test_an_engine_serves_an_auto_made_adapter_at_its_steps(checkpoint_root, resident):
+    engine = Engine(EngineConfig(checkpoint_root=str(checkpoint_root), device="cpu", adaln={"mode": "resident"},
+                                 adapters={"turbo-tiny": {"path": "", "steps": 4}}))
+    assert engine.adapters.held == ("turbo-tiny",)
+    result = engine.generate(GenerationRequest(prompt="a red fox", seconds=5.0, width=64, height=64, seed=11,
+                                               return_video=False, adapters=({"name": "turbo-tiny"},)))
+    assert (result.stats.steps, result.stats.forwards) == (4, 3)
+    assert result.stats.adapters.scales == {"turbo-tiny": 1.0}
+    assert not same_bits(result, resident.generate(small_request(steps=4)))
 
 
 @pytest.mark.parametrize("previous", [{"turbo": 0.3}, {}], ids=["after-turbo", "after-none"])

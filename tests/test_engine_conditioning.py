@@ -19,6 +19,7 @@ from model.layout import Partition
 from model.packing import audio_rows_to_channels
 from model.schedule import schedule_key
 from model.tiny import make_tiny_checkpoint
+from model.tiny_adapter import save_adapter, tiny_lora_factors
 from tests.conditioning_support import PROMPT, STEPS, Ours, random_image, random_video, soundtrack_samples, video_file
 
 FIRST, LAST = random_image(96, 54, seed=1), random_image(40, 40, seed=2)
@@ -70,6 +71,19 @@ def test_fl2va_online_equals_resident_equals_the_model_composition(checkpoint, o
     assert online_result.stats.schedule_key.startswith("h3-rf-euler/fl2va/")
     adaln = online_result.stats.adaln  # 2 forwards: {0, 0.999} and {t_audio, t_video, 0.999}, two distinct plans
     assert adaln.built_plans + adaln.gpu_hit_plans + adaln.host_hit_plans == 2
+
+
+def test_an_fl2va_request_naming_an_adapter_runs_it_and_one_naming_none_is_the_plain_engines(checkpoint, online,
+                                                                                             tmp_path):
+    path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
+    engine = make_engine(checkpoint, "online", adapters={"turbo": {"path": str(path)}})
+    with_adapter = engine.generate(fl2va_request(adapters=({"name": "turbo"},)))
+    without = engine.generate(fl2va_request())
+    assert with_adapter.stats.adapters.scales == {"turbo": 1.0} and without.stats.adapters is None
+    assert with_adapter.video.shape == without.video.shape and not torch.equal(with_adapter.video, without.video)
+    assert not torch.equal(with_adapter.audio, without.audio)
+    plain = online.generate(fl2va_request())  # adapters off: the bits of an engine serving none
+    assert torch.equal(without.video, plain.video) and torch.equal(without.audio, plain.audio)
 
 
 def test_fl2va_returns_an_mp4_and_repeats_from_the_prompt_cache(online):

@@ -8,8 +8,10 @@ import re
 import tomllib
 from pathlib import Path
 
+from deployments.ingress import served_model
 from deployments.playground import PLAYGROUND_FILE, playground_page, playground_response
 from deployments.schemas import HttpOptions
+from engine.limits import ServedAdapter, served_limits
 from jobs.media import MEDIA_FIELDS
 from jobs.schemas import VideoCreateRequest
 
@@ -41,8 +43,25 @@ def test_the_page_fetches_nothing_from_elsewhere():
 def test_every_field_the_form_posts_is_a_field_of_the_create_body():
     names = set(re.findall(r'<(?:input|select|textarea)[^>]*\bname="([a-z_]+)"', playground_page()))
     assert {"prompt", "size", "aspect_ratio", "seconds", "num_inference_steps", "seed", "quality"} <= names
-    # adapter appears only when GET /v1/models lists adapters: the field of an API still to come.
-    assert names - {"adapter"} <= set(VideoCreateRequest.model_fields)
+    assert "lora" in names  # the adapter picker: shown only when GET /v1/models lists adapters
+    assert names <= set(VideoCreateRequest.model_fields)
+
+
+def test_the_adapter_picker_reads_the_adapters_where_v1_models_lists_them_and_posts_a_name_as_lora():
+    page = playground_page()
+    # `limits.adapters` (name and defaults) of every served model; the card's top-level `adapters` is an object
+    # (what the replica holds now), whose `.length` is undefined: the picker never showed.
+    assert "(m.limits || {}).adapters" in page and "card.adapters" not in page
+    limits = served_limits("minimax-h3", max_steps=65, short_edge=None, max_pixels=128 * 128, size_multiple=32,
+                           min_seconds=0.2, max_seconds=5.0, fps=24, frames_per_chunk=17, frame_offset=5,
+                           max_prompt_tokens=64, default_flow_shift=12.0, default_audio_flow_shift=3.0,
+                           adapters=(ServedAdapter(name="turbo-tiny", steps=5),))
+    entry = served_model({"id": "minimax-h3@abc", "limits": limits.model_dump(mode="json"),
+                          "adapters": {"served": ["turbo-tiny"], "held": ["turbo-tiny"], "fused": None}})
+    assert [(a["name"], a["steps"]) for a in entry["limits"]["adapters"]] == [("turbo-tiny", 5)]
+    # The picked option's value is the name, sent as the field `lora` (a form sends it as text).
+    assert re.search(r'<select id="lora" name="lora">', page)
+    assert VideoCreateRequest.model_validate({"prompt": "a fox", "lora": "turbo-tiny"}).lora.name == "turbo-tiny"
 
 
 def test_every_upload_a_task_shows_is_a_media_field_of_the_create_body():

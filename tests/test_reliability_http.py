@@ -322,7 +322,8 @@ def test_bad_admin_requests_are_refused_and_change_nothing(base_url, app_args, o
 def test_admin_weight_update_under_traffic_gives_all_old_or_all_new(base_url, app_args, local_engine):
     root = Path(app_args["engine"]["checkpoint_root"])
     new_dir = finetune_of(root / CHECKPOINT, root / "tiny-seed1")
-    new_engine = Engine(EngineConfig.model_validate({**app_args["engine"], "device": "cpu",
+    # No adapters: the shipped config's auto-made one needs an auto-made checkpoint; these requests run none.
+    new_engine = Engine(EngineConfig.model_validate({**app_args["engine"], "device": "cpu", "adapters": {},
                                                      "checkpoint": str(new_dir)}))
     bodies = [{**NARROW, "seed": 40 + i, "steps": 2 + i % 3} for i in range(8)]
     with ThreadPoolExecutor(len(bodies) + 1) as pool:

@@ -41,6 +41,9 @@ def test_serve_config_is_a_valid_serve_deploy_config_and_app_config():
     args = AppConfig.model_validate(app["args"])
     assert args.engine.checkpoint == "" and args.engine.device == "auto" and args.engine.preset == "tiny"
     assert args.engine.checkpoint_layout == "diffusers" and args.engine.adaln.mode == "online"
+    # The quick start's adapter: auto-made beside the auto-made checkpoint (path ""), 5 grid points by default.
+    (name, adapter), = args.engine.adapters.items()
+    assert (name, adapter.path, adapter.steps) == ("turbo-tiny", "", 5)
 
 
 def test_the_partitions_config_serves_both_partitions_behind_one_ingress():
@@ -78,7 +81,7 @@ COMPLETE_SECTIONS = [(), ("engine",), ("engine", "text_encoder"), ("engine", "de
                      ("engine", "pool"), ("worker",), ("worker", "autoscaling"), ("text_encoder",), ("decoder",),
                      ("http",), ("admin",), ("jobs",), ("auth",), ("videos",)]
 #: Settings the shipped yaml sets to other than the code default, on purpose (each is commented there).
-SHIPPED_OVERRIDES = {("engine", "pool"): ("capacity_gb",)}
+SHIPPED_OVERRIDES = {("engine", "pool"): ("capacity_gb",), ("engine",): ("adapters",)}
 
 
 @pytest.mark.parametrize("section", COMPLETE_SECTIONS, ids=lambda section: ".".join(section) or "args")

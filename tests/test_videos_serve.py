@@ -387,6 +387,26 @@ def test_a_job_completes_with_a_playable_mp4_of_the_requested_size_and_duration(
     assert Image.open(io.BytesIO(thumbnail.content)).size == (96, 64)
 
 
+def test_a_job_naming_the_shipped_adapter_runs_its_steps_and_an_unknown_one_is_a_422_listing_it(app):
+    """The issue's "done when" on the quick start: serve_config.yaml's `turbo-tiny` (path "": made on first start
+    beside the auto-made checkpoint) gives a job that leaves num_inference_steps out the adapter's steps."""
+    served = app.args["engine"]["adapters"]
+    assert list(served) == ["turbo-tiny"] and served["turbo-tiny"]["path"] == ""
+    steps, shift = served["turbo-tiny"]["steps"], served["turbo-tiny"]["flow_shift"]
+    body = {k: v for k, v in SMALL.items() if k != "num_inference_steps"}
+    r = requests.post(app.videos(), json={**body, "lora": "turbo-tiny"}, timeout=60)
+    assert r.status_code == 200, r.text
+    job = wait_finished(app, r.json()["id"])
+    assert job["status"] == "completed", job
+    assert (job["num_inference_steps"], job["flow_shift"]) == (steps, shift)
+    assert job["stats"]["num_steps"] == steps - 1 and job["stats"]["adapters"] == {"turbo-tiny": 1.0}
+
+    r = requests.post(app.videos(), json={**body, "lora": "nope"}, timeout=60)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["message"] == "lora: 'nope' is not an adapter of this server (served: 'turbo-tiny')", error
+
+
 def test_openapi_describes_the_video_routes_beside_the_research_ones(app):
     paths = requests.get(f"{app.url}/openapi.json", timeout=30).json()["paths"]
     assert {"/v1/videos", "/v1/videos/sync", "/v1/videos/{video_id}", "/v1/videos/{video_id}/content",
