@@ -34,7 +34,6 @@ from deployments.stages import Decoder, TextEncoder
 from deployments.worker import EngineFactory, Worker, denoiser_engine_factory
 from engine.config import EngineConfig
 from jobs.config import JobsConfig
-from model.layout import Partition
 
 logger = logging.getLogger("ray.serve")
 
@@ -246,10 +245,7 @@ def build_application(config: AppConfig, engine_factory: EngineFactory | None = 
     # Each partition's engine: the same settings, its own transformer (and so its own plan cache and router).
     engines = [engine.model_copy(update={"partition": partition}) for partition in partitions]
     for engine_config in engines:  # model_copy does not validate: the check EngineConfig's own validator makes
-        if not engine_config.served_tasks():
-            raise ValueError(f"partitions: {engine_config.partition} serves "
-                             f"{', '.join(Partition(engine_config.partition).tasks)} only, which this engine config "
-                             f"cannot: {engine_config.conditioning_refused}")
+        engine_config.check_serves_a_task("partitions")
     options = worker_deployment_options(config.worker, num_gpus, engine, split)
     logger.info("ditserve: stages %s, partitions %s, worker options %s, engine %s", "split" if split else "fused",
                 list(partitions), options, engine.model_dump())

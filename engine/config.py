@@ -402,12 +402,16 @@ class EngineConfig(BaseModel):
                     "ranks other than 0 hold no VAE encoders")
         return None
 
+    def check_serves_a_task(self, field: str = "partition") -> None:
+        """ValueError naming `field` when this config serves none of its partition's tasks (the Ref2VA partition
+        serves ref2va alone: without it the replica would start and refuse every request)."""
+        if not self.served_tasks():
+            raise ValueError(f"{field}: {self.partition} serves {', '.join(Partition(self.partition).tasks)} "
+                             f"only, which this config cannot: {self.conditioning_refused}")
+
     @model_validator(mode="after")
     def _serves_a_task(self) -> EngineConfig:
-        # The Ref2VA partition serves ref2va alone: without it the replica would start and refuse every request.
-        if not self.served_tasks():
-            raise ValueError(f"partition: {self.partition} serves {', '.join(Partition(self.partition).tasks)} "
-                             f"only, which this config cannot: {self.conditioning_refused}")
+        self.check_serves_a_task()
         return self
 
     @model_validator(mode="after")
