@@ -75,13 +75,29 @@ def oracle_pipeline(root: Path, transformer_name: str):
     return pipeline
 
 
-def run_oracle(pipeline, seed: int, **inputs) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-    """(video latents [C, F, H, W], audio latents [2, Ca, A], frames uint8 [F, H, W, 3]) of one generation."""
+@dataclass(frozen=True)
+class OracleRun:
+    """diffusers' generation: video latents [C, F, H, W], audio latents [2, Ca, A], frames uint8 [F, H, W, 3],
+    the stereo waveform float32 [2, samples]."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    frames: np.ndarray
+    waveform: np.ndarray
+
+
+def run_oracle(pipeline, seed: int, **inputs) -> OracleRun:
     out = pipeline(prompt=PROMPT, **inputs, num_frames=NUM_FRAMES, num_inference_steps=STEPS,
-                   generator=torch.Generator().manual_seed(seed), output=["latents", "audio_latents", "videos"])
+                   generator=torch.Generator().manual_seed(seed),
+                   output=["latents", "audio_latents", "videos", "audio"])
     videos = out["videos"]
     frames = np.stack([np.asarray(frame) for frame in videos[0]]) if isinstance(videos, list) else videos
-    return out["latents"][0], out["audio_latents"], frames
+    return OracleRun(out["latents"][0], out["audio_latents"], frames, out["audio"][0].float().cpu().numpy())
+
+
+def channels_to_rows(audio: torch.Tensor) -> torch.Tensor:
+    """Audio latents [2, Ca, A] (diffusers' per-channel batch) as ditserve's rows [2A, Ca] (left's, then right's)."""
+    return audio.permute(0, 2, 1).reshape(-1, audio.shape[1])
 
 
 @dataclass

@@ -4,11 +4,12 @@ The oracle is diffusers' own `MiniMaxH3Blocks` over the tiny checkpoint's compon
 (`from_pretrained`); ditserve's side is `model/` only: the canvas rule from the model index, the keyframes placed,
 Qwen3-VL's presentation with its vision tower (`PromptEncoder(vision=True)`), the VAE encoder, the packed layout and
 the loop (`model.denoise`). Same prompt, keyframes, seed and steps: the latents are equal bit for bit, and the
-decoded frames too.
+decoded frames and the stereo waveform (the audio VAE decode) too.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from model.schedule import KEYFRAME_NOISE_AUG, H3Schedule, Task
 from model.text_encoder import PromptEmbeddingCache, PromptEncoder
 from model.tiny import TINY_CANVAS
 from tests.conditioning_support import (NUM_FRAMES, PROMPT, Ours, bits_equal,
-                                        oracle_pipeline, random_image, run_oracle, generated_once)
+                                        channels_to_rows, generated_once, oracle_pipeline, random_image, run_oracle)
 
 FIRST = random_image(96, 54, seed=1)  # 16:9 -> the tiny rule's 64x32 canvas
 LAST = random_image(40, 40, seed=2)  # square: cover-cropped onto the first one's canvas
@@ -53,13 +54,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fl2va_latents_and_frames_equal_the_diffusers_pipeline(oracle, ours, generated, case):
+def test_fl2va_latents_frames_and_waveform_equal_the_diffusers_pipeline(oracle, ours, generated, case):
     video, audio, _ = generated("diffusers", case)
-    expected_video, expected_audio, expected_frames = run_oracle(oracle, seed=SEED, **CASES[case][1])
-    assert bits_equal(video, expected_video)
-    assert bits_equal(audio, expected_audio)
+    expected = run_oracle(oracle, seed=SEED, **CASES[case][1])
+    assert bits_equal(video, expected.video)
+    assert bits_equal(audio, expected.audio)
     frames = ours["diffusers"].video_decoder.decode(video)
-    assert frames.shape == expected_frames.shape and (frames == expected_frames).all()
+    assert frames.shape == expected.frames.shape and (frames == expected.frames).all()
+    waveform = ours["diffusers"].audio_decoder.decode(channels_to_rows(audio))
+    assert waveform.shape == expected.waveform.shape and np.array_equal(waveform, expected.waveform)
 
 
 def test_both_layouts_generate_the_same_bits(generated):

@@ -3,7 +3,7 @@
 The oracle is diffusers' own `MiniMaxH3Blocks` running `transformer_ref` over the tiny checkpoint's components;
 ditserve's side is `model/` only (references normalized, Qwen3-VL's presentation, VAE and audio-VAE encoders, the
 ref2va packed layout, the loop). Image references alone, with a soundtrack, with a video, and with a video that
-carries its own soundtrack beside an audio reference: the latents and decoded frames are equal bit for bit. The
+carries its own soundtrack beside an audio reference: the latents, decoded frames and waveform are equal bit for bit. The
 video references' presentation and embedding alone are checked in tests/test_video_presentation.py.
 """
 
@@ -19,8 +19,8 @@ from model.conditioning import AudioReference, Conditioning, ConditioningError, 
 from model.layout import Partition
 from model.packing import AUDIO_TAG, VIDEO_TAG
 from model.schedule import H3Schedule, Task
-from tests.conditioning_support import (Ours, bits_equal, generated_once, oracle_pipeline, random_image,
-                                      random_video, run_oracle)
+from tests.conditioning_support import (Ours, bits_equal, channels_to_rows, generated_once, oracle_pipeline,
+                                      random_image, random_video, run_oracle)
 
 SAMPLE_RATE = 32000
 IMAGES = (random_image(48, 64, seed=11), random_image(90, 40, seed=12))  # portrait, landscape
@@ -77,13 +77,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_ref2va_latents_and_frames_equal_the_diffusers_pipeline(oracle, ours, generated, case):
+def test_ref2va_latents_frames_and_waveform_equal_the_diffusers_pipeline(oracle, ours, generated, case):
     video, audio, _ = generated("diffusers", case)
-    expected_video, expected_audio, expected_frames = run_oracle(oracle, seed=SEED, references=CASES[case][1])
-    assert bits_equal(video, expected_video)
-    assert bits_equal(audio, expected_audio)
+    expected = run_oracle(oracle, seed=SEED, references=CASES[case][1])
+    assert bits_equal(video, expected.video)
+    assert bits_equal(audio, expected.audio)
     frames = ours["diffusers"].video_decoder.decode(video)
-    assert frames.shape == expected_frames.shape and (frames == expected_frames).all()
+    assert frames.shape == expected.frames.shape and (frames == expected.frames).all()
+    waveform = ours["diffusers"].audio_decoder.decode(channels_to_rows(audio))
+    assert waveform.shape == expected.waveform.shape and np.array_equal(waveform, expected.waveform)
 
 
 def test_ref2va_runs_the_ref2va_partition_and_both_layouts_agree(ours, generated):
