@@ -440,6 +440,15 @@ class AppConfig(BaseModel):
                              f"{list(self.partitions)}; leave engine.partition out (partitions names what is served)")
         return self
 
+    @model_validator(mode="after")
+    def _adapters_of_served_partitions(self) -> AppConfig:
+        # An adapter of a partition this app does not serve would load nowhere and be listed nowhere: say so.
+        for name, adapter in self.engine.adapters.items():
+            if adapter.partition not in self.served_partitions:
+                raise ValueError(f"engine.adapters.{name}.partition: {adapter.partition} is not served by this app "
+                                 f"(partitions: {list(self.served_partitions)})")
+        return self
+
     @property
     def served_partitions(self) -> tuple[Literal["fl2va", "ref2va"], ...]:
         """The partitions served, the first the app's default model (`Worker`)."""

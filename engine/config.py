@@ -203,6 +203,10 @@ class AdapterConfig(BaseModel):
     fuse: bool = Field(False, description="Add it into the base weights while consecutive requests use it at one "
                        "scale (no per-forward cost); a request without it first gets the checkpoint's own weights "
                        "back (read again from the checkpoint). Not with offload.")
+    partition: Literal["fl2va", "ref2va"] = Field(
+        "fl2va", description="The partition whose transformer the file adapts (the H3 Turbo files: FL2VA, which "
+        "serves t2va and fl2va). An app serving both partitions installs it on that partition's Worker alone; the "
+        "two transformers have the same shapes, so a file of one would load into the other silently.")
 
     def served(self, name: str) -> ServedAdapter:
         return ServedAdapter(name=name, steps=self.steps, flow_shift=self.flow_shift,
@@ -401,6 +405,16 @@ class EngineConfig(BaseModel):
             return (f"a sequence-parallel replica (engine.parallel.sp={self.parallel.sp}) serves t2va only: its "
                     "ranks other than 0 hold no VAE encoders")
         return None
+
+    def served_adapters(self) -> dict[str, AdapterConfig]:
+        """The configured adapters of the partition this engine serves (`AdapterConfig.partition`)."""
+        return {name: adapter for name, adapter in self.adapters.items() if adapter.partition == self.partition}
+
+    def served_warmup(self) -> tuple[WarmupCanvas, ...]:
+        """The warm-up canvases this engine runs: those whose adapters it serves (a canvas naming another
+        partition's adapter warms that partition's Worker)."""
+        served = self.served_adapters()
+        return tuple(canvas for canvas in self.compile.warmup if set(canvas.adapters) <= set(served))
 
     def check_serves_a_task(self, field: str = "partition") -> None:
         """ValueError naming `field` when this config serves none of its partition's tasks (the Ref2VA partition

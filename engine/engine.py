@@ -151,7 +151,7 @@ def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] 
         fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
         max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
         default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
-        adapters=tuple(adapter.served(name) for name, adapter in config.adapters.items()),
+        adapters=tuple(adapter.served(name) for name, adapter in config.served_adapters().items()),
         quantization=config.quantization, qualities=served_qualities(config.quantization, config.cache_dit.enabled),
         canvas=canvas.default_size(),
     )
@@ -320,7 +320,7 @@ class Engine:
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
         # The configured canvases' graphs, so no request pays the compile: a few forwards, not their schedules.
-        forward.warm_up(self.forward_kernels, config.compile.warmup, self._warm_up_tiers(),
+        forward.warm_up(self.forward_kernels, config.served_warmup(), self._warm_up_tiers(),
                         tokens=self._warm_up_tokens, run=self._warm_up_run)
         self._num_requests = 0
         self.startup = EngineStartup(
@@ -917,10 +917,10 @@ def _condition_latents(request: GenerationRequest, embedding: PromptEmbedding) -
 
 
 def served_adapter_files(config: EngineConfig) -> dict[str, AdapterConfig]:
-    """`config.adapters` with every empty path made a file: the auto-made tiny adapter of that name
-    (`model.provisioning.ensure_adapter`; the config allows one only beside an auto-made checkpoint)."""
+    """The adapters of `config`'s partition with every empty path made a file: the auto-made tiny adapter of that
+    name (`model.provisioning.ensure_adapter`; the config allows one only beside an auto-made checkpoint)."""
     return {name: adapter if adapter.path else adapter.model_copy(update={"path": str(ensure_adapter(config, name))})
-            for name, adapter in config.adapters.items()}
+            for name, adapter in config.served_adapters().items()}
 
 
 def decode_stage(config: EngineConfig) -> DecodeStage:

@@ -20,6 +20,7 @@ from ray.serve.schema import ServeDeploySchema
 from deployments.app import resolve_engine_config, resolve_jobs_config, worker_deployment_options
 from deployments.schemas import AppConfig, GenerationResponse, WorkerOptions, decode_latents, preview_png
 from engine.api import GenerationResult, GenerationStats, GenerationTimings
+from engine.config import EngineConfig
 from model.mp4 import thumbnail_png
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,8 @@ def test_the_served_partitions(args, partitions):
     ({"partitions": []}, "at least 1 item"),
     ({"partitions": ["t2va"]}, "'fl2va' or 'ref2va'"),
     ({"partitions": ["fl2va"], "engine": {"partition": "ref2va"}}, "engine.partition: ref2va is not in partitions"),
+    ({"engine": {"partition": "ref2va", "adapters": {"turbo": {}}}},
+     r"engine.adapters.turbo.partition: fl2va is not served by this app \(partitions: \['ref2va'\]\)"),
 ])
 def test_bad_partitions_are_refused_naming_the_field(args, message):
     with pytest.raises(ValueError, match=message):
@@ -557,3 +560,15 @@ def test_the_ingress_drains_past_every_stage_so_a_stopping_app_answers_its_reque
     deployments = bound_deployments(build_application(config, FakeEngine))
     assert deployments["Ingress"]._deployment_config.graceful_shutdown_timeout_s == ingress_s
     assert deployments["Worker"]._deployment_config.graceful_shutdown_timeout_s == worker_s
+
+
+def test_each_partition_serves_its_own_adapters_and_warms_only_those():
+    engine = EngineConfig(adapters={"turbo": {"steps": 5}, "ref-style": {"partition": "ref2va"}},
+                          compile={"warmup": [{"width": 64, "height": 32, "seconds": 5, "adapters": ["turbo"]},
+                                              {"width": 64, "height": 32, "seconds": 5, "adapters": ["ref-style"]},
+                                              {"width": 64, "height": 32, "seconds": 5}]})
+    fl2va, ref2va = (engine.model_copy(update={"partition": partition}) for partition in ("fl2va", "ref2va"))
+    assert list(fl2va.served_adapters()) == ["turbo"] and list(ref2va.served_adapters()) == ["ref-style"]
+    assert [canvas.adapters for canvas in fl2va.served_warmup()] == [("turbo",), ()]
+    assert [canvas.adapters for canvas in ref2va.served_warmup()] == [("ref-style",), ()]
+    AppConfig.model_validate({"partitions": ["fl2va", "ref2va"], "engine": engine.model_dump()})  # both served
