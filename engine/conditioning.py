@@ -12,6 +12,10 @@ generation decode and encode once. The embedding carries everything the denoiser
 references, so the prepare side may be another process (`stages: split`: `engine.prepare.PrepareStage` in the
 TextEncoder deployment) and `conditioned_plan` gives the denoiser the same geometry and schedule `check` gave.
 Every input error is a `ClientError` naming the field (`keyframes[0].image`, `references[2]`).
+
+A sequence-parallel replica prepares on rank 0 alone (the only rank holding the VAE encoders and the vision tower)
+and hands the embedding to the other ranks (`prepared_on_rank_0`): every rank then plans and denoises from the same
+`Conditions`, as a split app's denoiser does.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.api import GenerationRequest, field_error
-from engine.errors import ClientError, UploadField, UploadKind
+from engine.errors import ClientError, EngineError, FaultCause, ServerFault, UploadField, UploadKind
 from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
 from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage, VaeEncoders
 from model.canvas import CanvasError, CanvasRule
@@ -32,6 +37,7 @@ from model.geometry import GeometryError, GeometryLimits, VideoGeometry, frames_
 from model.layout import H3Checkpoint
 from model.prepare import ConditionEncoders, PreparedConditioning, prepare_conditioning, request_canvas
 from model.schedule import H3Schedule, ScheduleError, Task
+from parallel.group import SpGroup
 
 #: Request objects whose preparation is kept (one generation calls check, then encode).
 PREPARED_KEPT = 4
@@ -166,11 +172,44 @@ class ConditioningStage:
 def conditioning_stage(checkpoint: H3Checkpoint, prompt_stage: PromptStage | None, decode_stage: DecodeStage | None,
                        limits: GeometryLimits) -> ConditioningStage | None:
     """The stage of an engine that holds the vision encoder and both halves of the VAEs; None otherwise (a
-    denoiser-only engine, a sequence-parallel rank without the VAEs, `text_encoder.vision: false`): such an engine
-    serves t2va only."""
+    denoiser-only engine, `text_encoder.vision: false`: such an engine serves t2va only; a sequence-parallel rank
+    other than 0, which takes rank 0's preparation: `prepared_on_rank_0`)."""
     if prompt_stage is None or decode_stage is None or not prompt_stage.encoder.has_vision:
         return None
     return ConditioningStage(checkpoint, prompt_stage, decode_stage.encoders(), limits)
+
+
+@dataclass(frozen=True)
+class RankZeroPrepared:
+    """A fl2va / ref2va request as rank 0 of a sequence-parallel replica prepared it, for the other ranks: the
+    embedding with its `Conditions` (on the CPU), or the error every rank raises (a bad upload refused on rank 0
+    is refused alike on every rank, the group intact)."""
+
+    embedding: PromptEmbedding | None
+    error: EngineError | None = None
+
+
+def prepared_on_rank_0(group: SpGroup, prepare: Callable[[], PromptEmbedding]) -> PromptEmbedding:
+    """`prepare()` on rank 0, its embedding on every rank of `group` (a collective: every rank calls it for the same
+    request at the same point; only rank 0's `prepare` runs). An error on rank 0 is raised on every rank: rank 0 its
+    own, the others its `EngineError` (anything else: a ServerFault naming it)."""
+    outcome, raised = None, None
+    if group.rank == 0:
+        try:
+            outcome = RankZeroPrepared(prepare().cpu())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            raised = exc
+            shared = exc if isinstance(exc, EngineError) else ServerFault(
+                f"rank 0 could not prepare the request's keyframes / references: {type(exc).__name__}: {exc}",
+                FaultCause.RANK_FAILURE)
+            outcome = RankZeroPrepared(None, shared)
+    outcome = group.broadcast_object(outcome, 0, RankZeroPrepared)
+    if raised is not None:
+        raise raised
+    if outcome.error is not None:
+        raise outcome.error
+    assert outcome.embedding is not None
+    return outcome.embedding
 
 
 def checked_conditioning(stage: ConditioningStage | None, request: GenerationRequest) -> ConditioningStage:

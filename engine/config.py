@@ -151,7 +151,9 @@ class ParallelConfig(BaseModel):
         "(`parallel.text_encoder`: each rank holds and runs 1/sp of every decoder layer, two all-reduces per "
         "layer), so encode memory and time divide by sp. sp must then divide the encoder's attention heads, kv "
         "heads and MLP width (MiniMax-H3's 64 / 8 / 25600: 1, 2, 4, 8), and the encoder runs on the rank's "
-        "device (text_encoder.device: engine). false: every rank loads and runs the whole encoder. Ignored at "
+        "device (text_encoder.device: engine). Serves t2va only (the split encoder holds no vision tower: "
+        "`EngineConfig.conditioning_refused`). false: every rank loads and runs the whole encoder (rank 0 alone its "
+        "vision tower: it prepares keyframes and references for every rank). Ignored at "
         "sp: 1.",
     )
     a2a_overlap: bool = Field(
@@ -390,9 +392,10 @@ class EngineConfig(BaseModel):
 
     def served_tasks(self, partition: str | None = None) -> tuple[str, ...]:
         """The tasks of `partition` (default: engine.partition) this config serves. fl2va and ref2va need
-        Qwen3-VL's vision tower (text_encoder.vision) and one device: a sequence-parallel replica runs every stage
-        on every rank, where only rank 0 holds the VAE encoders and text_encoder_tp leaves the vision tower out,
-        so it serves t2va alone (`conditioning_refused` says why to a request)."""
+        Qwen3-VL's vision tower (text_encoder.vision) beside the VAE encoders: a sequence-parallel replica prepares
+        them on rank 0 and hands the embedding to its other ranks (`engine.conditioning.prepared_on_rank_0`), which
+        a tensor-parallel text encoder (parallel.text_encoder_tp) cannot: its split Qwen3-VL holds no vision tower,
+        so such a replica serves t2va alone (`conditioning_refused` says why to a request)."""
         tasks = Partition(partition or self.partition).tasks
         return tuple(task for task in tasks if task == "t2va" or self.conditioning_refused is None)
 
@@ -401,9 +404,11 @@ class EngineConfig(BaseModel):
         """Why this config serves no keyframe or reference task (None: it serves its partition's)."""
         if not self.text_encoder.vision:
             return "they need Qwen3-VL's vision tower (engine.text_encoder.vision: false here)"
-        if self.parallel.sp > 1:
-            return (f"a sequence-parallel replica (engine.parallel.sp={self.parallel.sp}) serves t2va only: its "
-                    "ranks other than 0 hold no VAE encoders")
+        if self.parallel.sp > 1 and self.parallel.text_encoder_tp:
+            return (f"a sequence-parallel replica with a tensor-parallel text encoder (engine.parallel.sp="
+                    f"{self.parallel.sp}, engine.parallel.text_encoder_tp: true) serves t2va only: the split "
+                    "Qwen3-VL holds no vision tower; set engine.parallel.text_encoder_tp: false for keyframes and "
+                    "references")
         return None
 
     def served_adapters(self) -> dict[str, AdapterConfig]:

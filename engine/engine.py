@@ -68,7 +68,7 @@ from engine.limits import QUALITY_LINEARS, Linears, ModelLimits, Quality, served
 from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
-from engine.conditioning import checked_conditioning, conditioned_plan, conditioning_stage
+from engine.conditioning import checked_conditioning, conditioned_plan, conditioning_stage, prepared_on_rank_0
 from engine.stages import DecodeStage, PromptEmbedding, PromptStage
 from model.adapters import AdapterError
 from model.adaln import ExternalModulation
@@ -378,8 +378,9 @@ class Engine:
                     f"text_encoder.device={config.text_encoder.device!r} puts it on {text_device}: "
                     "use text_encoder.device: engine, or text_encoder_tp: false")
             text_split = TextTensorParallel(self.group)
+        # The vision tower on rank 0 alone: it prepares keyframes and references for every rank (`encode`).
         self.prompt_stage = PromptStage(config.text_encoder, self.checkpoint, text_device, split=text_split,
-                                        vision=config.text_encoder.vision and text_split is None)
+                                        vision=config.text_encoder.vision and text_split is None and self.rank == 0)
         logger.info("text encoder: %s", self.prompt_stage.weights.summary())
         return time.perf_counter() - start
 
@@ -419,25 +420,8 @@ class Engine:
         """The request's geometry, schedule and Cache-DiT config; its prompt is checked by the prompt stage
         (here when this engine holds it, else in the TextEncoder deployment, before encoding). A fl2va / ref2va
         `embedding` carries its `Conditions` (canvas, reference soundtrack): the denoiser needs neither the media
-        nor the encoders to plan it (`stages: split`)."""
-        if request.guidance_scale != 1.0:
-            raise ClientError(
-                "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
-                "fixed at 1; leave guidance_scale out or send 1", "guidance_scale=1")
-        if request.steps > self.limits.max_steps:
-            raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
-                              f"max_steps={self.limits.max_steps}")
-        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks:
-            # The Ref2VA transformer is trained for references: a text-only request would run it silently.
-            raise ClientError("references", f"t2va is not served by this model (the "
-                              f"{self.checkpoint.partition.native_dir_name} partition serves "
-                              f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
-        if request.task is not Task.T2VA and request.task.value in self.checkpoint.tasks \
-                and request.task.value not in self.limits.tasks:
-            # Refused alike on every rank of a group, before any collective (`EngineConfig.conditioning_refused`).
-            raise ClientError("keyframes" if request.keyframes else "references",
-                              f"{request.task.value} is not served by this engine: {self.config.conditioning_refused};"
-                              f" it serves {', '.join(self.limits.tasks)}", "served: " + ", ".join(self.limits.tasks))
+        nor the encoders to plan it (`stages: split`, and the ranks of a sequence-parallel replica)."""
+        self._check_task(request)
         try:
             if request.task is Task.T2VA:
                 width, height = request_size(request, self.limits)
@@ -462,6 +446,28 @@ class Engine:
         if self.prompt_stage is not None:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
+
+    def _check_task(self, request: GenerationRequest) -> None:
+        """The refusals that need neither the media nor the encoders (guidance, steps, a task this engine does not
+        serve): made alike on every rank of a group, before any collective."""
+        if request.guidance_scale != 1.0:
+            raise ClientError(
+                "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
+                "fixed at 1; leave guidance_scale out or send 1", "guidance_scale=1")
+        if request.steps > self.limits.max_steps:
+            raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
+                              f"max_steps={self.limits.max_steps}")
+        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks:
+            # The Ref2VA transformer is trained for references: a text-only request would run it silently.
+            raise ClientError("references", f"t2va is not served by this model (the "
+                              f"{self.checkpoint.partition.native_dir_name} partition serves "
+                              f"{', '.join(self.checkpoint.tasks)}): send references", "engine.partition=fl2va")
+        if request.task is not Task.T2VA and request.task.value in self.checkpoint.tasks \
+                and request.task.value not in self.limits.tasks:
+            # Refused alike on every rank of a group, before any collective (`EngineConfig.conditioning_refused`).
+            raise ClientError("keyframes" if request.keyframes else "references",
+                              f"{request.task.value} is not served by this engine: {self.config.conditioning_refused};"
+                              f" it serves {', '.join(self.limits.tasks)}", "served: " + ", ".join(self.limits.tasks))
 
     def _linears(self, request: GenerationRequest) -> Linears:
         """The weights the request's tier runs the block linears with; ClientError on `quality` for a tier this
@@ -518,6 +524,20 @@ class Engine:
         assert self.prompt_stage is not None
         self._check_cancelled(cancelled)
         request = with_adapter_defaults(request, self.limits)
+        if self.group is not None and request.task is not Task.T2VA:
+            # Rank 0 alone holds the VAE encoders and the vision tower: it checks and prepares the request, every
+            # rank takes its embedding (a request rank 0 refuses is refused on every rank, the group intact).
+            self._check_task(request)
+            try:
+                return prepared_on_rank_0(self.group, lambda: self._encode(request))
+            except BaseException as exc:
+                translated = _translated(exc)  # the broadcast's CollectiveError; rank 0's own are translated
+                if translated is exc:
+                    raise
+                raise translated from exc
+        return self._encode(request)
+
+    def _encode(self, request: GenerationRequest) -> PromptEmbedding:
         self._checked(request)
         try:
             if request.task is Task.T2VA:

@@ -106,8 +106,8 @@ class ModelLimits(BaseModel):
     max_prompt_chars: int = Field(MAX_PROMPT_CHARS, ge=1, description="Longest prompt in characters.")
     max_prompt_tokens: int = Field(2048, ge=1, description="Longest prompt in tokens (checked by the text encoder).")
     tasks: tuple[str, ...] = Field(("t2va",), min_length=1, description="What the served partition takes: t2va and "
-                                   "fl2va (FL2VA), ref2va (Ref2VA); t2va alone without the vision tower or with sp > 1 "
-                                   "(`EngineConfig.served_tasks`).")
+                                   "fl2va (FL2VA), ref2va (Ref2VA); t2va alone without the vision tower or with sp > 1 and "
+                                   "a tensor-parallel text encoder (`EngineConfig.served_tasks`).")
     adapters: tuple[ServedAdapter, ...] = Field((), description="The LoRA adapters a request may name.")
     quantization: Quantization = Field("none", description="engine.quantization: none (bf16 block linears), fp8 "
                                        "(float8 only), bf16+fp8 (both, chosen per request by its quality).")

@@ -44,8 +44,10 @@ Every rank must issue the same collectives in the same order. Data-dependent bra
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,8 @@ from torch import Tensor
 DEFAULT_TIMEOUT_S = 60.0
 
 BACKEND_FOR_DEVICE_TYPE = {"cpu": "gloo", "cuda": "nccl"}
+
+T = TypeVar("T")
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); older torch has the old one.
 _all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
@@ -149,6 +153,29 @@ class SpGroup:
     def broadcast(self, tensor: Tensor, src: int, *, host_wait: bool = False) -> None:
         """Every rank's `tensor` becomes rank `src`'s (a rank of this group)."""
         self.start_broadcast(tensor, src).wait(host_wait=host_wait)
+
+    def broadcast_object(self, value: T | None, src: int, kind: type[T]) -> T:
+        """Rank `src`'s `value` (an instance of `kind`, pickled) on every rank; the other ranks pass None. Two
+        bounded broadcasts (the length, then the bytes) with the host waiting: outside the denoising loop only
+        (a request's preparation made on rank 0). TypeError on `src` when `value` is not a `kind`."""
+        if self.rank == src:
+            if not isinstance(value, kind):
+                raise TypeError(f"broadcast_object: rank {src} sends a {type(value).__name__}, not a {kind.__name__}")
+            payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)),
+                                       dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        else:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.broadcast(length, src, host_wait=True)
+        data = (payload.to(self.device) if self.rank == src
+                else torch.empty(int(length.item()), dtype=torch.uint8, device=self.device))
+        self.broadcast(data, src, host_wait=True)
+        if self.rank == src:
+            return value
+        received = pickle.loads(data.cpu().numpy().tobytes())  # the ranks of one replica: one trusted program
+        if not isinstance(received, kind):
+            raise TypeError(f"broadcast_object: rank {src} sent a {type(received).__name__}, not a {kind.__name__}")
+        return received
 
     def barrier(self) -> None:
         """Return once every rank got here (host-blocking, bounded by `timeout`)."""
