@@ -126,11 +126,11 @@ class GenerationRequest(BaseModel):
     seconds: float = Field(5.0, gt=0, le=60, allow_inf_nan=False,
                            description="Clip length at 24 fps; frames are snapped up to 17n+5 (5 s -> 124 frames).")
     width: int | None = Field(
-        None, ge=32, le=8192, description="Width in pixels (a multiple of 32), given with height. null: the served "
-        "model's default canvas (`GET /v1/models` limits.default_size: 1344x768 for the release, 64x32 for the "
+        None, ge=32, le=8192, description="Width in pixels (a multiple of 32). null: the served "
+        "model's default canvas's (`GET /v1/models` limits.default_size: 1344x768 for the release, 64x32 for the "
         "tiny model); fl2va: the first keyframe's aspect ratio on the model's canvas rule.")
     height: int | None = Field(None, ge=32, le=8192,
-                               description="Height in pixels (a multiple of 32), given with width. null: see width.")
+                               description="Height in pixels (a multiple of 32). null: see width.")
     flow_shift: float = Field(VIDEO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
                               description="Sigma shift of the video schedule (the model's: 12).")
     audio_flow_shift: float = Field(AUDIO_SHIFT, gt=0, le=1e4, allow_inf_nan=False,
@@ -185,9 +185,6 @@ class GenerationRequest(BaseModel):
     def _one_task(self) -> GenerationRequest:
         if self.keyframes and self.references:
             raise ValueError("keyframes (fl2va) and references (ref2va) are different tasks: send one of them")
-        if (self.width is None) != (self.height is None):
-            # One edge alone has no aspect ratio to complete it from: the canvas is both or the model's.
-            raise ValueError("width and height: give both, or neither for the model's default canvas")
         return self
 
     @property
@@ -196,8 +193,9 @@ class GenerationRequest(BaseModel):
 
     @property
     def size_given(self) -> bool:
-        """Whether the request names its canvas (one without takes the model's: `request_size`)."""
-        return self.width is not None
+        """Whether the request names its canvas, or one edge of it (the other edge is then the default canvas's;
+        one naming neither takes the model's: `request_size`)."""
+        return self.width is not None or self.height is not None
 
     @property
     def schedule_key(self) -> str:
@@ -211,12 +209,11 @@ class GenerationRequest(BaseModel):
 
 
 def request_size(request: GenerationRequest, limits: ModelLimits) -> tuple[int, int]:
-    """(width, height) of a t2va request: its own, else the served model's default canvas (`limits.default_size`,
-    the checkpoint's rule). A fl2va / ref2va request without a size is placed by its conditioning stage."""
-    if request.width is not None and request.height is not None:
-        return request.width, request.height
+    """(width, height) of a t2va request: its own edges, each one it leaves out the served model's default canvas's
+    (`limits.default_size`, the checkpoint's rule). A fl2va / ref2va request without a size is placed by its conditioning stage."""
     width, _, height = limits.default_size.partition("x")
-    return int(width), int(height)
+    return (request.width if request.width is not None else int(width),
+            request.height if request.height is not None else int(height))
 
 
 def request_schedule_key(request: GenerationRequest) -> str:

@@ -105,7 +105,11 @@ class ConditioningStage:
                               f"{', '.join(self._tasks)})")
         try:
             conditioning = self._decoded(request)
-            size = (request.width, request.height) if request.size_given else None
+            size = None
+            if request.size_given:  # an edge left out is the default canvas's, as for t2va (`request_size`)
+                default_width, default_height = self.rule.default_size()
+                size = (request.width if request.width is not None else default_width,
+                        request.height if request.height is not None else default_height)
             width, height = request_canvas(conditioning, size, self.rule)
             geometry = VideoGeometry.from_seconds(width, height, request.seconds, self.limits)
             schedule = H3Schedule.build(request.steps, request.flow_shift, request.audio_flow_shift, request.task,

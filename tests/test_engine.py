@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from cache.rebuild import RebuildError
-from engine.api import GenerationRequest
+from engine.api import GenerationRequest, request_size
 from engine.config import EngineConfig
 from engine.engine import Engine, decode_stage
 from engine.prepare import prepare_stage
@@ -248,10 +248,11 @@ def test_a_request_without_a_size_gets_the_checkpoints_default_canvas(engine):
     assert same_bits(result, sized)
 
 
-def test_a_lone_width_or_height_is_refused_naming_both():
-    for lone in ({"width": 64}, {"height": 64}):
-        with pytest.raises(ValidationError, match="width and height: give both"):
-            GenerationRequest(prompt="a red fox", **lone)
+def test_a_lone_width_or_height_takes_the_other_edge_from_the_default_canvas(engine):
+    default = tuple(int(edge) for edge in engine.limits.default_size.split("x"))  # the tiny model's 64x32
+    for lone, want in (({"width": 96}, (96, default[1])), ({"height": 64}, (default[0], 64))):
+        request = GenerationRequest(prompt="a red fox", **lone)
+        assert request.size_given and request_size(request, engine.limits) == want
 
 
 # --- features: each one on gives the resident bits -----------------------------------------------------
