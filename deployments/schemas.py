@@ -446,7 +446,7 @@ class AppConfig(BaseModel):
         for name, adapter in self.engine.adapters.items():
             if adapter.partition not in self.served_partitions:
                 raise ValueError(f"engine.adapters.{name}.partition: {adapter.partition} is not served by this app "
-                                 f"(partitions: {list(self.served_partitions)})")
+                                 f"(partitions: {list(self.served_partitions)}): remove it, or serve its partition")
         return self
 
     @property

@@ -3,9 +3,10 @@
 `auto` measures the exact backends this process can run, once at start on the engine's device, and keeps the
 fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where
 the `flash-attn-4` wheel is: `engine.flash4`). On a CPU it keeps diffusers' default and measures nothing (no
-kernel choice there is worth a start-up cost). A named backend is set as is; one this process cannot run fails the start with the field named, and one whose kernels come from
-an optional package (FlashAttention 2/3/4, SageAttention, xformers: `OPTIONAL_KERNELS`) that is not importable
-fails naming the package and how to install it.
+kernel choice there is worth a start-up cost). A named backend is set as is; one this process cannot run fails
+the start with the field named, and one whose kernels come from an optional package (FlashAttention 2/3/4,
+SageAttention, xformers: `OPTIONAL_KERNELS`) that is not importable fails naming the package and how to install
+it.
 
 The choice goes through diffusers' own seam (`ModelMixin.set_attention_backend`), which sets every attention
 processor's `_attention_backend` and the registry's active backend; our sequence-parallel processor

@@ -71,6 +71,9 @@ def apps(tmp_path_factory) -> Iterator[dict[str, str]]:
             args.update({"stages": stages, "partitions": partitions})
             args["engine"].pop("partition")  # `partitions` names what is served
             args["engine"].update({"device": "cpu", "geometry": GEOMETRY})
+            # The shipped adapter adapts FL2VA: an app serving Ref2VA alone must not name it (refused at start).
+            args["engine"]["adapters"] = {name: adapter for name, adapter in args["engine"]["adapters"].items()
+                                          if "fl2va" in partitions}
             args["jobs"].update({"state_dir": str(root / f"state-{name}"), "poll_s": 0.2, "events_poll_s": 0.2})
             run_app(url, args, name=name, route_prefix=f"/{name}")
             urls[name] = f"{url}/{name}"
