@@ -358,7 +358,10 @@ class ParallelEngine:
             for rank in range(self.sp)
         ]
         try:
-            (address,) = self._started([self.ranks[0].rendezvous_address.remote()], "pick the rendezvous address")
+            # Every rank's process up (its imports done) before any joins: the join waits only timeout_s for its
+            # peers, and a rank process still starting on a busy host can take longer than that.
+            address, *_ = self._started([rank.rendezvous_address.remote() for rank in self.ranks],
+                                        "start its process and pick the rendezvous address")
             self._started([rank.start.remote(address, config) for rank in self.ranks],
                           f"join the group at {address} and load the engine")
             (description,) = self._started([self.ranks[0].describe.remote()], "describe the model")
