@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     workdir = Path(args.workdir) if args.workdir else Path(tmp := tempfile.mkdtemp(prefix="bench-h3-modes-"))
     try:
-        with cpu_float8() if device.type == "cpu" and any("fp8" in m for m in modes) else contextlib.nullcontext():
+        with cpu_float8() if device.type == "cpu" else contextlib.nullcontext():
             Bench(args, report, out, tag, device, deadline, workdir, modes).run()
     except Exception as exc:  # keep what was measured
         logger.exception("bench.h3_modes failed")
@@ -434,7 +434,8 @@ class Bench:
         at_50 = transformer_bytes + (RELEASED_BLOCKS - self.args.num_blocks) * per_block
         if mode == "eager":
             self.eager_forward_s = run.seconds_per_step
-        row = {"mode": mode, "tokens": tokens, "forwards_timed": run.num_forwards,
+        row = {"mode": mode, "attention": engine.forward_kernels.attention.backend, "tokens": tokens,
+               "forwards_timed": run.num_forwards,
                "ms_per_forward": round(1e3 * run.seconds_per_step, 2),
                "ms_at_50_blocks": round(1e3 * run.seconds_per_step * scale, 1),
                "x_eager": round(run.seconds_per_step / self.eager_forward_s, 3) if self.eager_forward_s else None,

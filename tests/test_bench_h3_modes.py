@@ -27,6 +27,7 @@ def test_h3_modes_smoke_times_every_mode_and_the_turbo_request(tmp_path):
     assert list(modes) == list(h3_modes.MODES)
     for mode, row in modes.items():
         assert row["ms_per_forward"] > 0 and row["forwards_timed"] == 3, mode
+        assert row["attention"] == "native", mode  # engine.attention auto on a CPU: diffusers' default, unmeasured
         assert row["scaled_from"] == {"blocks": blocks, "to_blocks": 50, "forwards_timed": 3}
         assert row["ms_at_50_blocks"] == pytest.approx(row["ms_per_forward"] * 50 / blocks, rel=0.01)
         compiled = "compiled" in mode
