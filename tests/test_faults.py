@@ -145,6 +145,7 @@ def two_checkpoints(tmp_path_factory):
     return old, finetune_of(old, root / "finetune")
 
 
+@pytest.mark.slow  # concurrent traffic over several engines: over ~5 s
 @pytest.mark.parametrize("mode", ["online", "resident"])
 def test_weight_update_during_traffic_gives_all_old_or_all_new_never_a_mix(two_checkpoints, mode):
     old_ckpt, new_ckpt = two_checkpoints
@@ -199,6 +200,7 @@ def test_weight_update_during_traffic_gives_all_old_or_all_new_never_a_mix(two_c
 # --- slab overflow under concurrency -------------------------------------------------------------
 
 
+@pytest.mark.slow  # concurrent traffic over several engines: over ~5 s
 def test_concurrent_distinct_schedules_on_a_small_slab_are_exact_or_refused(tiny_checkpoint):
     engine = online_engine(tiny_checkpoint, gpu_plans=4, host_cache_gb=0.001)
     reference = resident_engine(tiny_checkpoint)

@@ -363,6 +363,7 @@ def test_fp8_streamed_equals_fp8_resident_bit_for_bit(weights, t2va, fp8_on_cpu,
     off.check_invariants()
 
 
+@pytest.mark.slow  # compiles several graphs (inductor CPU): over ~5 s
 def test_fp8_streamed_equals_fp8_resident_under_compile_bit_for_bit(weights, t2va, fp8_on_cpu):
     """The offloader swaps the fp8 data and scales inside each FP8 weight: the compiled graph (its guards on the
     wrapper's inner tensors included) serves the streamed blocks as it serves resident ones."""
@@ -453,6 +454,7 @@ def prompt_of(rows: int, seed: int = 0):
     return PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
 
 
+@pytest.mark.slow  # compiles several graphs (inductor CPU): over ~5 s
 def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothing(tiny_checkpoint, monkeypatch):
     from engine.api import GenerationRequest
     from engine.engine import DenoiserEngine
@@ -485,6 +487,7 @@ STREAM_CANVASES = [dict(width=64, height=64, seconds=0.5), dict(width=128, heigh
 STREAM_STEPS = (2, 3, 4)  # 1 to 3 forwards: a forward of one timestep, then of two
 
 
+@pytest.mark.slow  # compiles several graphs (inductor CPU): over ~5 s
 def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint,
                                                                                          monkeypatch):
     """With a symbolic sequence length the canvases share their graphs: the warm-up runs the one of fewest tokens,
@@ -535,6 +538,7 @@ def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_c
     assert len(set(forwards.rows)) == 2
 
 
+@pytest.mark.slow  # compiles several graphs (inductor CPU): over ~5 s
 @pytest.mark.parametrize("warm_adapters", [(), ("turbo",)])
 def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compile(tiny_checkpoint, tmp_path,
                                                                                   warm_adapters):

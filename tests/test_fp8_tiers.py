@@ -118,6 +118,7 @@ def tier_request(quality: str | None, seed: int = 3) -> GenerationRequest:
                              return_video=False, quality=quality)
 
 
+@pytest.mark.slow  # two tiers of engines built and compared: over ~5 s
 def test_a_both_engine_serves_lossless_as_a_bf16_engine_and_fp8_as_an_fp8_engine_alternating(checkpoint, cpu_fp8):
     want = {"lossless": engine_of(checkpoint, "none").generate(tier_request(None)),
             "fp8": engine_of(checkpoint, "fp8").generate(tier_request(None))}

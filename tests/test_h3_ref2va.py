@@ -76,7 +76,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: The inner loop keeps the case with every kind of reference; the others run in the full suite (each ~6-9 s).
+INNER_LOOP_CASE = "image+video with sound+audio"
+
+
+@pytest.mark.parametrize("case", [case if case == INNER_LOOP_CASE else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in sorted(CASES)])
 def test_ref2va_latents_frames_and_waveform_equal_the_diffusers_pipeline(oracle, ours, generated, case):
     video, audio, _ = generated("diffusers", case)
     expected = run_oracle(oracle, seed=SEED, references=CASES[case][1])

@@ -21,7 +21,7 @@ from engine.engine import Engine
 from model.tiny import make_tiny_checkpoint
 from tests.ranks_support import rank_reports
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # slow: spawns gloo rank processes (each imports torch + diffusers) for whole engines
 
 WORLD_SIZE = 2
 TIMEOUT_S = 60.0  # dynamo traces between collectives: a rank may wait on its peer's first trace

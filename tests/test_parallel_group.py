@@ -197,6 +197,7 @@ def test_failed_group_refuses_every_later_collective(killed):
     assert "broadcast on rank 0/2: the group failed earlier (all_gather failed:" in report["again"]
 
 
+@pytest.mark.slow  # waits out a 2 s group timeout in fresh rank processes
 def test_silent_rank_times_out_the_collective(tmp_path):
     exits = launch_local(_silent_peer, WORLD_SIZE, tmp_path, args=(tmp_path,), deadline_s=DEADLINE_S)
     assert exits == [RankExit(0, 0), RankExit(1, 0)]
@@ -205,6 +206,7 @@ def test_silent_rank_times_out_the_collective(tmp_path):
     assert "Timed out waiting 2000ms" in error  # gloo's own timeout, i.e. the group's
 
 
+@pytest.mark.slow  # waits out a 2 s group timeout in fresh rank processes
 def test_rendezvous_times_out_when_a_rank_never_joins(tmp_path):
     exits = launch_local(_alone, 1, tmp_path, args=(tmp_path,), deadline_s=DEADLINE_S)
     assert exits == [RankExit(0, 0)]

@@ -31,7 +31,7 @@ from engine.errors import GenerationCancelled
 from model.tiny import make_tiny_checkpoint
 from tests.ranks_support import rank_reports
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # slow: spawns gloo rank processes (each imports torch + diffusers) for whole engines
 
 WORLD_SIZE = 2
 TIMEOUT_S = 30.0
