@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from model.layout import Layout
 from model.tiny import TINY_TRANSFORMER, make_tiny_checkpoint
 from model.weights import H3TransformerConfig
 from tests.adaln_support import Models, models_for
 from tests.serve_helpers import SESSION
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch gets its share of the cores: two workers of two threads each on two
+    cores oversubscribe them (OpenMP threads spin while the other worker's hold the cores; tests ran 2-4x slower
+    than alone). Processes the tests start (the forkserver's ranks, `serve run`) inherit the same share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -367,9 +367,9 @@ def test_cache_dit_settings_cache_dit_cannot_run_are_refused_before_the_run(cach
 
 UPDATE_CONFIGS = [
     pytest.param({"adaln": {"mode": "online"}}, id="online"),
-    pytest.param({"adaln": {"mode": "resident"}}, id="resident"),
-    pytest.param({"adaln": {"mode": "resident"}, "offload": {"enabled": True}}, id="resident-offload"),
-    pytest.param({"adaln": {"mode": "online"}, "offload": {"enabled": True}}, id="online-offload"),
+    pytest.param({"adaln": {"mode": "resident"}}, id="resident", marks=pytest.mark.slow),
+    pytest.param({"adaln": {"mode": "resident"}, "offload": {"enabled": True}}, id="resident-offload", marks=pytest.mark.slow),
+    pytest.param({"adaln": {"mode": "online"}, "offload": {"enabled": True}}, id="online-offload", marks=pytest.mark.slow),
 ]
 
 
@@ -462,6 +462,7 @@ def test_a_bad_update_is_refused_before_anything_changes(engine, seed1_checkpoin
 # --- a checkpoint that breaks while serving ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp_path, resident):
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0)
     engine = make_engine(tmp_path, checkpoint=str(checkpoint), adaln={"host_cache_gb": 0.0})
@@ -484,6 +485,7 @@ def test_a_shard_deleted_after_start_is_a_server_fault_then_a_retry_succeeds(tmp
     assert same_bits(after, resident.generate(request))
 
 
+@pytest.mark.slow
 def test_a_transformer_that_outputs_nan_is_a_server_fault_not_a_black_video(tmp_path):
     """NaN latents (NaN spreads from the video head to every row through joint attention) are the server's
     fault, said before decoding: NaN frames decode to black uint8 and NaN audio fails the AAC encoder (EINVAL)."""
@@ -578,10 +580,10 @@ MISFITS = [  # (break the copy, which stage refuses it, error, message)
                  r"transformer \(.*config.json\) takes text_dim=32", id="text-encoder-width"),
     pytest.param(lambda root, _: _edit_config(root / "audio_vae" / "config.json", sampling_rate=16000), decode_stage,
                  DecoderLoadError, r"audio_vae does not decode MiniMax-H3 latents: latents per second 20 "
-                 r"\(expected 40\)", id="audio-sample-rate"),
+                 r"\(expected 40\)", id="audio-sample-rate", marks=pytest.mark.slow),
     pytest.param(lambda root, _: _edit_config(root / "vae" / "config.json", clip_length=13), decode_stage,
                  DecoderLoadError, r"vae does not decode MiniMax-H3 latents: clip_length 13 \(expected 17\), latent "
-                 r"frames per clip 4 \(expected 5\)", id="video-clip-length"),
+                 r"frames per clip 4 \(expected 5\)", id="video-clip-length", marks=pytest.mark.slow),
 ]
 
 

@@ -73,6 +73,7 @@ def test_fl2va_online_equals_resident_equals_the_model_composition(checkpoint, o
     assert adaln.built_plans + adaln.gpu_hit_plans + adaln.host_hit_plans == 2
 
 
+@pytest.mark.slow
 def test_an_fl2va_request_naming_an_adapter_runs_it_and_one_naming_none_is_the_plain_engines(checkpoint, online,
                                                                                              tmp_path):
     path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
@@ -86,6 +87,7 @@ def test_an_fl2va_request_naming_an_adapter_runs_it_and_one_naming_none_is_the_p
     assert torch.equal(without.video, plain.video) and torch.equal(without.audio, plain.audio)
 
 
+@pytest.mark.slow
 def test_fl2va_returns_an_mp4_and_repeats_from_the_prompt_cache(online):
     first = online.generate(fl2va_request(return_video=True, seed=9))
     again = online.generate(fl2va_request(return_video=True, seed=9))
@@ -145,6 +147,7 @@ def test_the_ref2va_partition_serves_references_with_its_own_transformer(both_pa
     assert torch.equal(result.video, video)
 
 
+@pytest.mark.slow
 def test_a_video_reference_upload_is_the_model_composition_of_its_frames_and_soundtrack(both_partitions,
                                                                                         ref2va_engine):
     """A lossless upload (FFV1 + PCM): the engine's decode gives the file's frames and samples, so the request's
@@ -162,6 +165,7 @@ def test_a_video_reference_upload_is_the_model_composition_of_its_frames_and_sou
     assert torch.equal(audio_rows_to_channels(result.audio, prepared.geometry), audio)
 
 
+@pytest.mark.slow
 def test_a_video_references_soundtrack_is_in_the_schedule_key_as_its_audio_rows_are_in_the_plans(both_partitions):
     """A video with a soundtrack adds the reference audio rows (t = 1) to every plan, as a soundtrack reference
     does: the router's key (the request's, before any decode), the served-schedule map's and the stats' say so."""

@@ -173,6 +173,7 @@ def fake_fa4_wheel(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_flash_4_runs_the_wheels_kernel_through_diffusers_fa4_backend_in_eager_and_compiled_blocks(
         model, weights, t2va, eager_run, fake_fa4_wheel):
     choice = choose_attention(model, "flash_4", torch.device("cuda"))
@@ -519,6 +520,7 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
     assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed["frames_compiled"]
 
 
+@pytest.mark.slow
 def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_checkpoint, monkeypatch):
     """dynamic: false makes a graph per token count: the warm-up runs each distinct count (the two orientations of
     one count once). Whether requests then compile nothing is not asserted here: without a symbolic length dynamo

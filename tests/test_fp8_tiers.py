@@ -54,6 +54,7 @@ def test_both_tiers_alternate_on_one_model_each_with_the_bits_of_its_own_model(c
     assert all(torch.equal(model.transformer_blocks.get_submodule(n).weight, w) for n, w in bf16_weights.items())
 
 
+@pytest.mark.slow
 def test_both_tiers_compose_with_an_unfused_adapter(cpu_fp8, tmp_path):
     turbo = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1, targets=TURBO_TARGETS, rank=4))
     configs = EngineConfig(adapters={"turbo": {"path": str(turbo)}}).adapters

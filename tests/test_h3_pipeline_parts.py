@@ -35,6 +35,8 @@ from model.tiny_components import (QWEN_VL_SPECIAL_TOKENS, TINY_TEXT_DIM, TINY_T
                                    tiny_video_vae, write_tiny_components)
 
 LAYOUTS = ("diffusers", "native")
+#: The halves-equal-the-whole tests keep one layout in the inner loop; the native one runs in the full suite.
+INNER_LOOP_LAYOUTS = ("diffusers", pytest.param("native", marks=pytest.mark.slow))
 VIDEO_VAE_DIR = {"diffusers": "vae", "native": "video_vae"}
 PROMPTS = (
     "A red fox runs across a snowy field at dawn.",
@@ -531,7 +533,7 @@ def test_each_half_of_a_vae_holds_its_own_parameters_and_no_others(roots, layout
                    for name, tensor in held.items())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", INNER_LOOP_LAYOUTS)
 def test_the_encoder_halves_encode_as_the_whole_vaes_do(roots, layout):
     """Keyframes, a video reference and a soundtrack encode to the same bits through the encoder halves alone (a
     split app's prepare stage) as through the whole VAEs (a fused engine's, shared with its decoders)."""
@@ -553,7 +555,7 @@ def test_the_encoder_halves_encode_as_the_whole_vaes_do(roots, layout):
         audio.vae.decode(torch.zeros(2, 32, 4))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", INNER_LOOP_LAYOUTS)
 def test_the_decoder_halves_decode_as_the_whole_vaes_do(roots, layout, video_decoders, audio_decoders):
     """A split app's Decoder (decoder halves alone) gives the whole VAEs' frames and waveform bit for bit."""
     video = VideoDecoder(roots[layout] / VIDEO_VAE_DIR[layout], "cpu", halves=VaeHalves.DECODER)

@@ -76,7 +76,7 @@ CASES = {
 }
 
 
-#: The inner loop keeps the case with every kind of reference; the others run in the full suite (each ~6-9 s).
+#: The inner loop keeps the case with every kind of reference; the others run in the full suite.
 INNER_LOOP_CASE = "image+video with sound+audio"
 
 

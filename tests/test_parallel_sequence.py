@@ -43,6 +43,8 @@ from parallel.launch import RankExit, launch_local
 from parallel.group import CollectiveError
 from parallel.sequence import Exchange, OutputChecks, SequenceParallelError, check_degree, valid_degrees
 
+pytestmark = pytest.mark.slow  # spawns gloo rank processes (the inner loop keeps test_parallel_adaln's)
+
 WORLD_SIZE = 2
 TIMEOUT_S = 20.0
 ANY_CANVAS = GeometryLimits(short_edge=None, min_seconds=0.0)

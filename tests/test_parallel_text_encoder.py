@@ -32,6 +32,8 @@ from model.tiny_components import tiny_text_encoder, tiny_tokenizer
 from parallel.launch import launch_local
 from parallel.text_encoder import TextEncoderSplitError, check_text_degree, valid_text_degrees
 
+pytestmark = pytest.mark.slow  # spawns gloo rank processes (the inner loop keeps test_parallel_adaln's)
+
 WORLD_SIZE = 2
 TIMEOUT_S = 30.0
 ENCODERS = {

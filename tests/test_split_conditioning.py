@@ -73,7 +73,12 @@ def engines(checkpoint):
             for partition in ("fl2va", "ref2va")}
 
 
-@pytest.mark.parametrize("case", CASES)
+#: The inner loop keeps the case with the most kinds of input; the others run in the full suite.
+INNER_LOOP_CASE = "ref2va-image-and-video-with-soundtrack"
+
+
+@pytest.mark.parametrize("case", [case if case == INNER_LOOP_CASE else pytest.param(case, marks=pytest.mark.slow)
+                                  for case in CASES])
 def test_split_equals_fused_bit_for_bit(prepare, engines, case):
     partition, fields = CASES[case]
     fused, denoiser = engines[partition]

@@ -134,6 +134,7 @@ def test_fp8_where_float8_cannot_run_is_refused_naming_the_field(checkpoint):
 
 
 
+@pytest.mark.slow
 def test_the_bench_reports_the_fp8_encoders_error_and_memory_beside_bf16(checkpoint, cpu_fp8):
     from bench.h3_modes import text_encoder_rows
 
