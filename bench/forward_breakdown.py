@@ -1,0 +1,249 @@
+"""Where a compiled MiniMax-H3 block's time goes at one token count, and what two cheaper forwards would give:
+the GPU kernels of one compiled call grouped (GEMM, attention, fused elementwise, other) beside their floors,
+inductor's `max-autotune-no-cudagraphs` against its default, and FP8 with rowwise against tensorwise scales.
+
+    python -m bench.forward_breakdown                 # one GPU, 37,774 tokens (~5 min with max-autotune)
+    python -m bench.forward_breakdown --smoke         # CPU, tiny width: the code path only
+
+The block, inputs, attention choice and floors are `bench.forward`'s (diffusers' `MiniMaxH3TransformerBlock`,
+random bf16 weights, `engine.attention: auto`'s backend). GEMM floor: projection FLOPs at `--gemm-tflops`;
+attention floor: QK^T and PV FLOPs at the same rate; the elementwise floor: the bytes the block's norms,
+modulation, rotary, gating and residuals must move at least (`ELEMENTWISE_PASSES` reads/writes of the hidden
+rows, `FFN_PASSES` of the SwiGLU rows) at `--hbm-tbps`. `rel. error` is against the eager block on the same
+backend. Writes bench/results/forward-breakdown-<device>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import shlex
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bench.common import write_results
+from bench.forward import (GEMM_TFLOPS, RELEASED, SMOKE, _auto_choice, _peak, _reset_peak, block_flops, make_block,
+                           make_inputs, rel_error, set_backend, timed_ms)
+from engine.compiled import CompiledBlocks, CompileOptions
+from engine.fp8 import QuantizationError, check_fp8_device
+
+#: H200 HBM3e as measured for bench.adaln's floors is 4.8 TB/s nominal; H100 SXM 3.35. Override per device.
+HBM_TBPS = 4.8
+#: Passes over the [S, hidden] bf16 rows outside the GEMMs and attention: two norms (read + write each), two
+#: modulations, rotary on q and k (read + write each, 7168 wide ~ hidden), two gated residual adds (3 reads + 1
+#: write each): ~20 row-widths. A lower bound only if inductor fuses them as far as it can.
+ELEMENTWISE_PASSES = 20
+#: SwiGLU: read gate and up, write the product ([S, ffn] each).
+FFN_PASSES = 3
+
+KERNEL_GROUPS = (  # (group, substrings of the kernel names that put a kernel in it), first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "matmul", "scaled_mm")),
+    ("fused elementwise (triton)", ("triton",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    for group, needles in KERNEL_GROUPS:
+        if any(needle in lowered for needle in needles):
+            return group
+    return "other"
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """One profiled call: GPU ms per kernel group, the GPU's idle ms between its first and last kernel, the
+    host's CUDA calls that can stall the queue (syncs, allocations) by name, and the ten costliest kernels."""
+
+    per_group: dict[str, float]
+    idle_ms: float
+    host_stalls: dict[str, int]
+    top: list[tuple[str, float, int]]
+
+
+#: CUDA runtime/driver calls that make the host wait on the GPU (or the GPU on the host).
+STALL_CALLS = ("Synchronize", "Malloc", "Free", "MemcpyAsync", "EventSynchronize", "StreamWait")
+
+
+def kernel_breakdown(call, device: torch.device) -> Breakdown:
+    """Profile one call after warm-up, the host side too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize(device)
+    per_group: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    spans: list[tuple[float, float]] = []
+    stalls: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            if event.name.startswith("cuda") and any(call_ in event.name for call_ in STALL_CALLS):
+                stalls[event.name] += 1
+            continue
+        ms = event.device_time / 1e3
+        per_group[kernel_group(event.name)] += ms
+        per_kernel[event.name][0] += ms
+        per_kernel[event.name][1] += 1
+        spans.append((event.time_range.start, event.time_range.end))
+    top = sorted(((name[:90], ms, int(n)) for name, (ms, n) in per_kernel.items()), key=lambda t: -t[1])[:10]
+    return Breakdown(dict(per_group), idle_between(spans) / 1e3, dict(stalls), top)
+
+
+def idle_between(spans: list[tuple[float, float]]) -> float:
+    """The time between the first start and the last end that no interval covers (kernels may overlap)."""
+    idle, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return idle
+
+
+def fp8_block(block: nn.Module, granularity: str) -> nn.Module:
+    """A copy of `block` with its attention and feed-forward linears in torchao float8 (dynamic activations),
+    `granularity` "row" (what `engine.quantization: fp8` serves) or "tensor" (one scale per tensor)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+    from engine.fp8 import fp8_targets
+
+    copied = nn.ModuleList([copy.deepcopy(block)])
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow() if granularity == "row" else PerTensor())
+    targets = set(fp8_targets(copied))
+    quantize_(copied, config, filter_fn=lambda module, fqn: fqn in targets)
+    return copied
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny width, compile backend eager")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gemm-tflops", type=float, default=GEMM_TFLOPS)
+    parser.add_argument("--hbm-tbps", type=float, default=HBM_TBPS)
+    parser.add_argument("--no-autotune", action="store_true", help="skip the max-autotune row (minutes to compile)")
+    parser.add_argument("--back-to-back", type=int, default=8,
+                        help="calls queued without a sync for the per-call row a deep stack of blocks sees")
+    parser.add_argument("--attention", default=None, help="a diffusers backend name instead of auto's choice")
+    parser.add_argument("--fp8", default="row,tensor", help="FP8 scale granularities to time (comma list, or none)")
+    parser.add_argument("--out", default=None, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    command = " ".join(["python -m bench.forward_breakdown", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    width = SMOKE if args.smoke else RELEASED
+    tokens = args.tokens or (97 if args.smoke else 37774)
+    backend = "eager" if device.type == "cpu" else "inductor"
+    rate, hbm = args.gemm_tflops * 1e12, args.hbm_tbps * 1e12
+
+    linear_flops, attention_flops = block_flops(width, tokens)
+    floors = {
+        "gemm": linear_flops / rate * 1e3,
+        "attention": attention_flops / rate * 1e3,
+        "fused elementwise (triton)": 2 * tokens * (ELEMENTWISE_PASSES * width.hidden + FFN_PASSES * width.ffn)
+        / hbm * 1e3,
+    }
+    bf16_floor = (linear_flops + attention_flops) / rate * 1e3
+    notes = [f"{tokens} tokens, hidden {width.hidden}, {width.heads} heads x {width.head_dim}, ffn {width.ffn}; "
+             f"median of {args.repeats} after warm-up",
+             f"floors: GEMM and attention FLOPs / {args.gemm_tflops:g} TFLOP/s bf16 (fp8 projections at 2x); "
+             f"elementwise {ELEMENTWISE_PASSES} hidden-row and {FFN_PASSES} ffn-row passes / {args.hbm_tbps:g} TB/s"]
+    rows: list[dict] = []
+
+    def row(what: str, ms: float, floor_ms: float, error: float | None = None, peak: float | None = None,
+            compile_s: float | None = None):
+        rows.append({"what": what, "ms": float(f"{ms:.4g}"), "floor ms": float(f"{floor_ms:.4g}"),
+                     "x floor": round(ms / floor_ms, 3) if floor_ms else None,
+                     "x bf16 block floor": round(ms / bf16_floor, 3),
+                     "rel. error": None if error is None else f"{error:.2e}",
+                     "peak GiB": None if peak is None else round(peak, 2),
+                     "first call s": None if compile_s is None else round(compile_s, 1)})
+        print(rows[-1], flush=True)
+
+    started = time.perf_counter()
+    block = make_block(width, device)
+    auto = _auto_choice(block, width, device)
+    notes.append(f"engine.attention auto: {auto.summary()}")
+    attention = args.attention or auto.backend
+    set_backend(block, attention)
+    inputs = make_inputs(width, tokens, device)
+    with torch.no_grad():
+        reference = inputs.call(block)
+
+        def compiled_row(label: str, module_list: nn.ModuleList, options: CompileOptions, error_of=reference):
+            blocks = CompiledBlocks(module_list, options).apply()
+            t = time.perf_counter()
+            out = inputs.call(module_list[0])
+            first_s = time.perf_counter() - t
+            _reset_peak(device)
+            ms = timed_ms(functools.partial(inputs.call, module_list[0]), device, args.repeats)
+            row(label, ms, bf16_floor, rel_error(out, error_of), _peak(device), first_s)
+            back_to_back_row(functools.partial(inputs.call, module_list[0]), bf16_floor)
+            notes.append(f"{label}: dynamo {blocks.stats()}")
+            return ms
+
+        def breakdown_rows(found: Breakdown, label: str, gemm_speedup: int):
+            for group in ("gemm", "attention", "fused elementwise (triton)", "other"):
+                row(f"  of which {group}", found.per_group.get(group, 0.0),
+                    floors.get(group, 0.0) / (gemm_speedup if group == "gemm" else 1))
+            row("  of which GPU idle between kernels", found.idle_ms, 0.0)
+            notes.append(f"{label}host calls that can stall the queue, per call: {found.host_stalls or 'none'}")
+            notes.extend(f"{label}kernel {ms_:.2f} ms x{n}: {name}"
+                         for name, ms_, n in found.top[:10 if not label else 5])
+
+        def back_to_back_row(call, floor_ms: float):
+            """One call timed alone waits on its own launches (Python, guards, a CuTe kernel's host side); in a
+            forward of 50 blocks the host runs ahead of the GPU. Per call over `--back-to-back` queued calls."""
+            n = args.back_to_back
+            ms = timed_ms(lambda: [call() for _ in range(n)], device, args.repeats) / n
+            row(f"  {n} back to back, per call", ms, floor_ms)
+
+        ms = timed_ms(lambda: inputs.call(block), device, args.repeats)
+        row(f"block eager {attention}", ms, bf16_floor)
+        back_to_back_row(lambda: inputs.call(block), bf16_floor)
+        default = nn.ModuleList([copy.deepcopy(block)])
+        compiled_row(f"block compiled {attention} (inductor default)", default,
+                     CompileOptions(backend=backend))
+        if device.type == "cuda":
+            breakdown_rows(kernel_breakdown(functools.partial(inputs.call, default[0]), device), "", 1)
+        del default
+        if not args.no_autotune and device.type == "cuda":
+            compiled_row(f"block compiled {attention} (max-autotune-no-cudagraphs)", nn.ModuleList([copy.deepcopy(block)]),
+                         CompileOptions(backend=backend, inductor_mode="max-autotune-no-cudagraphs"))
+        try:
+            check_fp8_device(device)
+            fp8_floor = (linear_flops / 2 + attention_flops) / rate * 1e3
+            for granularity in [g for g in args.fp8.split(",") if g in ("row", "tensor")]:
+                quantized = fp8_block(block, granularity)
+                blocks = CompiledBlocks(quantized, CompileOptions(backend=backend)).apply()
+                t = time.perf_counter()
+                out = inputs.call(quantized[0])
+                first_s = time.perf_counter() - t
+                _reset_peak(device)
+                ms = timed_ms(functools.partial(inputs.call, quantized[0]), device, args.repeats)
+                row(f"block fp8 {granularity}wise + compiled {attention}", ms, fp8_floor, rel_error(out, reference),
+                    _peak(device), first_s)
+                back_to_back_row(functools.partial(inputs.call, quantized[0]), fp8_floor)
+                breakdown_rows(kernel_breakdown(functools.partial(inputs.call, quantized[0]), device),
+                               f"fp8 {granularity}wise ", 2)
+                del quantized, blocks
+        except QuantizationError as exc:
+            notes.append(f"fp8 rows skipped: {exc}")
+    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
+    tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
+    md, _ = write_results("forward-breakdown", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
+                          out_dir=args.out)
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

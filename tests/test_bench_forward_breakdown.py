@@ -1,0 +1,56 @@
+"""bench.forward_breakdown: kernels sort into the groups whose floors the table prints beside them, and its
+smoke run on CPU writes the eager and compiled rows against the block's bf16 floor (the kernel breakdown, the
+max-autotune row and the FP8 rows need a GPU: skipped with the reason in the notes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import forward, forward_breakdown
+
+
+@pytest.mark.parametrize("kernel, group", [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_128x128x128", "attention"),
+    ("flash_attn_fwd_kernel_sm90", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "gemm"),
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("void cutlass::device_kernel<torchao::scaled_mm_rowwise>", "gemm"),
+    ("triton_per_fused__to_copy_add_mul_native_layer_norm_0", "fused elementwise (triton)"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+])
+def test_a_kernel_lands_in_the_group_of_its_floor(kernel, group):
+    assert forward_breakdown.kernel_group(kernel) == group
+
+
+@pytest.mark.parametrize("spans, idle", [
+    ([], 0.0),
+    ([(0.0, 5.0)], 0.0),
+    ([(0.0, 5.0), (7.0, 9.0)], 2.0),  # one gap
+    ([(7.0, 9.0), (0.0, 5.0)], 2.0),  # profiler order is not time order
+    ([(0.0, 5.0), (1.0, 8.0), (10.0, 11.0)], 2.0),  # overlapping kernels (two streams) leave no gap between them
+    ([(0.0, 10.0), (2.0, 3.0), (12.0, 13.0)], 2.0),  # a kernel inside another does not end the busy span
+])
+def test_gpu_idle_is_the_time_no_kernel_covers(spans, idle):
+    assert forward_breakdown.idle_between(spans) == idle
+
+
+@pytest.mark.slow  # compiles a tiny block (dynamo, eager backend)
+def test_breakdown_smoke_writes_eager_and_compiled_beside_the_block_floor(tmp_path):
+    assert forward_breakdown.main(["--smoke", "--tokens", "61", "--repeats", "1", "--back-to-back", "2",
+                                   "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "forward-breakdown-smoke-cpu.json").read_text())
+    assert report["commit"] and report["command"].startswith("python -m bench.forward_breakdown --smoke")
+    whats = [row["what"] for row in report["rows"]]
+    assert whats == ["block eager native", "  2 back to back, per call",
+                     "block compiled native (inductor default)", "  2 back to back, per call"]
+    rows = {row["what"]: row for row in report["rows"]}
+    linear, attention = forward.block_flops(forward.SMOKE, 61)
+    floor_ms = (linear + attention) / (forward.GEMM_TFLOPS * 1e12) * 1e3
+    for row in report["rows"]:
+        assert row["floor ms"] == float(f"{floor_ms:.4g}")
+        assert row["x bf16 block floor"] == pytest.approx(row["ms"] / floor_ms, rel=0.01)
+    assert rows["block compiled native (inductor default)"]["rel. error"] == "0.00e+00"  # dynamo's eager backend
+    assert any(note.startswith("fp8 rows skipped: engine.quantization: fp8 needs a CUDA GPU")
+               for note in report["notes"])
