@@ -100,8 +100,8 @@ def serve_one(args: argparse.Namespace) -> dict:
 
     from engine.api import GenerationRequest
     from engine.engine import DenoiserEngine
-    from engine.stages import PromptEmbedding
-    from model.text_encoder import PromptCacheStats
+    from engine.stage_data import PromptEmbedding
+    from model.prompts import PromptCacheStats
 
     checkpoint, cache_dir = Path(args.checkpoint), Path(args.cache_dir)
     begin = time.perf_counter()
@@ -148,8 +148,8 @@ def warmup_forwards_again(engine: Engine, canvases: tuple[Canvas, ...], forwards
 
     from engine.api import GenerationRequest
     from engine.forward import WARMUP_TEXT_TOKENS
-    from engine.stages import PromptEmbedding
-    from model.text_encoder import PromptCacheStats
+    from engine.stage_data import PromptEmbedding
+    from model.prompts import PromptCacheStats
 
     canvas = min(canvases, key=lambda c: c.width * c.height * c.seconds)  # no adapters, one tier: one run
     embeds = torch.zeros(WARMUP_TEXT_TOKENS, engine.model_config.text_dim, dtype=engine.model_config.torch_dtype)

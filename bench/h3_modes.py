@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 class Shared:
     """What the eager engine measured for every mode: the prompt's embedding and the mode-independent stages."""
 
-    embedding: Any  # engine.stages.PromptEmbedding, on the CPU
+    embedding: Any  # engine.stage_data.PromptEmbedding, on the CPU
     encode_s: float
     plan_miss_s: float
     decode_s: float

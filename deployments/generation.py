@@ -34,7 +34,7 @@ from deployments.schemas import ProgressEvent
 from engine.errors import GenerationCancelled
 from engine.api import CancelledFn, GenerationRequest, GenerationResult, Latents, ProgressFn
 from engine.pipeline import Pipeline, PipelineResult, StageCallTimes, check_cancelled
-from engine.stages import DecodedVideo, PromptEmbedding
+from engine.stage_data import DecodedVideo, PromptEmbedding
 
 __all__ = ["CANCEL_POLL_S", "FusedRunner", "GenerationRunner", "SplitRunner", "follow", "runner_for", "wait_result"]
 

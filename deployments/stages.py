@@ -25,7 +25,7 @@ from deployments import IMPORT_STARTED_AT, PRELOADED
 from deployments.errors import install_client_error_log_filter
 from engine.api import GenerationRequest, Latents
 from engine.config import EngineConfig
-from engine.stages import DecodedVideo, PromptEmbedding
+from engine.stage_data import DecodedVideo, PromptEmbedding
 from engine.startup import ReplicaStartup, process_started_at
 
 #: This module's imports done (with `deployments.IMPORT_STARTED_AT`: the replica's module-import time).

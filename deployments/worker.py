@@ -50,7 +50,7 @@ from engine.api import (
 )
 from engine.config import EngineConfig
 from engine.errors import ClientError, GenerationCancelled
-from engine.stages import PromptEmbedding
+from engine.stage_data import PromptEmbedding
 from engine.startup import ReplicaStartup, process_started_at
 
 #: This module's imports done (with `deployments.IMPORT_STARTED_AT`: the replica's module-import time).

@@ -29,7 +29,7 @@ from engine.startup import EngineStartup
 from engine.wire import TensorsAsArrays
 from model.geometry import GeometryError
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, ScheduleError, Task, schedule_key
-from model.text_encoder import PromptCacheStats
+from model.prompts import PromptCacheStats
 from offload.layerwise import OffloadStats
 
 __all__ = [

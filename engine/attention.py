@@ -26,9 +26,9 @@ from diffusers import ModelMixin
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
 from engine import flash4
+from engine.config import ATTENTION_AUTO as AUTO
 
 
-AUTO = "auto"
 #: diffusers' default when none is set: torch's scaled_dot_product_attention, which picks its own kernel.
 DEFAULT_BACKEND = AttentionBackendName.NATIVE.value
 #: What `auto` tries, fastest-first as measured on an H200 (issue 25): exact kernels only (no int8/fp8 Sage),

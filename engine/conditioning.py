@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from engine.api import GenerationRequest, field_error
 from engine.errors import ClientError, EngineError, FaultCause, ServerFault, UploadField, UploadKind
 from engine.media import MediaError, MediaLimits, decode_audio, decode_image, decode_video
-from engine.stages import Conditions, DecodeStage, PromptEmbedding, PromptStage, VaeEncoders
+from engine.stage_data import Conditions, PromptEmbedding
+from engine.stages import DecodeStage, PromptStage, VaeEncoders
 from model.canvas import CanvasError, CanvasRule
 from model.conditioning import (FPS, AudioReference, Conditioning, ConditioningError, ImageReference, Keyframe,
                                 KeyframeAnchor, Reference, VideoReference)

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
 from engine.limits import ADAPTER_NAME_PATTERN, ServedAdapter
-from engine.attention import AUTO, backend_names
 from engine.compiled import CompileBackend, CompileOptions, InductorMode
 from engine.limits import Quantization
 from model.geometry import H3_LATENTS, snap_num_frames
@@ -54,6 +53,10 @@ class PoolConfig(BaseModel):
         description="Register the zero-copy object-store pages of a hit with CUDA (cudaHostRegister) so the "
         "copy into the slab runs at pinned speed. null: on when the engine runs on CUDA.",
     )
+
+#: `engine.attention: auto` (engine.attention.AUTO). Spelled here so that parsing a config imports no diffusers:
+#: the ingress validates configs and requests and runs no model.
+ATTENTION_AUTO = "auto"
 
 
 class TextEncoderConfig(BaseModel):
@@ -343,7 +346,7 @@ class EngineConfig(BaseModel):
         return self
 
     attention: str = Field(
-        AUTO, description="Attention kernel: a diffusers backend name (`diffusers.models.attention_dispatch."
+        ATTENTION_AUTO, description="Attention kernel: a diffusers backend name (`diffusers.models.attention_dispatch."
         "AttentionBackendName`: native, _native_cudnn, _native_flash, _native_efficient, flash, _flash_3, ...) or "
         "auto: the fastest exact backend measured once at start on the engine's device (on a CPU: native, "
         "unmeasured). FlashAttention-3 is a candidate where its package is installed.",
@@ -363,6 +366,10 @@ class EngineConfig(BaseModel):
     @field_validator("attention")
     @classmethod
     def _known_backend(cls, value: str) -> str:
+        if value == ATTENTION_AUTO:
+            return value
+        from engine.attention import backend_names  # diffusers' names: imported only for a name to check
+
         if value not in backend_names():
             raise ValueError(f"unknown attention backend {value!r}; one of: {', '.join(backend_names())}")
         return value

@@ -69,7 +69,8 @@ from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
 from engine.conditioning import checked_conditioning, conditioned_plan, conditioning_stage, prepared_on_rank_0
-from engine.stages import DecodeStage, PromptEmbedding, PromptStage
+from engine.stage_data import PromptEmbedding
+from engine.stages import DecodeStage, PromptStage
 from model.adapters import AdapterError
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VaeHalves, VideoDecoder
@@ -80,7 +81,8 @@ from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import ensure_adapter, ensure_checkpoint, served_partition
 from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
-from model.text_encoder import PromptCacheStats, PromptEncoder
+from model.prompts import PromptCacheStats
+from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
 from model.weights import TransformerWeights, is_adaln_param
 from offload.layerwise import LayerwiseOffloader

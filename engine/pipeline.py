@@ -24,11 +24,14 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from engine.api import CancelledFn, GenerationRequest, GenerationResult, Latents, ProgressFn
 from engine.errors import GenerationCancelled
-from engine.stages import DecodeStage, DecodedVideo, PromptEmbedding
+from engine.stage_data import DecodedVideo, PromptEmbedding
+
+if TYPE_CHECKING:
+    from engine.stages import DecodeStage  # the local decode stage (model code): typed, not imported
 
 __all__ = [
     "DecodeStep", "DenoiseStep", "LocalEngine", "Pipeline", "PipelineResult", "PromptStep", "StageCallTimes",

@@ -7,7 +7,7 @@
 What runs here is what a fused engine runs before its denoising loop (`engine.conditioning.ConditioningStage`:
 Qwen3-VL's presentation with the vision tower, the keyframes' and references' VAE encodes), so a denoiser that holds
 the transformer alone (`engine.engine.DenoiserEngine`) runs fl2va and ref2va with the same bits as a fused engine:
-what it needs of the media travels in the embedding as typed data (`engine.stages.Conditions`). One prepare stage serves
+what it needs of the media travels in the embedding as typed data (`engine.stage_data.Conditions`). One prepare stage serves
 every partition an app lists (they share the text encoder and the VAEs): it takes the tasks of them all. Loaded only
 for what it serves: the vision tower and the VAE encoders only when a listed partition takes keyframes or
 references and `engine.text_encoder.vision` is on (a t2va-only prepare stage keeps the text layers' memory), and of
@@ -25,7 +25,8 @@ from engine.conditioning import ConditioningStage, checked_conditioning
 from engine.config import EngineConfig
 from engine.engine import geometry_limits, model_limits, resolve_device
 from engine.errors import ClientError
-from engine.stages import PromptEmbedding, PromptStage, VaeEncoders
+from engine.stage_data import PromptEmbedding
+from engine.stages import PromptStage, VaeEncoders
 from model.layout import H3Checkpoint, Partition
 from model.provisioning import ensure_checkpoint, served_partition
 from model.weights import CONFIG_FILE, H3TransformerConfig

@@ -11,94 +11,34 @@ between the stages is small and typed: `PromptEmbedding` (on the CPU; for fl2va 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import time
 from dataclasses import dataclass
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
 from engine.api import ClipFacts
 from engine.config import TextEncoderConfig, TextEncoderQuantization
 from engine.errors import ClientError
 from engine.fp8 import stored_bytes
+from engine.stage_data import DecodedVideo, PromptEmbedding
 from engine.text_fp8 import TextEncoderFp8
-from engine.wire import TensorsAsArrays, WireTensor
 from model.decode import AudioDecoder, DecoderLoadError, VaeHalves, VideoDecoder
-from model.denoise import ConditionLatents
 from model.encode import AudioConditionEncoder, VisualConditionEncoder
-from model.packing import ConditionBlock
 from model.geometry import H3_LATENTS, LatentSpec
 from model.layout import H3Checkpoint
 from model.mp4 import thumbnail_png, write_mp4
-from model.text_encoder import (LanguageModelSplit, PromptCacheStats, PromptEmbeddingCache, PromptEncoder,
-                                TextEncoderLoadError)
+from model.prompts import PromptEmbeddingCache
+from model.text_encoder import LanguageModelSplit, PromptEncoder, TextEncoderLoadError
 from model.weights import CONFIG_FILE, H3TransformerConfig
 
-__all__ = ["Conditions", "DecodeStage", "DecodedVideo", "PromptEmbedding", "PromptStage", "TextEncoderWeights",
-           "VaeEncoders"]
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
-
-@dataclass(frozen=True, eq=False)
-class Conditions(TensorsAsArrays):
-    """A fl2va / ref2va request as the prepare side made it for the denoiser: the canvas it resolved (the first
-    keyframe's aspect ratio on the model's canvas rule when the request names no size), whether a reference
-    soundtrack adds the t = 1 rows to every AdaLN plan, and the VAE condition latents. With them a denoiser that
-    holds neither the VAEs nor the vision tower (`stages: split`) runs the request as a fused engine does."""
-
-    width: int
-    height: int
-    reference_audio: bool
-    text_token_tags: torch.Tensor  # ConditionLatents' fields, flat: each tensor crosses as an array
-    blocks: tuple[ConditionBlock, ...]  # the packed layout's condition blocks (no tensors)
-    visual: tuple[torch.Tensor, ...]
-    audio: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, width: int, height: int, reference_audio: bool, latents: ConditionLatents) -> Conditions:
-        return cls(width, height, reference_audio, latents.text_token_tags, latents.blocks, latents.visual,
-                   latents.audio)
-
-    @property
-    def latents(self) -> ConditionLatents:
-        return ConditionLatents(self.text_token_tags, self.blocks, self.visual, self.audio)
-
-    def cpu(self) -> Conditions:
-        return dataclasses.replace(self, text_token_tags=self.text_token_tags.cpu(),
-                                   visual=tuple(t.cpu() for t in self.visual), audio=tuple(t.cpu() for t in self.audio))
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()  # the top-level tensor; the tuples' tensors below
-        for name in ("visual", "audio"):
-            state[name] = tuple(WireTensor.of(t) for t in state[name])
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        state = {**state, **{name: tuple(t.tensor() for t in state[name]) for name in ("visual", "audio")}}
-        super().__setstate__(state)
-
-
-@dataclass(frozen=True)
-class PromptEmbedding(TensorsAsArrays):
-    """One prompt's conditioning, as the denoiser takes it. `embeds` crosses processes as an array
-    (`engine.wire`)."""
-
-    embeds: torch.Tensor  # [num_tokens, text_dim] in the text encoder's dtype
-    encode_s: float  # seconds the stage spent (a cache hit: ~0)
-    cache: PromptCacheStats  # the prompt-embedding cache's counters after this call
-    conditions: Conditions | None = None  # fl2va / ref2va: what the prepare side made of the keyframes / references
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.embeds.shape[0])
-
-    def cpu(self) -> PromptEmbedding:
-        """The same embedding on the CPU (what travels between processes)."""
-        return dataclasses.replace(self, embeds=self.embeds.cpu(),
-                                   conditions=self.conditions.cpu() if self.conditions is not None else None)
+__all__ = ["DecodeStage", "PromptStage", "TextEncoderWeights", "VaeEncoders"]
 
 
 @dataclass(frozen=True)
@@ -171,17 +111,6 @@ class PromptStage:
         if embeds.device.type == "cuda":
             torch.cuda.synchronize(embeds.device)
         return PromptEmbedding(embeds=embeds, encode_s=time.perf_counter() - start, cache=self.cache.stats())
-
-
-@dataclass(frozen=True)
-class DecodedVideo:
-    """A decoded, muxed clip."""
-
-    mp4: bytes  # H.264 + AAC stereo
-    thumbnail_png: bytes  # the first frame
-    clip: ClipFacts  # frames, fps, sample rate
-    decode_s: float  # video + audio VAE
-    mux_s: float  # H.264 + AAC encode and mux
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,17 @@ so only the generated rows step and leave the loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import MiniMaxH3Transformer3DModel
 from torch import Tensor
 
 from model.geometry import VideoGeometry
 from model.packing import ConditionBlock, PackedLayout, PackingError, patchify_video, unpatchify_video
 from model.schedule import KEYFRAME_NOISE_AUG, H3Schedule, Task, euler_update
+
+if TYPE_CHECKING:
+    from diffusers import MiniMaxH3Transformer3DModel
 
 MAX_SEED = 2**63 - 1
 

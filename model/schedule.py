@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
-from diffusers import MiniMaxH3Scheduler
 from torch import Tensor
 
 VIDEO_SHIFT = 12.0
@@ -94,6 +93,8 @@ def schedule_key(
 
 def shifted_sigmas(num_steps: int, shift: float) -> Tensor:
     """fp32 [num_steps]: the scheduler's sigma grid, from exactly 1 down to exactly 0 (CPU)."""
+    from diffusers import MiniMaxH3Scheduler  # here, not at import: the ingress imports this module's names
+
     scheduler = MiniMaxH3Scheduler(shift=float(shift))
     scheduler.set_timesteps(num_steps)
     return scheduler.sigmas

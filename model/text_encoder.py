@@ -1,4 +1,4 @@
-"""Prompt -> MiniMax-H3 text conditioning: Qwen3-VL `hidden_states[50]`, and an LRU cache of the results.
+"""Prompt -> MiniMax-H3 text conditioning: Qwen3-VL `hidden_states[50]` (the cache of results: `model.prompts`).
 
 What the reference pipeline feeds the transformer for t2va (diffusers `MiniMaxH3TextEncoderStep` and
 `get_qwen3vl_prompt_embeds`): the prompt tokenized verbatim (`add_special_tokens=False`: no chat template, no
@@ -32,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import threading
-from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessorPil, Qwen3VLCo
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel, Qwen3VLTextModel, Qwen3VLVisionModel
 
 from model.presentation import Presentation
+from model.prompts import EmptyPromptError, PromptError, check_token_count
 from model.qwen_video import VIDEO_PROCESSOR_FILE, QwenVideoProcessor
 
 #: MiniMax-H3 conditions on hidden_states[50] of its Qwen3-VL (diffusers `text_encoder_layer`).
@@ -56,29 +55,8 @@ VISION_PREFIX = "model.visual."
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-class PromptError(ValueError):
-    """A prompt the encoder cannot condition on; the message names the value and the limit."""
-
-
-class EmptyPromptError(PromptError):
-    pass
-
-
-class PromptTooLongError(PromptError):
-    pass
-
-
 class TextEncoderLoadError(ValueError):
     """A text encoder or tokenizer directory that cannot be loaded; the message names the path and the problem."""
-
-
-class PromptEncoding(Protocol):
-    """What `PromptEmbeddingCache.get_or_encode` needs from an encoder."""
-
-    @property
-    def identity(self) -> str: ...
-
-    def encode(self, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor: ...
 
 
 class SafetensorsHandle(Protocol):
@@ -207,7 +185,7 @@ class PromptEncoder:
     def encode(self, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor:
         """[num_tokens, text_dim]: the hidden state after decoder layer `hidden_state_index - 1`, pre-norm."""
         token_ids = self.tokenize(prompt)
-        _check_token_count(len(token_ids), max_tokens)
+        check_token_count(len(token_ids), max_tokens)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         output = self._model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
         return output.last_hidden_state[0]
@@ -222,7 +200,7 @@ class PromptEncoder:
         multimodal forward (diffusers `get_qwen3vl_prompt_embeds` with its vision inputs)."""
         if self._multimodal is None:
             raise TextEncoderLoadError("this prompt encoder was loaded without the vision tower (vision=False)")
-        _check_token_count(presentation.num_tokens, max_tokens)
+        check_token_count(presentation.num_tokens, max_tokens)
         model = self._multimodal
         input_ids = torch.tensor([presentation.token_ids], dtype=torch.long, device=self.device)
         types = torch.zeros_like(input_ids)  # Qwen3-VL's own modality types: 1 image pad, 2 video pad
@@ -238,11 +216,6 @@ class PromptEncoder:
         output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types,
                        use_cache=False, **vision)
         return output.last_hidden_state[0]
-
-
-def _check_token_count(num_tokens: int, max_tokens: int | None) -> None:
-    if max_tokens is not None and num_tokens > max_tokens:
-        raise PromptTooLongError(f"prompt has {num_tokens} tokens, more than the limit of {max_tokens}")
 
 
 # --- Loading ------------------------------------------------------------------------------------------------
@@ -391,115 +364,3 @@ def _safetensors_header(path: Path) -> bytes:
     with path.open("rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
         return handle.read(length)
-
-
-# --- Cache --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PromptKey:
-    encoder_identity: str
-    prompt: str
-    media_hash: str = ""  # a keyframe / reference presentation: the content hash of its images ("" for text)
-
-
-@dataclass(frozen=True)
-class PromptCacheStats:
-    hits: int
-    misses: int
-    evictions: int
-    entries: int
-    used_bytes: int
-    capacity_bytes: int
-
-
-class PromptEmbeddingCache:
-    """Prompt embeddings by (encoder identity, prompt), least recently used evicted first, bounded by bytes.
-
-    Invariants (checked after every change): used_bytes == the sum of the entries' bytes <= capacity_bytes.
-    An embedding larger than the whole capacity is returned but not kept. Entries are the encoder's own
-    tensors (not copies): callers must not modify them in place. Thread-safe; two concurrent misses on one
-    prompt both encode and the second insert wins.
-    """
-
-    def __init__(self, capacity_bytes: int) -> None:
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[PromptKey, torch.Tensor] = OrderedDict()  # least recently used first
-        self._used_bytes = 0
-        self._hits = self._misses = self._evictions = 0
-        self._lock = threading.Lock()
-
-    def lookup(self, key: PromptKey) -> torch.Tensor | None:
-        """The cached embedding (now the most recently used), or None; counts a hit or a miss."""
-        with self._lock:
-            embedding = self._entries.get(key)
-            if embedding is None:
-                self._misses += 1
-                return None
-            self._hits += 1
-            self._entries.move_to_end(key)
-            return embedding
-
-    def insert(self, key: PromptKey, embedding: torch.Tensor) -> bool:
-        """Keep `embedding` under `key`, evicting least recently used entries to make room; False if it is
-        larger than the capacity (then nothing is evicted)."""
-        size = embedding.numel() * embedding.element_size()
-        with self._lock:
-            if size > self.capacity_bytes:
-                return False
-            previous = self._entries.pop(key, None)
-            if previous is not None:
-                self._used_bytes -= previous.numel() * previous.element_size()
-            while self._used_bytes + size > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._used_bytes -= evicted.numel() * evicted.element_size()
-                self._evictions += 1
-            self._entries[key] = embedding
-            self._used_bytes += size
-            self._check()
-            return True
-
-    def get_or_encode(self, encoder: PromptEncoding, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor:
-        """The cached embedding of `prompt` by `encoder`, encoding (and caching) it on a miss. `max_tokens` is
-        enforced on hits too."""
-        key = PromptKey(encoder.identity, prompt)
-        embedding = self.lookup(key)
-        if embedding is None:
-            embedding = encoder.encode(prompt, max_tokens=max_tokens)
-            self.insert(key, embedding)
-        else:
-            _check_token_count(embedding.shape[0], max_tokens)
-        return embedding
-
-    def get_or_encode_presentation(self, encoder: PromptEncoder, presentation: Presentation, *,
-                                   max_tokens: int | None = None) -> torch.Tensor:
-        """As `get_or_encode`, for a keyframe / reference presentation; keyed by its images' content hash too
-        (the same prompt with other images is another entry)."""
-        key = PromptKey(encoder.identity, presentation.prompt, presentation.media_hash)
-        embedding = self.lookup(key)
-        if embedding is None:
-            embedding = encoder.encode_presentation(presentation, max_tokens=max_tokens)
-            self.insert(key, embedding)
-        else:
-            _check_token_count(embedding.shape[0], max_tokens)
-        return embedding
-
-    def stats(self) -> PromptCacheStats:
-        with self._lock:
-            return PromptCacheStats(hits=self._hits, misses=self._misses, evictions=self._evictions,
-                                    entries=len(self._entries), used_bytes=self._used_bytes,
-                                    capacity_bytes=self.capacity_bytes)
-
-    def clear(self) -> None:
-        """Drop every entry (the hit/miss/eviction counters are kept)."""
-        with self._lock:
-            self._entries.clear()
-            self._used_bytes = 0
-
-    def _check(self) -> None:
-        total = sum(e.numel() * e.element_size() for e in self._entries.values())
-        if total != self._used_bytes or self._used_bytes > self.capacity_bytes:
-            raise AssertionError(f"prompt cache bookkeeping broken: used_bytes {self._used_bytes}, entries hold "
-                                 f"{total}, capacity {self.capacity_bytes}")

@@ -448,8 +448,8 @@ class ForwardRows:
 
 
 def prompt_of(rows: int, seed: int = 0):
-    from engine.stages import PromptEmbedding
-    from model.text_encoder import PromptCacheStats
+    from engine.stage_data import PromptEmbedding
+    from model.prompts import PromptCacheStats
 
     embeds = torch.randn(rows, 32, generator=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
     return PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))

@@ -18,7 +18,8 @@ from model.conditioning import Conditioning, ConditioningError, Keyframe, Keyfra
 from model.layout import Partition
 from model.packing import TEXT_TAG, VIDEO_TAG
 from model.schedule import KEYFRAME_NOISE_AUG, H3Schedule, Task
-from model.text_encoder import PromptEmbeddingCache, PromptEncoder
+from model.prompts import PromptEmbeddingCache
+from model.text_encoder import PromptEncoder
 from model.tiny import TINY_CANVAS
 from tests.conditioning_support import (NUM_FRAMES, PROMPT, Ours, bits_equal,
                                         channels_to_rows, generated_once, oracle_pipeline, random_image, run_oracle)

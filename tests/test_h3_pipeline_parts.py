@@ -29,8 +29,9 @@ from model.decode import (AUDIO_VAE_HALVES, VIDEO_VAE_HALVES, AudioDecoder, Deco
                           VaeHalves, VideoDecoder, load_audio_vae, load_video_vae, native_video_vae_to_diffusers)
 from model.encode import AudioConditionEncoder, VisualConditionEncoder
 from model.mp4 import MediaInputError, thumbnail_png, write_mp4
-from model.text_encoder import (EmptyPromptError, PromptCacheStats, PromptEmbeddingCache, PromptEncoder, PromptError,
-                                PromptKey, PromptTooLongError, TextEncoderLoadError)
+from model.prompts import (EmptyPromptError, PromptCacheStats, PromptEmbeddingCache, PromptError, PromptKey,
+                           PromptTooLongError)
+from model.text_encoder import PromptEncoder, TextEncoderLoadError
 from model.tiny_components import (QWEN_VL_SPECIAL_TOKENS, TINY_TEXT_DIM, TINY_TEXT_LAYERS, native_video_vae_state_dict,
                                    tiny_video_vae, write_tiny_components)
 

@@ -203,3 +203,20 @@ def test_checker_reports_a_forbidden_import(tmp_path, relpath, source, expected)
 def test_checker_accepts_an_allowed_import(tmp_path, relpath, source):
     write(tmp_path, relpath, source)
     assert layering_violations(tmp_path) == []
+
+
+#: Model libraries the ingress never needs: it validates, routes and serves; the stages run the model.
+MODEL_LIBRARIES = ("diffusers", "transformers", "torchao", "peft", "cache_dit")
+
+
+def test_the_ingress_imports_no_model_library():
+    """A Serve ingress replica (and anything that only parses a config or carries stage data) starts without
+    diffusers or transformers: ~3 s of CPU and their memory per replica. A module-level import of one, anywhere on
+    the ingress's import graph, fails this."""
+    import subprocess
+
+    probe = ("import sys, deployments.ingress; "
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({MODEL_LIBRARIES!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], check=True,
+                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", f"the ingress imported {out}"

@@ -22,8 +22,8 @@ import torch
 from engine.api import GenerationRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.stages import PromptEmbedding
-from model.text_encoder import PromptCacheStats
+from engine.stage_data import PromptEmbedding
+from model.prompts import PromptCacheStats
 from model.tiny import make_tiny_checkpoint
 from tests.ranks_support import rank_reports
 

@@ -13,8 +13,8 @@ import torch
 from engine.api import ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, Latents
 from engine.errors import ClientError, GenerationCancelled
 from engine.pipeline import Pipeline, run_local
-from engine.stages import DecodedVideo, PromptEmbedding
-from model.text_encoder import PromptCacheStats
+from engine.stage_data import DecodedVideo, PromptEmbedding
+from model.prompts import PromptCacheStats
 
 CLIP = ClipFacts(num_frames=29, fps=24.0, sample_rate=32000)
 CACHE = PromptCacheStats(hits=0, misses=1, evictions=0, entries=1, used_bytes=48, capacity_bytes=2**20)

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import DenoiserEngine, Engine
 from engine.errors import ClientError, UploadField, UploadKind
 from engine.prepare import prepare_stage
-from engine.stages import Conditions
+from engine.stage_data import Conditions
 from model.tiny import make_tiny_checkpoint
 from tests.conditioning_support import PROMPT, STEPS, random_image, random_video, video_file, wav
 from tests.test_engine_conditioning import png

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.engine import DenoiserEngine, Engine, decode_stage
 from engine.pipeline import LocalDecode, LocalDenoise, Pipeline, PipelineResult, StageCallTimes, local_steps
 from engine.prepare import PrepareStage, prepare_stage
-from engine.stages import PromptEmbedding
+from engine.stage_data import PromptEmbedding
 from jobs.backend import VideoLora, VideoRun, VideoSpec, VideoStats
 from model.mp4 import thumbnail_png, write_mp4
 from model.tiny import make_tiny_checkpoint

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.api import GenerationResult, Latents
-from engine.stages import PromptEmbedding
+from engine.stage_data import PromptEmbedding
 from engine.wire import TensorsAsArrays, WireTensor
-from model.text_encoder import PromptCacheStats
+from model.prompts import PromptCacheStats
 from tests.serve_helpers import shared_ray
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
