@@ -1,6 +1,8 @@
 """Where a compiled MiniMax-H3 block's time goes at one token count, and what two cheaper forwards would give:
 the GPU kernels of one compiled call grouped (GEMM, attention, fused elementwise, other) beside their floors,
-inductor's `max-autotune-no-cudagraphs` against its default, and FP8 with rowwise against tensorwise scales.
+the time the GPU sits idle between them and the host calls that can make it wait, each call also timed with
+`--back-to-back` calls queued (as a 50-block forward queues them), inductor's `max-autotune-no-cudagraphs`
+against its default, and FP8 with rowwise against tensorwise scales (`--fp8`). `--attention` overrides auto.
 
     python -m bench.forward_breakdown                 # one GPU, 37,774 tokens (~5 min with max-autotune)
     python -m bench.forward_breakdown --smoke         # CPU, tiny width: the code path only
