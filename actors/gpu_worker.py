@@ -54,9 +54,10 @@ from actors.host_cache_pool import make_pool_client
 from engine.api import (NO_SLAB, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, ParallelStats,
                         ProgressFn, SlabState)
 from engine.config import EngineConfig
-from engine.engine import Engine, resolve_device
+from engine.engine import Engine, resolve_device, served_adapter_files
 from engine.errors import EngineError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from engine.startup import EngineStartup
+from model.provisioning import ensure_checkpoint
 from parallel.config_check import check_parallel_config
 from parallel.group import init_group
 
@@ -318,6 +319,12 @@ class ParallelEngine:
         if num_gpus_per_rank is None:
             num_gpus_per_rank = rank_num_gpus(config, float(ray.cluster_resources().get("GPU", 0.0)))
         check_parallel_config(config, largest_node_num_gpus() if num_gpus_per_rank else 0)
+        # The auto-made checkpoint and adapters, made here once before any rank joins its process group: a rank > 0
+        # of an initialized group writes no transformers component (save_pretrained writes on rank 0 only), so a
+        # rank that made the tiny checkpoint itself would have its text encoder missing. (Its maker refuses an
+        # empty component rather than publish it: `model.layout`.)
+        ensure_checkpoint(config)
+        served_adapter_files(config)
         self.config = config
         self.sp = parallel.sp
         self.timeout_s = parallel.timeout_s

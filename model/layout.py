@@ -188,6 +188,13 @@ class H3Checkpoint:
                                   f"lacks component directories: {', '.join(missing)}")
         if not (self.transformer_dir / "config.json").is_file():
             raise CheckpointError(f"{self.transformer_dir / 'config.json'} is missing")
+        if require_components:
+            # An empty one is what a writer that skipped it leaves (transformers' save_pretrained writes nothing
+            # on a process of rank > 0 in a torch.distributed group).
+            empty = [f"{name} ({directory})" for name, directory in required.items() if not any(directory.iterdir())]
+            if empty:
+                raise CheckpointError(f"{self.layout.value} checkpoint {self.root} has empty component directories: "
+                                      f"{', '.join(empty)}")
 
 
 def _read_json(path: Path) -> dict:

@@ -138,6 +138,27 @@ def test_open_missing_path_and_missing_components(made, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_a_checkpoint_with_an_empty_component_directory_does_not_open_complete(tmp_path):
+    root = make_tiny_checkpoint(tmp_path / "ck", "diffusers")
+    for path in (root / "text_encoder").iterdir():
+        path.unlink()
+    H3Checkpoint.open(root)  # the transformer alone is still there
+    with pytest.raises(CheckpointError, match=r"empty component directories: text_encoder"):
+        H3Checkpoint.open(root, require_components=True)
+
+
+def test_a_writer_that_skips_a_component_publishes_no_checkpoint(tmp_path, monkeypatch):
+    """What a rank > 0 of a torch.distributed group does (transformers' save_pretrained writes nothing there): the
+    tiny checkpoint it made is refused before it is renamed into place, so no replica can load an empty
+    text_encoder/ that another process published."""
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "should_save_on_this_rank", lambda self, main: False)
+    with pytest.raises(CheckpointError, match=r"empty component directories: text_encoder"):
+        make_tiny_checkpoint(tmp_path / "ck", "diffusers")
+    assert not (tmp_path / "ck").exists() and not list(tmp_path.iterdir())  # the temporary sibling removed too
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_config_reads_as_the_tiny_config_in_both_layouts(made, layout):
     config = weights_of(made[layout, 0]).config
