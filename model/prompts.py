@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -110,23 +111,20 @@ class PromptEmbeddingCache:
     def get_or_encode(self, encoder: PromptEncoding, prompt: str, *, max_tokens: int | None = None) -> torch.Tensor:
         """The cached embedding of `prompt` by `encoder`, encoding (and caching) it on a miss. `max_tokens` is
         enforced on hits too."""
-        key = PromptKey(encoder.identity, prompt)
-        embedding = self.lookup(key)
-        if embedding is None:
-            embedding = encoder.encode(prompt, max_tokens=max_tokens)
-            self.insert(key, embedding)
-        else:
-            check_token_count(embedding.shape[0], max_tokens)
-        return embedding
+        return self._get_or_make(PromptKey(encoder.identity, prompt),
+                                 lambda: encoder.encode(prompt, max_tokens=max_tokens), max_tokens)
 
     def get_or_encode_presentation(self, encoder: PromptEncoder, presentation: Presentation, *,
                                    max_tokens: int | None = None) -> torch.Tensor:
         """As `get_or_encode`, for a keyframe / reference presentation; keyed by its images' content hash too
         (the same prompt with other images is another entry)."""
-        key = PromptKey(encoder.identity, presentation.prompt, presentation.media_hash)
+        return self._get_or_make(PromptKey(encoder.identity, presentation.prompt, presentation.media_hash),
+                                 lambda: encoder.encode_presentation(presentation, max_tokens=max_tokens), max_tokens)
+
+    def _get_or_make(self, key: PromptKey, encode: Callable[[], torch.Tensor], max_tokens: int | None) -> torch.Tensor:
         embedding = self.lookup(key)
         if embedding is None:
-            embedding = encoder.encode_presentation(presentation, max_tokens=max_tokens)
+            embedding = encode()  # the encoder enforces max_tokens on what it encodes
             self.insert(key, embedding)
         else:
             check_token_count(embedding.shape[0], max_tokens)
