@@ -41,7 +41,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 from torch import nn
 
-from bench.common import write_results
+from bench.common import device_tag, write_results
 from bench.forward import RELEASED_TOKENS, SMOKE_TOKENS, Width, make_inputs, rel_error, timed_ms
 from engine.adapters import AdapterSet
 from engine.api import AdapterChoice
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         per_forward(rows, row, config, rank, token_counts, device, compile_options, args, Path(tmp), notes)
         load_and_install(row, config, rank, device, Path(tmp), args.repeats, notes)
         switch(row, config, device, Path(tmp), args.repeats)
-    tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
+    tag = device_tag(str(device))
     md, _ = write_results("adapters", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
                           out_dir=args.out)
     print(md.read_text())

@@ -46,6 +46,15 @@ def command_line() -> str:
     return shlex.join([*head, *sys.argv[1:]])
 
 
+def device_tag(device: str) -> str:
+    """The device part of a results file's name: `cpu`, or the GPU's name as `nvidia-h200`."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return "-".join(torch.cuda.get_device_name(torch.device(device)).lower().split())
+    return "cpu"
+
+
 def device_description(device: str) -> str:
     """`NVIDIA H200 (139.8 GiB), torch 2.13.0, CUDA 12.8` or `cpu: <processor>, N cores, torch ...`."""
     import torch

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(serve_one(args)))
         return 0
 
-    from bench.common import markdown_table, write_results
+    from bench.common import device_tag, markdown_table, write_results
 
     command = " ".join(["python -m bench.compile", *raw])
     began = time.perf_counter()
@@ -253,17 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         "<= 1.2 for the warm cache",
         f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
     ]
-    tag = "cpu" if args.device == "cpu" else _device_tag()
+    tag = device_tag(args.device)
     md, _ = write_results("compile", rows, f"smoke-{tag}" if args.smoke else tag, command, columns=COLUMNS,
                           notes=notes, out_dir=args.out)
     print(md.read_text())
     return 0
-
-
-def _device_tag() -> str:
-    import torch
-
-    return "-".join(torch.cuda.get_device_name().lower().split())
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from PIL import Image
 
 from bench.checkpoints import (PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, make_random_checkpoint,
                                write_canvas_rule, write_h3_components)
-from bench.common import device_description, git_commit, write_sectioned_report
+from bench.common import device_description, device_tag, git_commit, write_sectioned_report
 from bench.h3 import (PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS, SMOKE_PROMPT,
                       Deadline, Peak, Rig, forward_flops, measure_limits, param_bytes, run_steps, sync)
 from engine.conditioning import ConditioningStage
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args.text_layers = args.text_layers or (2 if args.smoke else 4)
     args.forwards = args.forwards or (1 if args.smoke else 3)
     args.ref2va_forwards = args.ref2va_forwards or (1 if args.smoke else 2)
-    tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
+    tag = device_tag(str(device))
     tag = f"smoke-{tag}" if args.smoke else tag
     command = "python -m bench.conditioning " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                  else sys.argv[1:]))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bench.common import write_results
+from bench.common import device_tag, write_results
 from bench.forward import (GEMM_TFLOPS, RELEASED, SMOKE, _auto_choice, _peak, _reset_peak, block_flops, make_block,
                            make_inputs, rel_error, set_backend, timed_ms)
 from engine.compiled import CompiledBlocks, CompileOptions
@@ -70,33 +70,40 @@ class Breakdown:
     top: list[tuple[str, float, int]]
 
 
-#: CUDA runtime/driver calls that make the host wait on the GPU (or the GPU on the host).
-STALL_CALLS = ("Synchronize", "Malloc", "Free", "MemcpyAsync", "EventSynchronize", "StreamWait")
+#: CUDA runtime/driver calls that can make the host wait on the GPU (a sync, an allocation, a copy).
+STALL_CALLS = ("Synchronize", "Malloc", "Free", "Memcpy")
 
 
 def kernel_breakdown(call, device: torch.device) -> Breakdown:
-    """Profile one call after warm-up, the host side too."""
+    """Profile `call` after a warm-up: its kernels and the GPU's idle time from a GPU-only trace (tracing the
+    host's ops slows its launches, which would widen the very gaps measured), the host's CUDA calls from a
+    second call traced on both sides."""
     from torch.profiler import ProfilerActivity, profile
 
-    call()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
+    def traced(activities):
         torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            call()
+            torch.cuda.synchronize(device)
+        return prof.events()
+
+    call()
     per_group: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     spans: list[tuple[float, float]] = []
-    stalls: dict[str, int] = defaultdict(int)
-    for event in prof.events():
+    for event in traced([ProfilerActivity.CUDA]):
         if event.device_type != torch.autograd.DeviceType.CUDA:
-            if event.name.startswith("cuda") and any(call_ in event.name for call_ in STALL_CALLS):
-                stalls[event.name] += 1
             continue
         ms = event.device_time / 1e3
         per_group[kernel_group(event.name)] += ms
         per_kernel[event.name][0] += ms
         per_kernel[event.name][1] += 1
         spans.append((event.time_range.start, event.time_range.end))
+    stalls: dict[str, int] = defaultdict(int)
+    for event in traced([ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        if (event.device_type != torch.autograd.DeviceType.CUDA and event.name.startswith("cu")
+                and any(name in event.name for name in STALL_CALLS)):
+            stalls[event.name] += 1
     top = sorted(((name[:90], ms, int(n)) for name, (ms, n) in per_kernel.items()), key=lambda t: -t[1])[:10]
     return Breakdown(dict(per_group), idle_between(spans) / 1e3, dict(stalls), top)
 
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         except QuantizationError as exc:
             notes.append(f"fp8 rows skipped: {exc}")
     notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
-    tag = "cpu" if device.type == "cpu" else "-".join(torch.cuda.get_device_name(device).lower().split())
+    tag = device_tag(str(device))
     md, _ = write_results("forward-breakdown", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
                           out_dir=args.out)
     print(md.read_text())
