@@ -54,6 +54,7 @@ class PoolConfig(BaseModel):
         "copy into the slab runs at pinned speed. null: on when the engine runs on CUDA.",
     )
 
+
 #: `engine.attention: auto` (engine.attention.AUTO). Spelled here so that parsing a config imports no diffusers:
 #: the ingress validates configs and requests and runs no model.
 ATTENTION_AUTO = "auto"

@@ -5,8 +5,9 @@ plans, the denoising loop) -> `DecodeStage` (video + audio VAE decode, MP4 mux),
 `engine.pipeline.Pipeline`: in one process (`Engine.generate`: tests, a fused replica, every rank of a
 sequence-parallel replica, where only rank 0 decodes), or with each stage in its own deployment
 (`deployments/stages.py`), so the denoiser never waits for a prompt encode or a VAE decode. What crosses
-between the stages is small and typed: `PromptEmbedding` (on the CPU; for fl2va / ref2va with the request's
-`Conditions`: the canvas and the VAE condition latents, made beside the prompt encoder) and the latents.
+between the stages is small and typed (`engine.stage_data`): `PromptEmbedding` (on the CPU; for fl2va / ref2va
+with the request's `Conditions`: the canvas and the VAE condition latents, made beside the prompt encoder) and
+the latents.
 """
 
 from __future__ import annotations

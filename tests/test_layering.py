@@ -211,8 +211,8 @@ MODEL_LIBRARIES = ("diffusers", "transformers", "torchao", "peft", "cache_dit")
 
 def test_the_ingress_imports_no_model_library():
     """A Serve ingress replica (and anything that only parses a config or carries stage data) starts without
-    diffusers or transformers: ~3 s of CPU and their memory per replica. A module-level import of one, anywhere on
-    the ingress's import graph, fails this."""
+    diffusers or transformers: ~4 core-seconds of imports and their memory per replica. A module-level import of
+    one, anywhere on the ingress's import graph, fails this."""
     import subprocess
 
     probe = ("import sys, deployments.ingress; "
