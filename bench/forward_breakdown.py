@@ -21,10 +21,13 @@ import argparse
 import copy
 import functools
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import datetime
 
 import torch
 from torch import nn
@@ -60,6 +63,63 @@ def kernel_group(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class ClockReading:
+    """The GPU's mean and lowest SM clock (MHz) and mean board power (W) over a region, from `n` samples."""
+
+    mean_mhz: float
+    min_mhz: float
+    mean_w: float
+    n: int
+
+
+def parse_clock_samples(text: str, since: datetime | None = None) -> ClockReading | None:
+    """`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits` lines
+    ("2026/12/06 22:52:01.123, 1980, 512.3"), those stamped before `since` left out."""
+    samples = []
+    for line in text.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        try:
+            stamp = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f")
+            sample = (float(fields[1]), float(fields[2]))
+        except (ValueError, IndexError):
+            continue  # "[N/A]" or a torn last line
+        if since is None or stamp >= since:
+            samples.append(sample)
+    if not samples:
+        return None
+    mhz = [m for m, _ in samples]
+    return ClockReading(sum(mhz) / len(mhz), min(mhz), sum(w for _, w in samples) / len(samples), len(samples))
+
+
+class ClockSampler:
+    """Samples the SM clock and board power every 50 ms while a region runs (`nvidia-smi -lms`, leaving the
+    card's settings alone): the profiled call and the timed ones may not run at the same clocks, and a
+    sustained load can draw the card into its power limit. `reading` is None on CPU or without nvidia-smi."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.reading = device, None
+        self._proc: subprocess.Popen | None = None
+        self._since: datetime | None = None
+
+    def __enter__(self) -> "ClockSampler":
+        if self.device.type == "cuda" and shutil.which("nvidia-smi"):
+            uuid = torch.cuda.get_device_properties(self.device).uuid
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=timestamp,clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", "50"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            time.sleep(0.5)  # it takes a moment to find the card; samples from before the region are left out
+            self._since = datetime.now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate(timeout=10)
+            self.reading = parse_clock_samples(out, self._since)
+
+
+@dataclass(frozen=True)
 class Breakdown:
     """One profiled call: GPU ms per kernel group, the GPU's idle ms between its first and last kernel, the
     host's CUDA calls that can stall the queue (syncs, allocations) by name, and the ten costliest kernels."""
@@ -68,6 +128,7 @@ class Breakdown:
     idle_ms: float
     host_stalls: dict[str, int]
     top: list[tuple[str, float, int]]
+    clocks: ClockReading | None = None  # over the profiled call
 
 
 #: CUDA runtime/driver calls that can make the host wait on the GPU (a sync, an allocation, a copy).
@@ -91,7 +152,9 @@ def kernel_breakdown(call, device: torch.device) -> Breakdown:
     per_group: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     spans: list[tuple[float, float]] = []
-    for event in traced([ProfilerActivity.CUDA]):
+    with ClockSampler(device) as clocks:
+        gpu_events = traced([ProfilerActivity.CUDA])
+    for event in gpu_events:
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         ms = event.device_time / 1e3
@@ -105,7 +168,7 @@ def kernel_breakdown(call, device: torch.device) -> Breakdown:
                 and any(name in event.name for name in STALL_CALLS)):
             stalls[event.name] += 1
     top = sorted(((name[:90], ms, int(n)) for name, (ms, n) in per_kernel.items()), key=lambda t: -t[1])[:10]
-    return Breakdown(dict(per_group), idle_between(spans) / 1e3, dict(stalls), top)
+    return Breakdown(dict(per_group), idle_between(spans) / 1e3, dict(stalls), top, clocks.reading)
 
 
 def idle_between(spans: list[tuple[float, float]]) -> float:
@@ -168,13 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
 
     def row(what: str, ms: float, floor_ms: float, error: float | None = None, peak: float | None = None,
-            compile_s: float | None = None):
+            compile_s: float | None = None, clocks: ClockReading | None = None):
         rows.append({"what": what, "ms": float(f"{ms:.4g}"), "floor ms": float(f"{floor_ms:.4g}"),
                      "x floor": round(ms / floor_ms, 3) if floor_ms else None,
                      "x bf16 block floor": round(ms / bf16_floor, 3),
                      "rel. error": None if error is None else f"{error:.2e}",
                      "peak GiB": None if peak is None else round(peak, 2),
-                     "first call s": None if compile_s is None else round(compile_s, 1)})
+                     "first call s": None if compile_s is None else round(compile_s, 1),
+                     "SM MHz mean/min": None if clocks is None else f"{clocks.mean_mhz:.0f}/{clocks.min_mhz:.0f}",
+                     "W": None if clocks is None else round(clocks.mean_w)})
         print(rows[-1], flush=True)
 
     started = time.perf_counter()
@@ -193,13 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             out = inputs.call(module_list[0])
             first_s = time.perf_counter() - t
             _reset_peak(device)
-            ms = timed_ms(functools.partial(inputs.call, module_list[0]), device, args.repeats)
-            row(label, ms, bf16_floor, rel_error(out, error_of), _peak(device), first_s)
+            with ClockSampler(device) as clocks:
+                ms = timed_ms(functools.partial(inputs.call, module_list[0]), device, args.repeats)
+            row(label, ms, bf16_floor, rel_error(out, error_of), _peak(device), first_s, clocks.reading)
             back_to_back_row(functools.partial(inputs.call, module_list[0]), bf16_floor)
             notes.append(f"{label}: dynamo {blocks.stats()}")
             return ms
 
-        def breakdown_rows(found: Breakdown, label: str, gemm_speedup: int):
+        def breakdown_rows(found: Breakdown, label: str, gemm_speedup: int, floor_ms: float):
+            row("  profiled call: kernels + GPU idle", sum(found.per_group.values()) + found.idle_ms, floor_ms,
+                clocks=found.clocks)
             for group in ("gemm", "attention", "fused elementwise (triton)", "other"):
                 row(f"  of which {group}", found.per_group.get(group, 0.0),
                     floors.get(group, 0.0) / (gemm_speedup if group == "gemm" else 1))
@@ -212,17 +280,19 @@ def main(argv: list[str] | None = None) -> int:
             """One call timed alone waits on its own launches (Python, guards, a CuTe kernel's host side); in a
             forward of 50 blocks the host runs ahead of the GPU. Per call over `--back-to-back` queued calls."""
             n = args.back_to_back
-            ms = timed_ms(lambda: [call() for _ in range(n)], device, args.repeats) / n
-            row(f"  {n} back to back, per call", ms, floor_ms)
+            with ClockSampler(device) as clocks:
+                ms = timed_ms(lambda: [call() for _ in range(n)], device, args.repeats) / n
+            row(f"  {n} back to back, per call", ms, floor_ms, clocks=clocks.reading)
 
-        ms = timed_ms(lambda: inputs.call(block), device, args.repeats)
-        row(f"block eager {attention}", ms, bf16_floor)
+        with ClockSampler(device) as clocks:
+            ms = timed_ms(lambda: inputs.call(block), device, args.repeats)
+        row(f"block eager {attention}", ms, bf16_floor, clocks=clocks.reading)
         back_to_back_row(lambda: inputs.call(block), bf16_floor)
         default = nn.ModuleList([copy.deepcopy(block)])
         compiled_row(f"block compiled {attention} (inductor default)", default,
                      CompileOptions(backend=backend))
         if device.type == "cuda":
-            breakdown_rows(kernel_breakdown(functools.partial(inputs.call, default[0]), device), "", 1)
+            breakdown_rows(kernel_breakdown(functools.partial(inputs.call, default[0]), device), "", 1, bf16_floor)
         del default
         if not args.no_autotune and device.type == "cuda":
             compiled_row(f"block compiled {attention} (max-autotune-no-cudagraphs)", nn.ModuleList([copy.deepcopy(block)]),
@@ -237,12 +307,13 @@ def main(argv: list[str] | None = None) -> int:
                 out = inputs.call(quantized[0])
                 first_s = time.perf_counter() - t
                 _reset_peak(device)
-                ms = timed_ms(functools.partial(inputs.call, quantized[0]), device, args.repeats)
+                with ClockSampler(device) as clocks:
+                    ms = timed_ms(functools.partial(inputs.call, quantized[0]), device, args.repeats)
                 row(f"block fp8 {granularity}wise + compiled {attention}", ms, fp8_floor, rel_error(out, reference),
-                    _peak(device), first_s)
+                    _peak(device), first_s, clocks.reading)
                 back_to_back_row(functools.partial(inputs.call, quantized[0]), fp8_floor)
                 breakdown_rows(kernel_breakdown(functools.partial(inputs.call, quantized[0]), device),
-                               f"fp8 {granularity}wise ", 2)
+                               f"fp8 {granularity}wise ", 2, fp8_floor)
                 del quantized, blocks
         except QuantizationError as exc:
             notes.append(f"fp8 rows skipped: {exc}")

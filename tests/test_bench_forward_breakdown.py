@@ -5,6 +5,7 @@ max-autotune row and the FP8 rows need a GPU: skipped with the reason in the not
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import pytest
 
@@ -54,3 +55,15 @@ def test_breakdown_smoke_writes_eager_and_compiled_beside_the_block_floor(tmp_pa
     assert rows["block compiled native (inductor default)"]["rel. error"] == "0.00e+00"  # dynamo's eager backend
     assert any(note.startswith("fp8 rows skipped: engine.quantization: fp8 needs a CUDA GPU")
                for note in report["notes"])
+
+
+def test_clock_samples_before_the_region_and_unreadable_lines_are_left_out():
+    text = ("2026/12/06 22:52:00.900, 345, 70.1\n"      # before the region: the card still idle
+            "2026/12/06 22:52:01.000, 1980, 690.0\n"
+            "2026/12/06 22:52:01.050, [N/A], [N/A]\n"
+            "2026/12/06 22:52:01.100, 1755, 700.0\n"
+            "2026/12/06 22:52:01.1")                    # torn by the sampler's end
+    reading = forward_breakdown.parse_clock_samples(text, since=datetime(2026, 12, 6, 22, 52, 1))
+    assert reading == forward_breakdown.ClockReading(mean_mhz=1867.5, min_mhz=1755.0, mean_w=695.0, n=2)
+    assert forward_breakdown.parse_clock_samples(text).n == 3
+    assert forward_breakdown.parse_clock_samples("") is None
