@@ -50,6 +50,7 @@ def cluster(tmp_path_factory):
     served = make_tiny_checkpoint(root / "tiny-diffusers", "diffusers", seed=0)
     new = finetune_of(served, root / "tiny-seed1")
     args = serve_config_args(root)
+    args["stages"] = "fused"  # an update loads the transformer: the Worker's either way (split: test_reliability_http)
     args["worker"]["num_replicas"] = 2
     args["admin"] = {"token": TOKEN, "update_timeout_s": 120}
     with serve_cluster() as url:
@@ -165,17 +166,24 @@ def test_update_applies_on_every_replica_and_serves_exactly_the_new_weights(clus
     assert {r["model"] for r in live_replicas(url)} == {fresh.model_name}
 
 
-def test_a_replica_started_after_the_update_loads_the_new_weights_before_serving(cluster):
-    from ray import serve
-
-    from deployments.app import build_app
+def test_a_replica_that_replaces_a_dead_one_loads_the_new_weights_before_serving(cluster):
+    """Serve replaces a worker replica that died (a crash, a lost node): its fresh process must apply the update
+    before it serves, not the configured checkpoint."""
+    import ray
 
     url, new = cluster["url"], cluster["new"]
     assert weights_status(url)["version"] == 1  # set by the test above
-    args = {**cluster["args"], "worker": {**cluster["args"]["worker"], "num_replicas": 3}}
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    replicas = live_replicas(url, count=3)
-    assert [r["applied_version"] for r in replicas] == [1, 1, 1]
+    before = {r["replica"] for r in live_replicas(url)}
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::") and f"{APP_NAME}#Worker#" in a["name"])
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 120
+    while (replicas := live_replicas(url)) and {r["replica"] for r in replicas} <= before:
+        assert time.monotonic() < deadline, f"the killed replica was not replaced: {replicas}"
+        time.sleep(0.5)
+    replicas = live_replicas(url)
+    assert len({r["replica"] for r in replicas} - before) == 1
+    assert [r["applied_version"] for r in replicas] == [1, 1]
     assert len({r["fingerprint"] for r in replicas}) == 1
     fresh = Engine(EngineConfig.model_validate({**cluster["engine"], "checkpoint": str(new), "device": "cpu",
                                                 **NO_AUTO_ADAPTERS}))
