@@ -1,8 +1,9 @@
 """The node pool through Ray Serve: a freshly started worker replica's first request for a schedule the
 pool already holds is a pool hit, not a rebuild.
 
-Two applications built from serve_config.yaml's args (same checkpoint) run on one node, so their worker
-replicas share the node's pool; the second one is started only after the first published its plans.
+One application built from serve_config.yaml's args (fused: the pool is the Worker's, split or not) with one
+worker replica; after it published its plans the replica is killed, and the replica Serve starts in its place
+(a fresh process, empty GPU and host tiers) finds them in the node's pool, which outlives replicas.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BODY = {"prompt": "shared plans", "steps": 4, "seconds": 5.0, "width": 64, "heig
 def app_args(tmp_path_factory):
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     args["engine"]["checkpoint_root"] = str(tmp_path_factory.mktemp("checkpoints"))
+    args["stages"] = "fused"
     args["worker"] = {**args["worker"], "num_replicas": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
     args["worker"].pop("autoscaling")
     return args
@@ -40,6 +42,28 @@ def generate(app: str, body: dict):
     from ray import serve
 
     return serve.get_app_handle(app).generate.remote(body).result(timeout_s=240)
+
+
+def worker_replica() -> dict:
+    """The Worker's one replica actor, once it is the only one alive."""
+    deadline = time.monotonic() + 120
+    while True:
+        alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::pool#Worker#")]
+        if len(alive) == 1:
+            return alive[0]
+        assert time.monotonic() < deadline, f"expected one Worker replica, got {alive}"
+        time.sleep(0.5)
+
+
+def wait_replaced(old: dict) -> None:
+    """Serve started a replica in place of the killed `old` and it serves."""
+    from ray import serve
+
+    deadline = time.monotonic() + 120
+    while worker_replica()["name"] == old["name"] or serve.status().applications["pool"].status != "RUNNING":
+        assert time.monotonic() < deadline, f"the killed replica {old['name']} was not replaced"
+        time.sleep(0.5)
 
 
 def wait_for_groups(n: int, timeout_s: float = 120.0) -> list:
@@ -63,28 +87,30 @@ def test_a_fresh_replica_gets_a_pool_hit_for_a_schedule_the_pool_holds(app_args)
     from deployments.app import build_app
 
     with serve_cluster():
-        serve.run(build_app(app_args), name="pool-a", route_prefix="/a")
-        rebuilt = generate("pool-a", BODY)
-        a_stats = rebuilt.stats["adaln"]
-        num_plans = a_stats["built_plans"]
-        assert num_plans == 3 and a_stats["pool_hit_plans"] == 0 and a_stats["pool_published_plans"] == num_plans
+        serve.run(build_app(app_args), name="pool", route_prefix="/")
+        rebuilt = generate("pool", BODY)
+        first_stats = rebuilt.stats["adaln"]
+        num_plans = first_stats["built_plans"]
+        assert num_plans == 3 and first_stats["pool_hit_plans"] == 0 and first_stats["pool_published_plans"] == num_plans
         wait_for_groups(1)  # published in the background, after the response
 
-        serve.run(build_app(app_args), name="pool-b", route_prefix="/b")  # a second, fresh worker replica
-        hit = generate("pool-b", BODY)
-        b_stats = hit.stats["adaln"]
-        assert b_stats["pool_hit_plans"] == num_plans and b_stats["built_plans"] == 0
-        assert b_stats["gpu_hit_plans"] == b_stats["host_hit_plans"] == 0
+        first = worker_replica()
+        ray.kill(ray.get_actor(first["name"], namespace=first["namespace"]), no_restart=True)
+        wait_replaced(first)  # a fresh worker process: nothing in its GPU slab or host tier
+        hit = generate("pool", BODY)
+        hit_stats = hit.stats["adaln"]
+        assert hit_stats["pool_hit_plans"] == num_plans and hit_stats["built_plans"] == 0
+        assert hit_stats["gpu_hit_plans"] == hit_stats["host_hit_plans"] == 0
         assert hit.latents == rebuilt.latents and hit.model == rebuilt.model
         video = decode_latents(hit.latents)["video"]
         assert video.shape == (24, 37, 4, 4) and torch.isfinite(video).all()
 
         # The same replica rebuilding an unseen schedule (warm process), for comparison.
-        other = generate("pool-b", {**BODY, "flow_shift": 2.9})
+        other = generate("pool", {**BODY, "flow_shift": 2.9})
         # forward 0's plan (both sigmas 1: timestep 0.0) is every schedule's: a GPU hit; the other two are rebuilt.
         assert (other.stats["adaln"]["gpu_hit_plans"], other.stats["adaln"]["built_plans"]) == (1, 2)
         assert other.stats["adaln"]["pool_hit_plans"] == 0
-        print(f"\nfirst-request plan_s: rebuild (replica A, cold) {rebuilt.timings.plan_s:.4f} s, "
-              f"pool hit (fresh replica B) {hit.timings.plan_s:.4f} s "
-              f"[pool lookup {b_stats['pool_lookup_s']:.4f} s], "
-              f"rebuild of a new schedule on B (warm) {other.timings.plan_s:.4f} s")
+        print(f"\nfirst-request plan_s: rebuild (first replica, cold) {rebuilt.timings.plan_s:.4f} s, "
+              f"pool hit (its replacement) {hit.timings.plan_s:.4f} s "
+              f"[pool lookup {hit_stats['pool_lookup_s']:.4f} s], "
+              f"rebuild of a new schedule on the replacement (warm) {other.timings.plan_s:.4f} s")
