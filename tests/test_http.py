@@ -1,7 +1,7 @@
 """End to end over HTTP and through a handle, with the real engine on the tiny MiniMax-H3 checkpoint (CPU).
 
-The app is built from serve_config.yaml's own args (the checkpoint is made on first start under a temp dir;
-a smaller prompt-token limit and a larger body limit, so both can be hit). Every bad request must come back
+The app is built from serve_config.yaml's own args, fused (the checkpoint is made on first start under a temp
+dir; a smaller prompt-token limit and a larger body limit, so both can be hit). Every bad request must come back
 4xx with a message naming the field and the limit, and leave a healthy replica that still serves.
 """
 
@@ -39,6 +39,7 @@ VIDEO_LATENTS, AUDIO_ROWS = [24, 37, 4, 4], [414, 32]
 @pytest.fixture(scope="module")
 def app_args(tmp_path_factory):
     args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
+    args["stages"] = "fused"  # one Worker: the edge is the subject (split as shipped: test_reliability_http)
     args["http"]["max_body_bytes"] = MAX_BODY_BYTES
     args["engine"]["text_encoder"]["max_prompt_tokens"] = MAX_PROMPT_TOKENS
     return args
@@ -184,8 +185,8 @@ def test_models_lists_the_loaded_checkpoint(base_url, local_engine):
     body = requests.get(f"{base_url}/v1/models", timeout=30).json()
     (card,) = body["data"]
     assert card["id"] == local_engine.model_name and card["id"].startswith("minimax-h3@") and card["device"] == "cpu"
-    # The engine's own ModelLimits, what both APIs check requests against: the shipped config splits the stages,
-    # and a split app serves fl2va too (its TextEncoder prepares the keyframes).
+    # The engine's own ModelLimits, what both APIs check requests against (fl2va too: the Worker holds the
+    # vision tower and the VAEs' encoders).
     assert ModelLimits.model_validate(card["limits"]) == local_engine.limits
     assert card["tasks"] == ["t2va", "fl2va"] and local_engine.limits.tasks == ("t2va", "fl2va")
     assert {k: card["limits"][k] for k in ("max_steps", "short_edge", "max_pixels", "min_seconds", "max_seconds",

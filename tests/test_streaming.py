@@ -32,6 +32,7 @@ METRICS_PORT = free_port()
 def base_url(tmp_path_factory):
     args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
     args["worker"]["num_replicas"] = 1
+    args["stages"] = "fused"  # the Worker streams and exports either way; one replica process fewer than split
     with serve_cluster(_metrics_export_port=METRICS_PORT) as url:
         run_app(url, args)
         yield url
