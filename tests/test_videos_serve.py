@@ -1,5 +1,5 @@
 """`/v1/videos` through the real app (`serve run` of serve_config.yaml's args, fused: split jobs run in
-tests/test_stages_serve.py, test_conditioning_serve.py and test_videos_worker_lost.py), the real engine on a tiny
+tests/test_split_fused_serve.py and test_videos_worker_lost.py), the real engine on a tiny
 MiniMax-H3 checkpoint on CPU, on the default store (SQLite under `jobs.state_dir`). The store is behind the job
 service: replicas sharing a database, a replica killed mid-job and a restart run against SQLite and a real
 PostgreSQL server in tests/test_jobs_service.py; a second app start on PostgreSQL here would test no other code.

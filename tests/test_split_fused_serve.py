@@ -1,13 +1,20 @@
-"""Both MiniMax-H3 partitions behind one ingress, through Ray Serve on CPU with the tiny real checkpoints: the
-`split` app serves `partitions: [fl2va, ref2va]` (a Worker per partition, one TextEncoder and one Decoder shared
-by both, the keyframes' and references' encodes in the TextEncoder: what any two-partition app binds,
+"""Split and fused apps side by side through Ray Serve on CPU, on the tiny real checkpoints of both MiniMax-H3
+partitions: what the stage composition promises (split == fused bit for bit, latents and MP4 bytes, on the
+research route and as a video job) and what the two partitions behind one ingress promise.
+
+The `split` app serves `partitions: [fl2va, ref2va]` (a Worker per partition, one TextEncoder and one Decoder
+shared by both, the keyframes' and references' encodes in the TextEncoder: what any two-partition app binds,
 `deployments.app.stages_split`); the fused apps serve one partition each (`fused`: fl2va, `fused-ref2va`: ref2va),
-where every stage runs in the Worker. Over both APIs: `GET /v1/models` lists both models with their tasks and limits, the task picks the
-partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/generations` takes typed
-keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped length)
-with the bytes `/v1/generations` gives for the same request, split == fused bit for bit (latents and MP4), and
-bad uploads and wrong models are 4xx naming the field while `/healthz` stays 200. One cluster for
-the module; the apps side by side.
+where every stage runs in the Worker. One cluster for the module, the three apps started once.
+
+- Stages: TextEncoder -> Worker (denoiser) -> Decoder give the fused latents and MP4 bytes; the split Worker is a
+  pure denoiser (an embedding in, latents out); every replica reports its start-up timeline; a request's and a
+  job's timings name every stage and nest each hop in the one around it.
+- Partitions and tasks: `GET /v1/models` lists both models with their tasks and limits, the task picks the
+  partition (t2va and fl2va reach `minimax-h3`, ref2va `minimax-h3-ref2va`), `/v1/generations` takes typed
+  keyframes and references, `/v1/videos` takes uploads and answers a playable MP4 (H.264 + AAC, the snapped
+  length) with the bytes `/v1/generations` gives for the same request, and bad uploads and wrong models are 4xx
+  naming the field while `/healthz` stays 200.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from collections.abc import Iterator
 import av
 import pytest
 import requests
+import torch
 from PIL import Image
 
 from deployments.schemas import decode_latents
 from tests.conditioning_support import random_video, video_file, wav
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: keyframes over HTTP
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: three apps
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 PROMPT = "a red fox runs across a snowy field at dawn"
@@ -35,13 +43,18 @@ SECONDS, NUM_FRAMES, STEPS, SEED = 1.0, 39, 3, 4
 #: app name -> (stages, the partitions it serves)
 APPS = {"split": ("split", ["fl2va", "ref2va"]), "fused": ("fused", ["fl2va"]), "fused-ref2va": ("fused", ["ref2va"])}
 MODELS = {"minimax-h3": ["t2va", "fl2va"], "minimax-h3-ref2va": ["ref2va"]}
+#: The stage tests' t2va request (the fl2va partition: `Worker` in every app serving it).
+GENERATION = {"prompt": "a red fox in snow", "steps": 4, "seconds": 1.0, "width": 96, "height": 64, "seed": 7,
+              "return_video": True, "return_latents": True}
+VIDEO_JOB = {"prompt": "a red fox in snow", "seconds": 1.0, "size": "96x64", "num_inference_steps": 4, "seed": 7}
+STAGES = ("fused", "split")
 PARTITION_MODELS = {"fl2va": "minimax-h3", "ref2va": "minimax-h3-ref2va"}
+WAIT_S = 300.0
 
 
 def app_serving(stages: str, model: str) -> str:
     """The app of `stages` that serves `model` (the split app serves both)."""
     return "split" if stages == "split" else "fused" if model == "minimax-h3" else "fused-ref2va"
-WAIT_S = 300.0
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -259,3 +272,133 @@ def test_references_make_a_ref2va_job_split_as_fused(apps, case, files):
         mp4s[app] = requests.get(f"{base_url}/v1/videos/{job['id']}/content", timeout=60).content
         assert mp4_facts(mp4s[app])[:3] == ("h264", "aac", NUM_FRAMES)
     assert mp4s["split"] == mp4s["fused-ref2va"]  # split == fused, bit for bit
+
+
+# --- the stages: split == fused ----------------------------------------------------------------------------
+
+
+def test_the_builder_binds_the_stage_deployments_when_split(apps):
+    from ray import serve
+
+    deployments = {name: set(serve.status().applications[name].deployments) for name in APPS}
+    assert deployments == {"fused": {"Ingress", "Worker"}, "fused-ref2va": {"Ingress", "Worker"},
+                           "split": {"Ingress", "Worker", "Worker-ref2va", "TextEncoder", "Decoder"}}
+
+
+@pytest.mark.parametrize("stages, deployment", [("fused", "Worker"), ("split", "Worker"), ("split", "Worker-ref2va"),
+                                               ("split", "TextEncoder"), ("split", "Decoder")])
+def test_every_replica_reports_its_start_up_timeline_in_order(apps, stages, deployment):
+    """Wall-clock times from the replica's own process: our first import, the module's imports done, the
+    constructor, the build, ready, in that order; a real engine's imports and build take time."""
+    from ray import serve
+
+    from engine.startup import ReplicaStartup
+
+    card = serve.get_deployment_handle(deployment, stages).describe.remote().result(timeout_s=60)
+    startup = ReplicaStartup.from_dict(card["startup"])
+    assert startup.role == {"Worker": "worker", "Worker-ref2va": "worker", "TextEncoder": "text_encoder",
+                            "Decoder": "decoder"}[deployment]
+    timeline = startup.timeline()
+    assert list(timeline) == sorted(timeline) and timeline[-1] <= time.time()
+    assert startup.process_started_at <= startup.import_started_at  # the replica's own process, not the driver's
+    assert startup.import_s > 0 and startup.build_s > 0
+    assert startup.constructor_s >= startup.imports_s + startup.build_s - 1e-6  # both lie inside the constructor
+    assert (startup.engine is not None) == deployment.startswith("Worker")
+
+
+def test_split_stages_give_the_fused_latents_and_mp4_bytes(apps):
+    results = {}
+    for stages in STAGES:
+        r = requests.post(f"{apps[stages]}/v1/generations", json=GENERATION, timeout=300)
+        assert r.status_code == 200, r.text
+        results[stages] = r.json()
+    fused, split = results["fused"], results["split"]
+    fused_latents, split_latents = decode_latents(fused["latents"]), decode_latents(split["latents"])
+    for name in ("video", "audio"):
+        assert split_latents[name].shape == fused_latents[name].shape
+        assert split_latents[name].equal(fused_latents[name]), name  # bit for bit
+    assert base64.b64decode(split["video_mp4"]) == base64.b64decode(fused["video_mp4"])
+    assert split["preview_png"] == fused["preview_png"] and split["model"] == fused["model"]
+    for key in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s"):
+        assert split["timings"][key] > 0, key
+
+
+@pytest.mark.parametrize("stages", STAGES)
+def test_serve_timings_nest_each_hop_in_the_one_around_it(apps, stages):
+    """ingress >= its stage calls + the response's encoding; each stage call >= the work the stage reported.
+    Split: the ingress called the TextEncoder and the Decoder itself; fused: the worker's engine ran them (None)."""
+    r = requests.post(f"{apps[stages]}/v1/generations", json=GENERATION, timeout=300)
+    assert r.status_code == 200, r.text
+    timings, serve = r.json()["timings"], r.json()["serve_timings"]
+    engine_work = timings["plan_s"] + timings["denoise_s"]
+    if stages == "split":
+        assert serve["encode_call_s"] >= timings["encode_s"] > 0
+        assert serve["decode_call_s"] >= timings["decode_s"] + timings["mux_s"] > 0
+    else:
+        assert serve["encode_call_s"] is None and serve["decode_call_s"] is None
+        engine_work += timings["encode_s"] + timings["decode_s"] + timings["mux_s"]
+    assert serve["engine_call_s"] >= engine_work > 0
+    calls = serve["engine_call_s"] + (serve["encode_call_s"] or 0) + (serve["decode_call_s"] or 0)
+    assert serve["ingress_s"] >= calls + serve["respond_s"] and serve["respond_s"] > 0
+
+
+def test_the_split_worker_is_a_pure_denoiser_answering_latents_for_the_text_encoders_embedding(apps):
+    """The pipeline's middle step, called as the ingress calls it: the TextEncoder's embedding in, progress per
+    forward, then latents and no MP4 (the Decoder makes it): the worker's slot covers denoising only."""
+    from ray import serve
+
+    from deployments.schemas import GenerationRequest, ProgressEvent
+    from engine.api import GenerationResult
+
+    request = GenerationRequest(**GENERATION)
+    embedding = serve.get_deployment_handle("TextEncoder", "split").encode.remote(request).result(timeout_s=300)
+    stream = serve.get_deployment_handle("Worker", "split").options(stream=True).denoise_stream.remote(
+        request, embedding, schedule_key=request.schedule_key)
+    events = list(stream)
+    steps = [event.step for event in events if isinstance(event, ProgressEvent)]
+    assert steps == list(range(request.steps))  # accepted (0), then one per forward
+    result = events[-1]
+    assert isinstance(result, GenerationResult) and result.mp4 is None and result.clip is None
+    assert result.video.ndim == 4 and result.audio.ndim == 2
+    assert result.timings.encode_s == 0.0 and result.timings.denoise_s > 0
+
+
+def test_a_unary_denoise_answers_the_result_with_the_bits_of_the_followed_stream(apps):
+    """A caller that follows no progress (`/v1/generations` without stream) makes a unary call (`Worker.denoise`):
+    the result itself, the same latents as the streamed call's last item."""
+    from ray import serve
+
+    from deployments.schemas import GenerationRequest
+    from engine.api import GenerationResult
+
+    request = GenerationRequest(**GENERATION)
+    embedding = serve.get_deployment_handle("TextEncoder", "split").encode.remote(request).result(timeout_s=300)
+    worker = serve.get_deployment_handle("Worker", "split")
+    quiet = worker.denoise.remote(request, embedding, schedule_key=request.schedule_key).result(timeout_s=300)
+    followed = list(worker.options(stream=True).denoise_stream.remote(request, embedding,
+                                                                      schedule_key=request.schedule_key))
+    assert isinstance(quiet, GenerationResult) and len(followed) == request.steps + 1
+    assert torch.equal(quiet.video, followed[-1].video) and torch.equal(quiet.audio, followed[-1].audio)
+
+
+def test_a_split_video_job_stores_the_fused_mp4_and_times_every_stage(apps):
+    jobs = {}
+    for stages in STAGES:
+        r = requests.post(f"{apps[stages]}/v1/videos", json=VIDEO_JOB, timeout=60)
+        assert r.status_code == 200, r.text
+        jobs[stages] = completed_job(apps[stages], r.json()["id"])
+    contents = {}
+    for stages, job in jobs.items():
+        assert job["status"] == "completed", job
+        r = requests.get(f"{apps[stages]}/v1/videos/{job['id']}/content", timeout=30)
+        assert r.status_code == 200
+        contents[stages] = r.content
+    assert contents["split"] == contents["fused"]
+    timings = jobs["split"]["timings"]
+    for key in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"):
+        assert timings[key] > 0, (key, timings)
+    # the job's run holds its stages' work and what each call waited beyond it (and the backend's own few steps)
+    waits = timings["encode_wait_s"] + timings["denoise_wait_s"] + timings["decode_wait_s"]
+    stage_sum = sum(timings[k] for k in ("encode_s", "plan_s", "denoise_s", "decode_s", "mux_s", "upload_s"))
+    assert timings["total_s"] >= stage_sum + waits - 1e-6 and min(waits, timings["denoise_wait_s"]) > 0
+    assert jobs["split"]["progress"] == 100
