@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 import io
 import json
-import multiprocessing
 import os
 import re
 import shutil
-from concurrent.futures import ProcessPoolExecutor
+import time
 from pathlib import Path
 
 import av
@@ -40,6 +39,7 @@ from model.provisioning import auto_checkpoint_dir, ensure_checkpoint
 from model.text_encoder import TextEncoderLoadError
 from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights
+from parallel.launch import launch_local
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
 pytestmark = pytest.mark.timeout(300)
@@ -515,23 +515,31 @@ def test_auto_checkpoint_is_made_once_then_reused(checkpoint_root, engine):
     assert auto_checkpoint_dir(EngineConfig(checkpoint_root="r", partition="ref2va")) == Path("r/tiny-diffusers-ref2va")
 
 
-def _make_checkpoint_after(barrier, config: EngineConfig) -> str:
-    barrier.wait()
-    return str(ensure_checkpoint(config))
+def _race_to_make_the_checkpoint(rank: int, world_size: int, init_method: str, config: EngineConfig,
+                                 workdir: str) -> None:
+    """One replica's start: wait until every one is up (a file each), then make or find the checkpoint."""
+    workdir_ = Path(workdir)
+    (workdir_ / f"up-{rank}").touch()
+    deadline = time.monotonic() + 60
+    while not all((workdir_ / f"up-{peer}").exists() for peer in range(world_size)):
+        assert time.monotonic() < deadline, "the other replica never started"
+        time.sleep(0.001)
+    (workdir_ / f"made-{rank}").write_text(str(ensure_checkpoint(config)))
 
 
-@pytest.mark.slow  # two processes each importing torch and diffusers
+@pytest.mark.slow  # two processes making a checkpoint
 def test_two_replicas_racing_to_make_the_checkpoint_both_get_a_complete_one(tmp_path):
     # Replicas are processes: two start at once and both find no checkpoint (the tiny model's meta-device
-    # init is process-global, so the race is run in processes, as Serve runs it).
-    config = EngineConfig(checkpoint_root=str(tmp_path), device="cpu", checkpoint_layout="native")
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager, ProcessPoolExecutor(2, mp_context=context) as pool:
-        barrier = manager.Barrier(2)
-        results = list(pool.map(_make_checkpoint_after, [barrier] * 2, [config] * 2))
-    assert results == [str(tmp_path / "tiny-native")] * 2
+    # init is process-global, so the race is run in processes, as Serve runs it; forked from parallel.launch's
+    # forkserver, which imported torch and diffusers once).
+    root, workdir = tmp_path / "root", tmp_path / "race"
+    config = EngineConfig(checkpoint_root=str(root), device="cpu", checkpoint_layout="native")
+    exits = launch_local(_race_to_make_the_checkpoint, 2, workdir, args=(config, str(workdir)), deadline_s=120)
+    assert all(exit_.ok for exit_ in exits), exits
+    results = [(workdir / f"made-{rank}").read_text() for rank in range(2)]
+    assert results == [str(root / "tiny-native")] * 2
     assert H3Checkpoint.open(results[0], require_components=True).layout.value == "native"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-native"]  # no temporary directory left behind
+    assert sorted(p.name for p in root.iterdir()) == ["tiny-native"]  # no temporary directory left behind
 
 
 def test_explicit_missing_checkpoint_fails_naming_the_path(tmp_path):
