@@ -198,27 +198,45 @@ def answer(url: str, body: dict, stream: bool = False) -> tuple[int, str]:
 
 
 def test_stopping_the_app_answers_its_running_and_queued_generations_with_a_named_error(base_url):
-    """`serve.delete` (Ctrl-C on `serve run`, a redeploy) while a generation runs past the grace periods and
-    more wait behind it: each HTTP caller hears a JSON 503 naming the cause (not the proxy's bare 500)."""
+    """`serve.delete` (Ctrl-C on `serve run`, a redeploy) while a generation runs past the 1 s grace periods and
+    more wait behind it: each HTTP caller hears a JSON 503 naming the cause (not the proxy's bare 500), and a
+    handle's stream is cut, not waited for (Serve's default would drain for 20 s per deployment and let the
+    6.4 s generations finish)."""
     from ray import serve
 
     from deployments.app import build_application
 
-    config = AppConfig.model_validate({"stages": "fused", "worker": {"num_replicas": 1, "graceful_shutdown_timeout_s": 1.0},
+    # max_ongoing_requests 5: four generations and the stats call that watches them
+    config = AppConfig.model_validate({"stages": "fused", "worker": {"num_replicas": 1, "max_ongoing_requests": 5,
+                                                                     "graceful_shutdown_timeout_s": 1.0},
                                        "http": {"request_timeout_s": 120, "graceful_shutdown_timeout_s": 1.0}})
     serve.run(build_application(config, LifecycleEngine), name="stopping", route_prefix="/stopping")
     url = f"{base_url}/stopping"
     wait_healthy(url)
-    with ThreadPoolExecutor(3) as pool:
+
+    def handle_stream_outcome(body: dict) -> str:
+        outcome = "stream ended without a result"
+        try:
+            for event in serve.get_app_handle("stopping").options(stream=True).generate_stream.remote(body):
+                if isinstance(event, GenerationResponse):
+                    outcome = "finished"  # the stop waited for the whole generation
+        except Exception as exc:  # noqa: BLE001 - whatever Ray raises for a request cut by a killed replica
+            outcome = f"cut: {type(exc).__name__}"
+        return outcome
+
+    with ThreadPoolExecutor(4) as pool:
         running = pool.submit(answer, url, {**SLOW, "seed": 5000})
         wait_running(5000, app="stopping")
         queued = [pool.submit(answer, url, {**SLOW, "seed": 5001}),
                   pool.submit(answer, url, {**SLOW, "seed": 5002}, True)]
-        wait_for("the queued requests never reached the worker", lambda s: s["in_flight"] == 3, app="stopping")
+        streamed = pool.submit(handle_stream_outcome, {**SLOW, "seed": 5003})
+        wait_for("the queued requests never reached the worker", lambda s: s["in_flight"] == 4, app="stopping")
         serve.delete("stopping")
         answers = [f.result(timeout=120) for f in [running, *queued]]
+        cut = streamed.result(timeout=120)
     assert answers[:2] == [(503, "no worker could take the request: ActorDiedError")] * 2
     assert answers[2][0] == "unavailable" and "ActorDiedError" in answers[2][1]
+    assert cut.startswith("cut: "), cut
 
 
 # --- overload ---------------------------------------------------------------------------------------------

@@ -212,31 +212,6 @@ def test_client_disconnect_cancels_the_generation(base_url):
     wait_for_cancellations(base_url, before + 1)
 
 
-def test_stopping_the_app_cuts_a_generation_longer_than_the_grace_period(base_url):
-    """`serve run`'s Ctrl-C deletes the app: with 1 s grace periods a 6.5 s generation is cut, not waited
-    for (Serve's default would drain for 20 s per deployment and let it finish)."""
-    from ray import serve
-
-    from deployments.app import build_application
-
-    config = AppConfig.model_validate({"stages": "fused", "http": {"request_timeout_s": 60, "graceful_shutdown_timeout_s": 1.0},
-                                       "worker": {"graceful_shutdown_timeout_s": 1.0}})
-    serve.run(build_application(config, FakeEngine), name="stopping", route_prefix="/stopping")
-    stream = serve.get_app_handle("stopping").options(stream=True).generate_stream.remote(
-        {"prompt": "slow", "steps": 65})  # 0.1 s per step
-    events = iter(stream)
-    assert next(events).step == 0 and next(events).step == 1  # running in the engine
-    serve.delete("stopping")
-    outcome = "stream ended without a result"
-    try:
-        for event in events:
-            if isinstance(event, GenerationResponse):
-                outcome = "finished"  # the stop waited for the whole generation
-    except Exception as exc:  # noqa: BLE001 - whatever Ray raises for a request cut by a killed replica
-        outcome = f"cut: {type(exc).__name__}"
-    assert outcome.startswith("cut: "), outcome
-
-
 def replica_logs() -> list[Path]:
     """This cluster's replica log files of the app (Serve writes them under the session dir)."""
     import ray
