@@ -156,7 +156,7 @@ def assert_unusable(engine: ParallelEngine, cause: str) -> None:
 # --- a rank that dies or stalls -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("at", ["encode", "prepare", "forward:3"])
+@pytest.mark.parametrize("at", ["encode", "prepare"])  # mid-denoise: the queued-request test below
 def test_a_rank_that_dies_fails_the_request_naming_it(ray_cluster, checkpoint, faulty, at):
     with replica(checkpoint, adaln={"mode": "online", "gpu_plans": 32, "host_cache_gb": 0.01}) as engine:
         arm(engine, 1, "exit", at)
@@ -199,7 +199,8 @@ def test_a_rank_stalled_between_requests_turns_health_unhealthy(ray_cluster, che
         assert_unusable(engine, "did not answer a health check")
 
 
-def test_a_request_queued_behind_the_failing_one_fails_at_once(ray_cluster, checkpoint, faulty):
+def test_a_rank_that_dies_mid_denoise_fails_the_request_and_the_one_queued_behind_it_at_once(
+        ray_cluster, checkpoint, faulty):
     with replica(checkpoint) as engine:
         arm(engine, 1, "exit", "forward:20")
         running = threading.Event()
@@ -221,6 +222,8 @@ def test_a_request_queued_behind_the_failing_one_fails_at_once(ray_cluster, chec
         queued.join(timeout=60)
         assert set(outcomes) == {"running", "queued"}
         assert all(isinstance(error, ServerFault) and "rank 1 of 2 died" in str(error) for error in outcomes.values())
+        assert outcomes["running"].cause is FaultCause.RANK_FAILURE
+        assert_unusable(engine, "rank 1 of 2 died")
 
 
 def test_a_share_of_a_plan_rebuild_that_fails_on_one_rank_fails_the_request_and_keeps_the_group(
