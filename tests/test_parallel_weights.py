@@ -15,47 +15,10 @@ import actors.gpu_worker as gpu_worker
 from actors.gpu_worker import OwnPlacementGroup, ParallelEngine
 from engine.config import EngineConfig
 from engine.errors import ServerFault
+from tests.fake_rank import CHANGED, VALIDATED, FakeRank
 from tests.serve_helpers import shared_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: weight updates over SP2 ranks
-
-VALIDATED = "f00dfeedf00dfeed"  # what every rank's validation reads
-CHANGED = "0badc0de0badc0de"  # what a rank reads when the directory changed after the validation
-
-
-class FakeRank:
-    """Stands in for `GpuWorkerActor` (same constructor and the calls a weight update makes): reports the
-    fingerprint it ends on after `update_weights`, from `ENDS_ON[rank]` (the test's scenario)."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.fingerprint = "0000000000000000"
-        self.ends_on = VALIDATED
-
-    def rendezvous_address(self) -> str:
-        return "tcp://127.0.0.1:1"
-
-    def start(self, init_method: str, config: EngineConfig) -> str:
-        return f"minimax-h3@{self.fingerprint}"
-
-    def set_ends_on(self, fingerprint: str) -> None:
-        self.ends_on = fingerprint
-
-    def describe(self) -> dict:
-        return {"id": f"minimax-h3@{self.fingerprint}", "fingerprint": self.fingerprint}
-
-    def startup(self) -> None:
-        return None
-
-    def validate_weight_update(self, path: str) -> str:
-        return VALIDATED
-
-    def update_weights(self, path: str) -> dict:
-        self.fingerprint = self.ends_on
-        return self.describe()
-
-    def health(self) -> dict:
-        return {"status": "ok"}
 
 
 @pytest.fixture(scope="module")
