@@ -599,7 +599,8 @@ class Bench:
             geometry={"short_edge": None, "min_seconds": 1.0} if self.args.smoke else None)
 
     def load_fl2va(self) -> None:
-        from engine.engine import Engine, geometry_limits
+        from engine.engine import Engine
+        from engine.model_limits import geometry_limits
 
         with Peak(self.device) as peak:
             t0 = time.perf_counter()

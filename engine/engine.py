@@ -60,11 +60,12 @@ from engine.api import (
     AdapterChoice, CancelledFn, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings, ProgressFn,
     RankStats, SlabState,
 )
-from engine.config import AdapterConfig, EngineConfig, GeometryConfig, WarmupCanvas
+from engine.config import AdapterConfig, EngineConfig, WarmupCanvas
 from engine import forward
 from engine.fp8 import requantized
 from engine.errors import AdmissionRejected, ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
-from engine.limits import QUALITY_LINEARS, Linears, ModelLimits, Quality, served_limits, served_qualities
+from engine.limits import QUALITY_LINEARS, Linears, Quality
+from engine.model_limits import geometry_limits, model_limits, served_model_name
 from engine.pipeline import Pipeline, local_steps, run_local
 from engine.served import ServedSchedules
 from engine.startup import EngineStartup
@@ -75,12 +76,12 @@ from model.adapters import AdapterError
 from model.adaln import ExternalModulation
 from model.decode import AudioDecoder, VaeHalves, VideoDecoder
 from model.denoise import ConditionLatents, Denoiser
-from model.geometry import H3_LATENTS, GeometryError, GeometryLimits, VideoGeometry
+from model.geometry import H3_LATENTS, GeometryError, VideoGeometry
 from model.canvas import CanvasRule
 from model.layout import CheckpointError, H3Checkpoint
 from model.loading import DEFAULT_NUM_READERS, load_transformer
 from model.provisioning import ensure_adapter, ensure_checkpoint, served_partition
-from model.schedule import AUDIO_SHIFT, VIDEO_SHIFT, H3Schedule, ScheduleError, Task
+from model.schedule import H3Schedule, ScheduleError, Task
 from model.prompts import PromptCacheStats
 from model.text_encoder import PromptEncoder
 from model.text_memo import RefinedTextMemo
@@ -95,9 +96,6 @@ from parallel.sequence import Exchange, SequenceParallel
 from parallel.text_encoder import TextTensorParallel
 
 logger = logging.getLogger(__name__)
-
-#: The published transformer width: a checkpoint of this width gets the model's own size rules by default.
-H3_HIDDEN_SIZE = 5376
 
 
 def resolve_device(name: str, engine_device: torch.device | None = None) -> torch.device:
@@ -126,46 +124,6 @@ def _checked_group(config: EngineConfig, group: SpGroup | None) -> SpGroup | Non
     return group if group.world_size > 1 else None
 
 
-#: The model's name in `ModelLimits.name` (what video clients put in `model`); the served id adds the weights'
-#: fingerprint (`minimax-h3@<fingerprint>`).
-MODEL_NAME = "minimax-h3"
-
-
-def served_model_name(config: EngineConfig) -> str:
-    """`minimax-h3` for the FL2VA partition, `minimax-h3-ref2va` for Ref2VA: two apps serving both partitions
-    (README) name their models apart, so one job database could hold both queues."""
-    return MODEL_NAME if config.partition == "fl2va" else f"{MODEL_NAME}-{config.partition}"
-
-
-def model_limits(config: EngineConfig, hidden_size: int, tasks: tuple[str, ...] = ("t2va",),
-                 canvas: CanvasRule = CanvasRule()) -> ModelLimits:
-    """What the engine serves for a transformer `hidden_size` wide: `config.geometry`, or (null) the released
-    model's size rules for a full-width checkpoint and any multiple of 32 px for a smaller (test) one. A request
-    without a size gets the checkpoint's default canvas (`canvas`, its model index's rule: the tiny model's is
-    64x32) where the geometry accepts it."""
-    geometry = config.geometry
-    if geometry is None:
-        geometry = GeometryConfig() if hidden_size == H3_HIDDEN_SIZE else GeometryConfig(short_edge=None)
-    return served_limits(
-        served_model_name(config), max_steps=config.max_steps, short_edge=geometry.short_edge,
-        max_pixels=geometry.max_pixels,
-        size_multiple=H3_LATENTS.pixel_multiple, min_seconds=geometry.min_seconds, max_seconds=geometry.max_seconds,
-        fps=H3_LATENTS.fps, frames_per_chunk=H3_LATENTS.frames_per_chunk, frame_offset=H3_LATENTS.latents_per_chunk,
-        max_prompt_tokens=config.text_encoder.max_prompt_tokens, default_flow_shift=VIDEO_SHIFT,
-        default_audio_flow_shift=AUDIO_SHIFT, tasks=tasks,
-        adapters=tuple(adapter.served(name) for name, adapter in config.served_adapters().items()),
-        quantization=config.quantization, qualities=served_qualities(config.quantization, config.cache_dit.enabled),
-        canvas=canvas.default_size(),
-    )
-
-
-def geometry_limits(limits: ModelLimits) -> GeometryLimits:
-    """The served limits as `model.geometry` checks a request's canvas and snapped duration."""
-    return GeometryLimits(short_edge=limits.short_edge, max_pixels=limits.max_pixels,
-                          min_seconds=limits.min_seconds, max_seconds=limits.max_seconds)
-
-
-#: The request field of a `model/` error's field (`GeometryError`, `ScheduleError`); the rest are the same name.
 def _init_device(device: torch.device) -> None:
     """Create the device's context now (CUDA: ~1 s on first use), so the load timings do not include it."""
     if device.type == "cuda":

@@ -23,7 +23,8 @@ import torch
 from engine.api import GenerationRequest, Task
 from engine.conditioning import ConditioningStage, checked_conditioning
 from engine.config import EngineConfig
-from engine.engine import geometry_limits, model_limits, resolve_device
+from engine.engine import resolve_device
+from engine.model_limits import geometry_limits, model_limits
 from engine.errors import ClientError
 from engine.stage_data import PromptEmbedding
 from engine.stages import PromptStage, VaeEncoders

@@ -6,7 +6,8 @@ thumbnail a PNG of the request's size, filled with `seed % 256`. A prompt starti
 forward (to test timeouts and cancellation). Stats are typed as the real engine's. Its "slab" is an LRU of
 schedules, each taking `steps - 1` of `adaln.gpu_plans` plans: a schedule's request builds its plans unless the
 slab holds them (then all GPU hits), and `slab_state()` reports it like the real engine's (so the router places
-schedules by it). Importable by Ray workers (module-level class).
+schedules by it). Importable by Ray workers (module-level class), and light: a fake replica's process imports
+no model library (`model.tiny`'s width is restated as `TINY_HIDDEN_SIZE`, checked in tests/test_limits.py).
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ import torch
 
 from engine.api import (AdalnStats, AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats,
                         GenerationTimings, SlabState, request_size)
+from engine.api import field_error
 from engine.config import EngineConfig
-from engine.engine import field_error, geometry_limits, model_limits
 from engine.media import AUDIO_SAMPLE_RATE
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected
+from engine.model_limits import geometry_limits, model_limits
 from engine.startup import EngineStartup
 from model.geometry import H3_LATENTS, GeometryError, VideoGeometry
-from model.tiny import TINY_TRANSFORMER
 from model.mp4 import thumbnail_png
 
 FAKE_MP4 = b"fake-mp4:"
 FAKE_MODEL = "fake-h3"
 FAKE_TEXT_TOKENS = 8
+#: `model.tiny.TINY_TRANSFORMER.hidden_size`: not the released width, so any 32-px multiple is served.
+TINY_HIDDEN_SIZE = 64
 
 
 class FakeEngine:
@@ -41,7 +44,7 @@ class FakeEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.limits = model_limits(config, TINY_TRANSFORMER.hidden_size)  # any 32-px multiple, 5-15 s
+        self.limits = model_limits(config, TINY_HIDDEN_SIZE)  # any 32-px multiple, 5-15 s
         self.num_requests = 0
         self.num_cancelled = 0
         self._slab: OrderedDict[str, int] = OrderedDict()  # schedule key -> plans, least recently used first

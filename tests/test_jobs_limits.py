@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.config import EngineConfig
-from engine.engine import H3_HIDDEN_SIZE, model_limits
+from engine.model_limits import H3_HIDDEN_SIZE, model_limits
 from engine.limits import ModelLimits
 from jobs.errors import InvalidVideoRequest
 from jobs.limits import resolve_spec

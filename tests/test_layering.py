@@ -209,14 +209,19 @@ def test_checker_accepts_an_allowed_import(tmp_path, relpath, source):
 MODEL_LIBRARIES = ("diffusers", "transformers", "torchao", "peft", "cache_dit")
 
 
-def test_the_ingress_imports_no_model_library():
-    """A Serve ingress replica (and anything that only parses a config or carries stage data) starts without
-    diffusers or transformers: ~4 core-seconds of imports and their memory per replica. A module-level import of
-    one, anywhere on the ingress's import graph, fails this."""
+@pytest.mark.parametrize("module, who", [
+    ("deployments.ingress", "a Serve ingress replica"),
+    ("engine.model_limits", "what only needs an engine's limits (the prepare stage's checks, a fake engine)"),
+    ("tests.fake_engine", "a fake-engine worker replica of the Serve tests"),
+])
+def test_what_needs_no_model_imports_no_model_library(module, who):
+    """The ingress (and anything that only parses a config or carries stage data) starts without diffusers or
+    transformers: ~4 core-seconds of imports and their memory per replica. A module-level import of one,
+    anywhere on the module's import graph, fails this."""
     import subprocess
 
-    probe = ("import sys, deployments.ingress; "
+    probe = (f"import sys, {module}; "
              f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({MODEL_LIBRARIES!r})))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], check=True,
                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    assert out == "[]", f"the ingress imported {out}"
+    assert out == "[]", f"{who} ({module}) imported {out}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import H3_HIDDEN_SIZE, geometry_limits, model_limits
+from engine.model_limits import H3_HIDDEN_SIZE, geometry_limits, model_limits
 from engine.limits import ModelLimits
 from jobs.errors import InvalidVideoRequest
 from jobs.limits import resolve_spec
@@ -93,3 +93,10 @@ def test_a_job_is_refused_at_creation_exactly_when_the_engine_would_refuse_it(se
 def test_limits_whose_defaults_the_model_would_refuse_do_not_load():
     with pytest.raises(ValueError, match="default_steps=80 is outside 2..65"):
         ModelLimits.model_validate({**H3.model_dump(), "default_steps": 80})
+
+
+def test_the_fake_engine_serves_the_tiny_models_width():
+    from model.tiny import TINY_TRANSFORMER
+    from tests.fake_engine import TINY_HIDDEN_SIZE
+
+    assert TINY_HIDDEN_SIZE == TINY_TRANSFORMER.hidden_size != H3_HIDDEN_SIZE

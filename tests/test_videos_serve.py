@@ -42,7 +42,7 @@ from deployments.video_backend import (
 )
 from deployments.videos import VideoApi, build_videos_app
 from engine.config import EngineConfig
-from engine.engine import H3_HIDDEN_SIZE, model_limits
+from engine.model_limits import H3_HIDDEN_SIZE, model_limits
 from engine.errors import ClientError
 from engine.api import AdalnStats, CacheDitStats, ClipFacts, GenerationResult, GenerationStats, GenerationTimings
 from engine.pipeline import PipelineResult, StageCallTimes
