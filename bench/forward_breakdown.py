@@ -3,6 +3,9 @@ the GPU kernels of one compiled call grouped (GEMM, attention, fused elementwise
 the time the GPU sits idle between them and the host calls that can make it wait, each call also timed with
 `--back-to-back` calls queued (as a 50-block forward queues them), inductor's `max-autotune-no-cudagraphs`
 against its default, and FP8 with rowwise against tensorwise scales (`--fp8`). `--attention` overrides auto.
+Beside every timed row and the profiled call: the SM clock (mean/lowest) and board power over it, from
+`nvidia-smi` samples (read only), since a call timed under sustained load may not run at the profiled call's
+clocks.
 
     python -m bench.forward_breakdown                 # one GPU, 37,774 tokens (~5 min with max-autotune)
     python -m bench.forward_breakdown --smoke         # CPU, tiny width: the code path only
@@ -24,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -99,24 +103,28 @@ class ClockSampler:
     def __init__(self, device: torch.device):
         self.device, self.reading = device, None
         self._proc: subprocess.Popen | None = None
+        self._out = None
         self._since: datetime | None = None
 
     def __enter__(self) -> "ClockSampler":
         if self.device.type == "cuda" and shutil.which("nvidia-smi"):
             uuid = torch.cuda.get_device_properties(self.device).uuid
+            # No pause for it to start (an idle GPU lowers its clocks): its first sample comes ~0.1-0.3 s in.
+            self._since = datetime.now()
+            self._out = tempfile.TemporaryFile(mode="w+")  # a pipe read only at the end would fill and stall it
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=timestamp,clocks.sm,power.draw",
                  "--format=csv,noheader,nounits", "-lms", "50"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            time.sleep(0.5)  # it takes a moment to find the card; samples from before the region are left out
-            self._since = datetime.now()
+                stdout=self._out, stderr=subprocess.DEVNULL, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            out, _ = self._proc.communicate(timeout=10)
-            self.reading = parse_clock_samples(out, self._since)
+            self._proc.wait(timeout=10)
+            self._out.seek(0)
+            self.reading = parse_clock_samples(self._out.read(), self._since)
+            self._out.close()
 
 
 @dataclass(frozen=True)

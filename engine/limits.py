@@ -1,6 +1,6 @@
 """What the served model accepts, and what a request gets when it leaves a field out: one `ModelLimits`.
 
-The engine builds it from the loaded model and its config (`engine.engine.model_limits`) and checks every
+The engine builds it from the loaded model and its config (`engine.model_limits.model_limits`) and checks every
 request against it; `describe()["limits"]` and `GET /v1/models` serve it; the video API (`jobs.limits`)
 resolves and checks a job against it at creation without asking a worker, apart from the prompt's token
 count (only the tokenizer knows it).

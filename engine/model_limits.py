@@ -1,6 +1,6 @@
 """What an engine serves, from its config and its transformer's width: the `ModelLimits` both APIs check requests
 against, the canvas checks' view of them, and the served model's name. Apart from `engine.engine` so that what
-only needs the limits (a fake engine in a test replica, the prepare stage) imports no model library.
+only needs the limits (the tests' fake-engine replicas) imports no model library.
 """
 
 from __future__ import annotations

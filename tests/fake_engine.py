@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from engine.api import (AdalnStats, AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats,
-                        GenerationTimings, SlabState, request_size)
-from engine.api import field_error
+                        GenerationTimings, SlabState, field_error, request_size)
 from engine.config import EngineConfig
 from engine.media import AUDIO_SAMPLE_RATE
 from engine.errors import ClientError, GenerationCancelled, WeightsRejected

@@ -1,6 +1,6 @@
 """A stand-in for `actors.gpu_worker.GpuWorkerActor` in weight-update tests (tests/test_parallel_weights.py): its
 own module, so that a rank actor's process imports this and `engine.config` (for the `start` argument), not the
-test module's torch, diffusers and transformers graph (~4 core-seconds per rank process)."""
+test module's diffusers and transformers graph (~4 core-seconds per rank process)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ CHANGED = "0badc0de0badc0de"  # what a rank reads when the directory changed aft
 
 class FakeRank:
     """Stands in for `GpuWorkerActor` (same constructor and the calls a weight update makes): reports the
-    fingerprint it ends on after `update_weights`, from `ENDS_ON[rank]` (the test's scenario)."""
+    fingerprint it ends on after `update_weights`: `set_ends_on`'s (the test's scenario)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank

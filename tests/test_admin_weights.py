@@ -178,10 +178,10 @@ def test_a_replica_that_replaces_a_dead_one_loads_the_new_weights_before_serving
                   if a["name"].startswith("SERVE_REPLICA::") and f"{APP_NAME}#Worker#" in a["name"])
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     deadline = time.monotonic() + 120
-    while (replicas := live_replicas(url)) and {r["replica"] for r in replicas} <= before:
+    # the killed one's entry ages out; its replacement reports once it has applied the update and serves
+    while len(replicas := weights_status(url)["replicas"]) != 2 or {r["replica"] for r in replicas} <= before:
         assert time.monotonic() < deadline, f"the killed replica was not replaced: {replicas}"
         time.sleep(0.5)
-    replicas = live_replicas(url)
     assert len({r["replica"] for r in replicas} - before) == 1
     assert [r["applied_version"] for r in replicas] == [1, 1]
     assert len({r["fingerprint"] for r in replicas}) == 1

@@ -198,10 +198,10 @@ def answer(url: str, body: dict, stream: bool = False) -> tuple[int, str]:
 
 
 def test_stopping_the_app_answers_its_running_and_queued_generations_with_a_named_error(base_url):
-    """`serve.delete` (Ctrl-C on `serve run`, a redeploy) while a generation runs past the 1 s grace periods and
-    more wait behind it: each HTTP caller hears a JSON 503 naming the cause (not the proxy's bare 500), and a
-    handle's stream is cut, not waited for (Serve's default would drain for 20 s per deployment and let the
-    6.4 s generations finish)."""
+    """`serve.delete` (Ctrl-C on `serve run`, a redeploy) while a generation (a handle's stream) runs past the 1 s
+    grace periods and HTTP ones wait behind it: the stream is cut, not waited for (Serve's default would drain for
+    20 s per deployment and let its 6.4 s finish), and each HTTP caller hears a JSON 503 naming the cause (not the
+    proxy's bare 500)."""
     from ray import serve
 
     from deployments.app import build_application
@@ -225,18 +225,17 @@ def test_stopping_the_app_answers_its_running_and_queued_generations_with_a_name
         return outcome
 
     with ThreadPoolExecutor(4) as pool:
-        running = pool.submit(answer, url, {**SLOW, "seed": 5000})
-        wait_running(5000, app="stopping")
-        queued = [pool.submit(answer, url, {**SLOW, "seed": 5001}),
-                  pool.submit(answer, url, {**SLOW, "seed": 5002}, True)]
         streamed = pool.submit(handle_stream_outcome, {**SLOW, "seed": 5003})
+        wait_running(5003, app="stopping")
+        queued = [pool.submit(answer, url, {**SLOW, "seed": 5000}), pool.submit(answer, url, {**SLOW, "seed": 5001}),
+                  pool.submit(answer, url, {**SLOW, "seed": 5002}, True)]
         wait_for("the queued requests never reached the worker", lambda s: s["in_flight"] == 4, app="stopping")
         serve.delete("stopping")
-        answers = [f.result(timeout=120) for f in [running, *queued]]
+        answers = [f.result(timeout=120) for f in queued]
         cut = streamed.result(timeout=120)
+    assert cut.startswith("cut: "), cut
     assert answers[:2] == [(503, "no worker could take the request: ActorDiedError")] * 2
     assert answers[2][0] == "unavailable" and "ActorDiedError" in answers[2][1]
-    assert cut.startswith("cut: "), cut
 
 
 # --- overload ---------------------------------------------------------------------------------------------

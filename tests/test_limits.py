@@ -96,7 +96,6 @@ def test_limits_whose_defaults_the_model_would_refuse_do_not_load():
 
 
 def test_the_fake_engine_serves_the_tiny_models_width():
-    from model.tiny import TINY_TRANSFORMER
     from tests.fake_engine import TINY_HIDDEN_SIZE
 
     assert TINY_HIDDEN_SIZE == TINY_TRANSFORMER.hidden_size != H3_HIDDEN_SIZE

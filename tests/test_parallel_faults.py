@@ -221,7 +221,8 @@ def test_a_rank_that_dies_mid_denoise_fails_the_request_and_the_one_queued_behin
         first.join(timeout=120)
         queued.join(timeout=60)
         assert set(outcomes) == {"running", "queued"}
-        assert all(isinstance(error, ServerFault) and "rank 1 of 2 died" in str(error) for error in outcomes.values())
+        assert all(isinstance(error, ServerFault) and "generate: rank 1 of 2 died" in str(error)
+                   for error in outcomes.values())
         assert outcomes["running"].cause is FaultCause.RANK_FAILURE
         assert_unusable(engine, "rank 1 of 2 died")
 
