@@ -479,7 +479,9 @@ def test_hot_key_spills_over_bounded_load_to_next_choice(app):
     key = KEYS[40]
     order = rendezvous_order(key, replicas)
     before = schedule_affinity_stats("EchoWorker")
-    responses = [worker.generate.remote({"sleep_s": 1.0}, schedule_key=key) for _ in range(6)]
+    wait_until_router_sees_idle_replicas()
+    # 2 s each: the six must overlap at the home replica even when a loaded machine sends them slowly
+    responses = [worker.generate.remote({"sleep_s": 2.0}, schedule_key=key) for _ in range(6)]
     used = Counter(r.result(timeout_s=30) for r in responses)
     assert len(used) >= 2, used
     assert used[order[0]] >= used[order[-1]]
