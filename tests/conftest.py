@@ -16,15 +16,53 @@ from tests.adaln_support import Models, models_for
 from tests.serve_helpers import SESSION
 
 
+#: The modules that take longest (seconds of a worker in a full `-n 2 --dist loadfile` run on the 2-core box,
+#: 2026-12-07), longest first. `--dist loadfile` hands each free worker the next module in order, so the longest
+#: go first and the short ones fill in at the end (longest-processing-time first): in the order xdist picks
+#: itself (most tests first) a 30-45 s module of one or two tests came last and one worker sat idle ~45 s.
+LONGEST_MODULES = (
+    "test_parallel_faults",  # 149
+    "test_split_fused_serve",  # 108
+    "test_bench_smoke",  # 105
+    "test_forward_kernels",  # 89
+    "test_parallel_engine",  # 78
+    "test_reliability_http",  # 61
+    "test_admin_weights",  # 60
+    "test_videos_serve",  # 47
+    "test_cluster",  # 45
+    "test_videos_worker_lost",  # 45
+    "test_engine",  # 36
+    "test_playground_browser",  # 35
+    "test_http",  # 32
+    "test_lifecycle",  # 32
+    "test_pool_serve",  # 32
+    "test_streaming",  # 32
+    "test_bench_compile",  # 29
+    "test_parallel_serve",  # 26
+    "test_router_adapters",  # 24
+    "test_router",  # 22
+    "test_bench_h3_modes",  # 22
+)
+
+
 def pytest_configure(config):
     """Under pytest-xdist, each worker's torch gets its share of the cores: two workers of two threads each on two
     cores oversubscribe them (OpenMP threads spin while the other worker's hold the cores; tests ran 2-4x slower
-    than alone). Processes the tests start (the forkserver's ranks, `serve run`) inherit the same share."""
+    than alone). Processes the tests start (the forkserver's ranks, `serve run`) inherit the same share.
+    xdist's own module order (most tests first) is turned off: `pytest_collection_modifyitems` orders them."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         share = max(1, (os.cpu_count() or 1) // workers)
         torch.set_num_threads(share)
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist installed
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """`LONGEST_MODULES` first, longest first; the rest after them in collection order (a stable sort)."""
+    rank = {name: position for position, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)
