@@ -28,7 +28,7 @@ from model.tiny import make_tiny_checkpoint
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 from tests.weights_support import WRONG_SHAPE_TENSOR, finetune_of, with_wrong_shape
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # slow: Ray + Serve: the app, weight updates across replicas
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.ray]  # slow: Ray + Serve: the app, weight updates across replicas
 
 TOKEN = "test-admin-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

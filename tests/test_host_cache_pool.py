@@ -26,7 +26,7 @@ from actors.host_cache_pool import (
 from cache.plan_cache import PlanRows
 from tests.serve_helpers import shared_ray
 
-pytestmark = pytest.mark.slow  # Ray: the node pool's actors
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # Ray: the node pool's actors
 
 MiB = 1 << 20
 

@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.limits import ModelLimits
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: the app over HTTP
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve: the app over HTTP
 
 MAX_BODY_BYTES = 32 * 1024  # above the schema's 20000-character prompt, so both limits can be hit
 MAX_PROMPT_TOKENS = 64

@@ -21,7 +21,7 @@ from deployments.schemas import AppConfig, GenerationResponse
 from tests.lifecycle_engine import FAIL_AFTER_FORWARDS, LifecycleEngine
 from tests.serve_helpers import APP_NAME, serve_cluster, sse_events, wait_healthy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: start, stop, cancel, bounds
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve: start, stop, cancel, bounds
 
 #: 0.1 s per forward: 6.4 s if nobody stops it.
 SLOW = {"prompt": "slow", "steps": 65, "width": 32, "height": 32, "return_video": False}

@@ -4,8 +4,9 @@ against the one-device engine (engine.engine.Engine, in this process) on the tin
 Both engines run the shipped features together: online AdaLN (plan cache, rebuilt 1/2 per rank), layerwise
 offload and Cache-DiT. Bit-exact is the promise on CPU (parallel/ established it for the forward, the denoising
 loop and the AdaLN exchange: sharding never changes the order of a reduction), so latents are compared with
-`torch.equal`. Faults (a rank killed between requests, ranks that diverged) get replicas of their own; a rank
-that dies or stalls inside a request: tests/test_parallel_faults.py.
+`torch.equal`. The module's replica also takes a weight update and, last, a rank killed between requests;
+ranks that diverge get a replica of their own; a rank that dies or stalls inside a request:
+tests/test_parallel_faults.py.
 
 The request is the tiny model's smallest useful one: 64x64 px for 0.5 s, i.e. 13 frames snapped up to 22 ->
 7 latent frames of 2x2 patches (28 video rows) + 2 x 37 audio rows + the prompt's text rows, about 105 packed
@@ -39,7 +40,7 @@ from parallel.config_check import check_parallel_config
 from parallel.sequence import SequenceParallelError
 from tests.serve_helpers import shared_ray
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: SP2 rank actors (gloo)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray: SP2 rank actors (gloo)
 
 FPS = 24
 NUM_FRAMES = 22  # 0.5 s -> round(0.5 * 24) + 1 = 13 frames, snapped up to 17 n + 5
@@ -231,44 +232,42 @@ def test_health_and_describe(parallel, single):
     assert description["id"] == single.describe()["id"]
 
 
-# --- weight updates --------------------------------------------------------------------------------------
+# --- weight updates, then a rank lost: the module's replica, last (the loss breaks it) -----------------------
 
 
-#: Weight updates with online AdaLN under offload hit an engine bug that test_engine.py marks xfail
-#: (`Engine._load_weights_` asks the checkpoint for ExternalModulation's `adaln_proj.dtype_marker` buffer), so
-#: this replica runs online AdaLN and Cache-DiT without offload (after the update, the plans of the new weights
-#: are rebuilt 1/2 per rank).
-UPDATABLE = {"offload": {"enabled": False}}
+def test_a_weight_update_applies_on_every_rank(parallel, checkpoint, seed1_checkpoint):
+    single = Engine(engine_config(checkpoint, sp=1))
+    before = parallel.generate(request())
+    described = parallel.update_weights(str(seed1_checkpoint))
+    single.update_weights(str(seed1_checkpoint))
+    fingerprint = single.weights.fingerprint
+    assert described["fingerprint"] == fingerprint != before.model.removeprefix("minimax-h3@")
+    assert [ranks["fingerprint"] for ranks in parallel.debug_stats()["ranks"]] == [fingerprint, fingerprint]
+    after = parallel.generate(request())
+    # Rank 1 computes half of every attention: had it kept the old weights, rank 0's latents would differ.
+    assert_same_latents(after, single.generate(request()))
+    assert not torch.equal(after.video, before.video)
 
 
-@pytest.fixture(scope="class")
-def updatable(ray_cluster, checkpoint) -> ParallelEngine:
-    """Class-scoped: its ranks' bundles go back before the next replica starts."""
-    engine = ParallelEngine(engine_config(checkpoint, sp=2, **UPDATABLE), OwnPlacementGroup())
-    yield engine
-    engine.close()
+def test_a_rejected_weight_update_names_the_problem_and_changes_no_rank(parallel, tmp_path):
+    before = parallel.debug_stats()["ranks"]
+    with pytest.raises(WeightsRejected, match="missing"):
+        parallel.update_weights(str(tmp_path / "missing"))
+    assert parallel.debug_stats()["ranks"] == before
+    assert parallel.health()["status"] == "ok"
 
 
-class TestWeightUpdates:
-    def test_a_weight_update_applies_on_every_rank(self, updatable, checkpoint, seed1_checkpoint):
-        single = Engine(engine_config(checkpoint, sp=1, **UPDATABLE))
-        before = updatable.generate(request())
-        described = updatable.update_weights(str(seed1_checkpoint))
-        single.update_weights(str(seed1_checkpoint))
-        fingerprint = single.weights.fingerprint
-        assert described["fingerprint"] == fingerprint != before.model.removeprefix("minimax-h3@")
-        assert [ranks["fingerprint"] for ranks in updatable.debug_stats()["ranks"]] == [fingerprint, fingerprint]
-        after = updatable.generate(request())
-        # Rank 1 computes half of every attention: had it kept the old weights, rank 0's latents would differ.
-        assert_same_latents(after, single.generate(request()))
-        assert not torch.equal(after.video, before.video)
-
-    def test_a_rejected_weight_update_names_the_problem_and_changes_no_rank(self, updatable, tmp_path):
-        before = updatable.debug_stats()["ranks"]
-        with pytest.raises(WeightsRejected, match="missing"):
-            updatable.update_weights(str(tmp_path / "missing"))
-        assert updatable.debug_stats()["ranks"] == before
-        assert updatable.health()["status"] == "ok"
+def test_a_rank_dying_between_requests_turns_health_unhealthy(parallel):
+    """The module's last test on `parallel`: it leaves the replica unusable."""
+    assert parallel.health()["status"] == "ok"  # sends the first probe
+    ray.kill(parallel.ranks[1])
+    # health() never waits: each call reads the previous probe's answers, which come back once Ray has
+    # seen the death (or, for a rank that hangs, when timeout_s has passed).
+    with pytest.raises(ServerFault, match=r"rank 1 of 2 died") as failed:
+        for _ in range(600):
+            parallel.health()
+            time.sleep(0.05)
+    assert failed.value.cause is FaultCause.RANK_FAILURE
 
 
 # --- inside a Serve replica's placement group --------------------------------------------------------------
@@ -360,20 +359,6 @@ def replica(checkpoint: Path, **overrides) -> Iterator[ParallelEngine]:
         yield engine
     finally:
         engine.close()
-
-
-def test_a_rank_dying_between_requests_turns_health_unhealthy(ray_cluster, checkpoint):
-    with replica(checkpoint, adaln={"mode": "resident"}, offload={"enabled": False},
-                 cache_dit={"enabled": False}) as victim:
-        assert victim.health()["status"] == "ok"  # sends the first probe
-        ray.kill(victim.ranks[1])
-        # health() never waits: each call reads the previous probe's answers, which come back once Ray has
-        # seen the death (or, for a rank that hangs, when timeout_s has passed).
-        with pytest.raises(ServerFault, match=r"rank 1 of 2 died") as failed:
-            for _ in range(600):
-                victim.health()
-                time.sleep(0.05)
-        assert failed.value.cause is FaultCause.RANK_FAILURE
 
 
 def test_ranks_whose_plan_caches_diverged_fail_the_request_loudly(ray_cluster, checkpoint):

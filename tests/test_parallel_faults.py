@@ -7,7 +7,8 @@ bound) within the configured bounds, the replica must then refuse work at once a
 the caller did right (a cancel, a bad request) may break it.
 
 The ranks are real `GpuWorkerActor`s with one addition (`FaultyRank.arm`): a fault to trip at a named point of the
-next request on that rank.
+next request on that rank. A fault that breaks a replica gets one of its own (~15 core-seconds each), except the
+last test, which breaks the replica the tests that must leave it serving share (`serving`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from model.tiny import make_tiny_checkpoint
 from model.weights import TransformerWeights
 from tests.serve_helpers import shared_ray
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: SP2 rank actors stalled and killed
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray: SP2 rank actors stalled and killed
 
 TIMEOUT_S = 10.0  # collectives and coordinator calls (a stalled rank is found within it)
 LOAD_TIMEOUT_S = 120.0
@@ -179,14 +180,6 @@ def test_a_rank_that_stalls_mid_denoise_fails_the_request_within_the_timeout(ray
         assert_unusable(engine, "rank 1 of 2 did not finish")
 
 
-def test_a_rank_that_dies_in_a_weight_update(ray_cluster, checkpoint, faulty):
-    with replica(checkpoint) as engine:
-        arm(engine, 1, "exit", "update")
-        with pytest.raises(ServerFault, match="rank 1 of 2 died"):
-            engine.update_weights(str(checkpoint))
-        assert_unusable(engine, "rank 1 of 2 died")
-
-
 def test_a_rank_stalled_between_requests_turns_health_unhealthy(ray_cluster, checkpoint, faulty):
     with replica(checkpoint) as engine:
         assert engine.health()["status"] == "ok"  # sends the first probe, answered
@@ -271,3 +264,13 @@ def test_a_bad_request_leaves_the_replica_serving(serving):
             serving.generate(bad)
     assert serving.health()["status"] == "ok"
     assert serving.generate(request()).stats.parallel.ranks_agree
+
+
+# --- last on the serving replica: a rank that dies in a weight update breaks it ------------------------------
+
+
+def test_a_rank_that_dies_in_a_weight_update(serving, checkpoint):
+    arm(serving, 1, "exit", "update")
+    with pytest.raises(ServerFault, match="rank 1 of 2 died"):
+        serving.update_weights(str(checkpoint))
+    assert_unusable(serving, "rank 1 of 2 died")

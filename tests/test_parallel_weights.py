@@ -18,7 +18,7 @@ from engine.errors import ServerFault
 from tests.fake_rank import CHANGED, VALIDATED, FakeRank
 from tests.serve_helpers import shared_ray
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: weight updates over SP2 ranks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray: weight updates over SP2 ranks
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_DURATION_S = 124 / 24  # 5 s requested, 124 frames

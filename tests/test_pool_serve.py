@@ -20,7 +20,7 @@ from actors.host_cache_pool import POOL_NAMESPACE, pool_actor_name
 from deployments.schemas import decode_latents
 from tests.serve_helpers import serve_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]  # slow: Ray + Serve: the pool under the app
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.ray]  # slow: Ray + Serve: the pool under the app
 
 ROOT = Path(__file__).resolve().parents[1]
 #: 4 grid points: 3 forwards, one AdaLN plan each.

@@ -22,7 +22,7 @@ from engine.engine import Engine
 from model.tiny import make_tiny_checkpoint
 from tests.serve_helpers import shared_ray
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray: engines on the node pool
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray: engines on the node pool
 
 MiB = 1 << 20
 #: The smallest request the tiny checkpoint serves (64x64 px, 5 s), latents only: 4 grid points = 3 forwards.

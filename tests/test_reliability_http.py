@@ -35,7 +35,7 @@ from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_a
 from tests.test_http import BAD_REQUESTS, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, VALID, post, raw
 from tests.weights_support import finetune_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: faults under the app
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve: faults under the app
 
 GPU_PLANS = 4
 #: plan_width 1 admits only one distinct timestep per forward: equal video and audio shifts.

@@ -34,6 +34,8 @@ from deployments.routing.router import ScheduleAffinityRouter
 from engine.api import SlabState
 from tests.serve_helpers import serve_cluster
 
+pytestmark = pytest.mark.ray  # its slow tests run Serve on the session's cluster
+
 KEYS = [f"steps=50/shift={s}" for s in range(200)]
 FAKE_DEPLOYMENT = DeploymentID(name="Worker", app_name="fake")
 

@@ -26,6 +26,8 @@ from deployments.routing.report import AdapterReport, SlabReport
 from deployments.routing.reporter import ScheduleAffinityReporter
 from engine.api import SlabState
 
+pytestmark = pytest.mark.ray  # its slow tests run Serve on the session's cluster
+
 
 def view(*keys: str, capacity: int = 32, plans: int = 8) -> SlabView:
     return SlabView(tuple(keys), tuple(plans for _ in keys), capacity)

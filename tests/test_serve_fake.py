@@ -17,7 +17,7 @@ from engine.startup import ReplicaStartup
 from tests.fake_engine import FAKE_MODEL, FAKE_MP4, FakeEngine
 from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: the app on a fake engine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve: the app on a fake engine
 
 MAX_BODY_BYTES = 8192
 

@@ -34,7 +34,7 @@ from deployments.schemas import decode_latents
 from tests.conditioning_support import random_video, video_file, wav
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # slow: Ray + Serve: three apps
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.ray]  # slow: Ray + Serve: three apps
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 PROMPT = "a red fox runs across a snowy field at dawn"

@@ -57,7 +57,7 @@ from tests.jobs_support import FakeVideoBackend
 from model.mp4 import thumbnail_png, write_mp4
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve, SQLite and PostgreSQL: video jobs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve, SQLite and PostgreSQL: video jobs
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 SMALL = {"prompt": "a red fox in snow", "seconds": 1.0, "size": "96x64", "num_inference_steps": 4, "seed": 3}

@@ -1,6 +1,7 @@
-"""A Worker replica killed inside the running app (`serve run` of serve_config.yaml's args, `stages: split`,
+"""A Worker replica killed inside the running app (`serve run` of serve_config.yaml's args with `stages: fused`,
 the real engine on the tiny MiniMax-H3 checkpoint on CPU, SQLite): the job service's retry rule for a worker
-that died, end to end.
+that died, end to end. (Fused: the Worker is what dies either way, and split's TextEncoder and Decoder replicas
+would add ~12 core-seconds; the split app's worker loss mid-request: test_reliability_http.)
 
 One kill, two jobs on the replica (`jobs.concurrency: 2`): job A is denoising (some steps done), job B's
 `denoise_stream` is queued on the replica's engine thread behind it (accepted, no step run). When the replica
@@ -27,7 +28,7 @@ import requests
 
 from tests.serve_helpers import APP_NAME, run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: Ray + Serve: a worker lost mid-job
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve: a worker lost mid-job
 
 GEOMETRY = {"short_edge": None, "max_pixels": 128 * 128, "min_seconds": 0.2, "max_seconds": 5.0}
 # 64 forwards on ~900 tokens (4 s -> 97 frames, snapped to 107): many seconds of CPU work, so the replica is
@@ -64,6 +65,7 @@ def cluster_url() -> Iterator[str]:
 def url(cluster_url, tmp_path_factory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("worker-lost")
     args = serve_config_args(root / "checkpoints")
+    args["stages"] = "fused"  # module docstring
     args["engine"]["device"] = "cpu"
     args["engine"]["geometry"] = GEOMETRY
     # Two runners: B is claimed while A denoises. The lease (6 s, heartbeats every 2 s) never expires on a busy

@@ -15,6 +15,8 @@ from engine.wire import TensorsAsArrays, WireTensor
 from model.prompts import PromptCacheStats
 from tests.serve_helpers import shared_ray
 
+pytestmark = pytest.mark.ray  # one test moves tensors through the session's cluster
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool, torch.complex64)
 
