@@ -21,27 +21,28 @@ from tests.serve_helpers import SESSION
 #: go first and the short ones fill in at the end (longest-processing-time first): in the order xdist picks
 #: itself (most tests first) a 30-45 s module of one or two tests came last and one worker sat idle ~45 s.
 LONGEST_MODULES = (
-    "test_parallel_faults",  # 149
-    "test_split_fused_serve",  # 108
+    "test_parallel_faults",  # 107
     "test_bench_smoke",  # 105
-    "test_forward_kernels",  # 89
-    "test_parallel_engine",  # 78
-    "test_reliability_http",  # 61
-    "test_admin_weights",  # 60
-    "test_videos_serve",  # 47
-    "test_cluster",  # 45
-    "test_videos_worker_lost",  # 45
-    "test_engine",  # 36
-    "test_playground_browser",  # 35
-    "test_http",  # 32
-    "test_lifecycle",  # 32
+    "test_split_fused_serve",  # 83
+    "test_forward_kernels",  # 75
+    "test_reliability_http",  # 55
+    "test_parallel_engine",  # 48
+    "test_admin_weights",  # 47
+    "test_cluster",  # 41
+    "test_videos_serve",  # 41
+    "test_videos_worker_lost",  # 37
+    "test_lifecycle",  # 36
+    "test_parallel_serve",  # 35
+    "test_streaming",  # 34
+    "test_playground_browser",  # 33
     "test_pool_serve",  # 32
-    "test_streaming",  # 32
-    "test_bench_compile",  # 29
-    "test_parallel_serve",  # 26
-    "test_router_adapters",  # 24
-    "test_router",  # 22
-    "test_bench_h3_modes",  # 22
+    "test_engine",  # 30
+    "test_bench_compile",  # 23
+    "test_bench_h3_modes",  # 21
+    "test_router_adapters",  # 20
+    "test_engine_conditioning",  # 19
+    "test_http",  # 19
+    "test_router",  # 18
 )
 
 
