@@ -60,17 +60,25 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def ray_group(item: pytest.Item) -> int:
+    """0: joins the session's Ray cluster; 1: starts a cluster of its own (`pytest.mark.ray(own_cluster=True)`);
+    2: needs none."""
+    marker = item.get_closest_marker("ray")
+    return 2 if marker is None else 1 if marker.kwargs.get("own_cluster") else 0
+
+
 def uses_ray(item: pytest.Item) -> bool:
-    return item.get_closest_marker("ray") is not None
+    return ray_group(item) < 2
 
 
 def pytest_collection_modifyitems(items):
-    """The modules marked `ray` first, then the others; within each, `LONGEST_MODULES` first, longest first, and
-    the rest in collection order (a stable sort). Ray's modules together let a worker stop its cluster once,
-    after its last one (`pytest_runtest_teardown`), instead of keeping it up (~0.07 core/s idle, Serve
-    included) under the modules that need none."""
+    """The modules on the session's Ray cluster first, then those with a cluster of their own, then the others;
+    within each group `LONGEST_MODULES` first, longest first, and the rest in collection order (a stable sort).
+    A module with a cluster of its own shuts the session's down, and the next one on it started it again (~5
+    core-seconds); after the Ray modules a worker stops its cluster (`pytest_runtest_teardown`) instead of
+    keeping it up (~0.07 core/s idle, Serve included) under the modules that need none."""
     rank = {name: position for position, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: (not uses_ray(item), rank.get(item.path.stem, len(rank))))
+    items.sort(key=lambda item: (ray_group(item), rank.get(item.path.stem, len(rank))))
 
 
 @pytest.hookimpl(trylast=True)  # after the item's own teardown (its module's fixtures included)

@@ -14,7 +14,7 @@ import torch
 from bench import adaln, engine, h3, offload, quality
 from tests.serve_helpers import own_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # every benchmark's smoke run: seconds to a minute each
+pytestmark = [pytest.mark.slow, pytest.mark.ray(own_cluster=True)]  # every benchmark's smoke run: seconds to a minute each
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from engine.api import GenerationRequest, GenerationResult
 from tests.fake_engine import FakeEngine
 from tests.serve_helpers import APP_NAME, free_port, own_cluster, wait_healthy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.ray]  # slow: a three-node Ray cluster of its own with Serve
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.ray(own_cluster=True)]  # slow: a three-node Ray cluster of its own with Serve
 
 NUM_NODES = 2
 #: A request that takes 20 x 0.1 s on the fake engine: long enough to be in flight when its node goes.

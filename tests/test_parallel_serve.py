@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from tests.serve_helpers import run_app, serve_cluster, serve_config_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # slow: Ray + Serve: an SP2 replica
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.ray]  # slow: Ray + Serve: an SP2 replica
 
 BODY = {"prompt": "two ranks", "steps": 4, "seconds": 5.0, "width": 64, "height": 64, "seed": 11,
         "return_video": True, "return_latents": True}

@@ -13,7 +13,7 @@ from tests.serve_helpers import own_cluster
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]  # a Ray cluster of its own (RAY_preload_python_modules)
+pytestmark = [pytest.mark.slow, pytest.mark.ray(own_cluster=True)]  # a Ray cluster of its own (RAY_preload_python_modules)
 
 
 @pytest.fixture(scope="module")

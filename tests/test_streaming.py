@@ -16,7 +16,7 @@ import requests
 from deployments.schemas import GenerationResponse, ProgressEvent
 from tests.serve_helpers import APP_NAME, free_port, run_app, serve_cluster, serve_config_args, sse_events
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray]  # slow: Ray + Serve (its own cluster: a metrics port)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.ray(own_cluster=True)]  # slow: Ray + Serve (its own cluster: a metrics port)
 
 #: 64x64 px for 5 s; 3 grid points: 2 transformer forwards, so 2 progress events after the "accepted" one.
 SMALL = {"prompt": "a lighthouse at dusk", "steps": 3, "seconds": 5.0, "width": 64, "height": 64, "seed": 5,
