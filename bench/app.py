@@ -666,14 +666,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             direct = direct_engine(args, engine)
 
         # 2. The app: one replica for the tier sequence.
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         if args.preload:  # the raylet reads it when it starts and passes it to every worker process
             os.environ["RAY_preload_python_modules"] = PRELOAD_MODULE
             notes.append(f"Ray started with RAY_preload_python_modules={PRELOAD_MODULE}")
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  **({"num_cpus": max(4, os.cpu_count() or 1, 1 + args.sp)} if not cuda else {}))  # sp: coordinator + ranks
+        port = free_port()  # after ray.init: the cluster's processes bind ephemeral ports of their own as they start
+        url = f"http://127.0.0.1:{port}"
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         from deployments.app import build_app
 

@@ -145,9 +145,9 @@ def serve_cluster(num_cpus: int = 4, **init_kwargs) -> Iterator[str]:
     from ray import serve
 
     own_cluster()
-    port = free_port()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **init_kwargs)
     try:
+        port = free_port()  # after ray.init: the cluster's processes bind ephemeral ports of their own as they start
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     finally:

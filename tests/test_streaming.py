@@ -25,15 +25,21 @@ FORWARDS = SMALL["steps"] - 1
 # 256x256 px (2368 video tokens): ~0.1 s per forward on one CPU core, long enough to cancel in the middle.
 LONG = {"prompt": "a long walk", "steps": 60, "seconds": 5.0, "width": 256, "height": 256, "seed": 9,
         "return_video": False}
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
+def metrics_port() -> int:
+    """Ray's metrics export port, picked as the module's cluster starts (a port picked early can be taken by
+    then: every Ray process binds ephemeral ports of its own)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory, metrics_port):
     args = serve_config_args(tmp_path_factory.mktemp("checkpoints"))
     args["worker"]["num_replicas"] = 1
     args["stages"] = "fused"  # the Worker streams and exports either way; one replica process fewer than split
-    with serve_cluster(_metrics_export_port=METRICS_PORT) as url:
+    with serve_cluster(_metrics_export_port=metrics_port) as url:
         run_app(url, args)
         yield url
 
@@ -131,8 +137,8 @@ def test_closing_the_http_stream_stops_the_engine_and_releases_its_plans(base_ur
     assert_replica_still_serves()
 
 
-def scrape() -> str:
-    return requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+def scrape(port: int) -> str:
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
 
 
 def sample(text: str, name: str, **tags: str) -> float | None:
@@ -145,7 +151,7 @@ def sample(text: str, name: str, **tags: str) -> float | None:
     return total if found else None
 
 
-def test_worker_metrics_reach_the_prometheus_endpoint(base_url):
+def test_worker_metrics_reach_the_prometheus_endpoint(base_url, metrics_port):
     # Same schedule twice: the second finds its 4 plans (one per forward) warm in the GPU slab.
     for _ in range(2):
         app_handle().generate.remote({**SMALL, "steps": 5, "seed": 1}).result(timeout_s=120)
@@ -169,7 +175,7 @@ def test_worker_metrics_reach_the_prometheus_endpoint(base_url):
     ]
     deadline = time.monotonic() + 90  # exported ~10 s after recording
     while True:
-        text = scrape()
+        text = scrape(metrics_port)
         unmet = [(name, tags, value) for name, tags, holds in wanted
                  if (value := sample(text, name, **tags)) is None or not holds(value)]
         if not unmet:
