@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 from pathlib import Path
@@ -60,15 +61,23 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
-def ray_group(item: pytest.Item) -> int:
-    """0: joins the session's Ray cluster; 1: starts a cluster of its own (`pytest.mark.ray(own_cluster=True)`);
-    2: needs none."""
+class RayGroup(enum.IntEnum):
+    """What a test's module needs of Ray, in the order the groups run."""
+
+    SESSION_CLUSTER = 0  # pytest.mark.ray: joins the session's cluster
+    OWN_CLUSTER = 1  # pytest.mark.ray(own_cluster=True): shuts the session's down and starts its own
+    NONE = 2
+
+
+def ray_group(item: pytest.Item) -> RayGroup:
     marker = item.get_closest_marker("ray")
-    return 2 if marker is None else 1 if marker.kwargs.get("own_cluster") else 0
+    if marker is None:
+        return RayGroup.NONE
+    return RayGroup.OWN_CLUSTER if marker.kwargs.get("own_cluster") else RayGroup.SESSION_CLUSTER
 
 
 def uses_ray(item: pytest.Item) -> bool:
-    return ray_group(item) < 2
+    return ray_group(item) is not RayGroup.NONE
 
 
 def pytest_collection_modifyitems(items):
