@@ -16,7 +16,9 @@ TESTS = Path(__file__).resolve().parent
 #: fixture that makes room for bench.app's cluster).
 STARTS_RAY = re.compile(r"\b(shared_ray|serve_cluster|own_cluster)\(|\bray\.init\(|\bbench_starts_its_own_ray\b")
 MARKED = re.compile(r"^pytestmark = .*\bpytest\.mark\.ray\b", re.MULTILINE)
-OWN_CLUSTER = re.compile(r"\bown_cluster\(\)|_metrics_export_port=")
+#: A cluster of the module's own: `own_cluster`, or `serve_cluster` given a `ray.init` keyword (any but num_cpus:
+#: tests/serve_helpers.py starts its own cluster for those).
+OWN_CLUSTER = re.compile(r"\bown_cluster\(\)|\bserve_cluster\((?:[^)]*,\s*)?(?!num_cpus\b)\w+=")
 
 
 def modules() -> list[Path]:
