@@ -11,7 +11,7 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
 - `no compile`: `compile.mode: off`, no warm-up: the start-up as it is without this feature;
 - `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases, `compile.cache_dir` an
   empty folder: every kernel is generated (the warm-up runs what compiles: the canvas of fewest tokens, a
-  schedule's first two forwards, `engine.forward.warm_up`);
+  schedule's first forward, `engine.forward.warm_up`);
 - `compile, warm cache`: the same config and folder again: inductor loads what the cold start wrote.
 
 The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
@@ -74,6 +74,10 @@ STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
            "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
            "stream_requests", "stream_recompiles"]
+#: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
+#: the whole frame, dynamo's own trace, AOTAutograd, inductor (a cache hit: the load), Triton's kernel compiles,
+#: and the FX graph / AOTAutograd cache hits and misses.
+PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses"]
 RELEASED_BLOCKS = 50
 #: The 50-block estimate's formula, as the report states it.
 ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
@@ -117,7 +121,8 @@ def serve_one(args: argparse.Namespace) -> dict:
     if compile_stats is None:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
-               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"])
+               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"],
+               **compile_phases())
     canvases, steps = _canvases(args)
     embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
     prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
@@ -138,6 +143,26 @@ def serve_one(args: argparse.Namespace) -> dict:
     row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)},
                stream_requests=len(stream), stream_recompiles=recompiles)
     return row
+
+
+def compile_phases() -> dict[str, float | int]:
+    """`PHASES` summed over the frames dynamo compiled so far in this process (called right after the start, these
+    are the warm-up's)."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    def total(name: str, scale: float = 1.0) -> float:
+        # A field torch does not record in this version (or left None for a frame) counts 0.
+        return sum((getattr(metric, name, None) or 0) * scale for metric in get_compilation_metrics())
+
+    return {"frame_s": round(total("entire_frame_compile_time_s"), 2),
+            "dynamo_s": round(total("dynamo_cumulative_compile_time_us", 1e-6), 2),
+            "aot_s": round(total("aot_autograd_cumulative_compile_time_us", 1e-6), 2),
+            "inductor_s": round(total("inductor_cumulative_compile_time_us", 1e-6), 2),
+            "triton_s": round(total("triton_compile_time_us", 1e-6), 2),
+            "fx_hits": int(total("inductor_fx_local_cache_hit_count")),
+            "fx_misses": int(total("inductor_fx_local_cache_miss_count")),
+            "aot_hits": int(total("aotautograd_local_cache_hit_count")),
+            "aot_misses": int(total("aotautograd_local_cache_miss_count"))}
 
 
 def warmup_forwards_again(engine: Engine, canvases: tuple[Canvas, ...], forwards: int) -> float:
@@ -237,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         row["start_s_50"] = round(estimate_at_50_blocks(row), 4)
         row["x no-compile start, 50 blocks"] = round(estimate_at_50_blocks(row) / baseline_50, 3)
     canvases, steps = _canvases(args)
-    print(markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, COLUMNS + PHASES))
     notes = [
         f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
         f"; engine.Engine denoiser only, served defaults but engine.compile; backend {args.backend}",
         "canvases: " + ", ".join(f"{c.width}x{c.height} {c.seconds:g} s" for c in canvases)
-        + "; warm-up: what compiles (the canvas of fewest tokens, a schedule's first two forwards: warmup_forwards); "
+        + "; warm-up: what compiles (the canvas of fewest tokens, a schedule's first forward: warmup_forwards); "
         f"stream: each x steps {', '.join(map(str, steps))}, seeded order",
         f"50-block estimate ({rows[0]['blocks']} blocks measured): {ESTIMATE}; transformer_s and its bytes from "
         "Engine.startup, warmup_forward_s: the warm-up's forwards timed again after the start (0 without compile); "
@@ -251,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         f"and the median of {args.repeats} later ones; x later goal <= 1.05",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
         "<= 1.2 for the warm cache",
+        "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "
+        "dynamo's trace, AOTAutograd, inductor, Triton compiles, cumulative and nested: dynamo_s includes the "
+        "others; fx/aot: local cache hits and misses)",
         f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
     ]
     tag = device_tag(args.device)
-    md, _ = write_results("compile", rows, f"smoke-{tag}" if args.smoke else tag, command, columns=COLUMNS,
+    md, _ = write_results("compile", rows, f"smoke-{tag}" if args.smoke else tag, command, columns=COLUMNS + PHASES,
                           notes=notes, out_dir=args.out)
     print(md.read_text())
     return 0

@@ -10,13 +10,14 @@ and the sequence-parallel processor's compute (its exchanges are `torch.compiler
 around them: `parallel.sequence`; SP2 compiled == SP1 compiled bit for bit under dynamo's eager backend, 5 frames and
 3 counted graph breaks per rank on the tiny model: tests/test_parallel_compile.py).
 
-The sequence dimension is dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a
-prompt length never seen before does not recompile; dynamo still specializes a size of 1, so a forward of one
-timestep (`temb` of one row: a schedule's first forward) is another graph than one of several (every later forward),
-and the warm-up runs a schedule's first two forwards (`engine.forward.warm_up`). `dynamic: false` gives one graph
-per token count (each prompt length recompiles) and, with nothing symbolic, `_BlockRows.index` specialized again
-(a graph per block: past dynamo's recompile limit of 8 the rest run eager, uncounted): for measuring the static
-graph, not for serving.
+The sizes are dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a prompt length never
+seen before does not recompile, and every timestep count: the sizes are traced size-oblivious (no guard that a size
+is 1) and not duck-shaped (two sizes equal at trace time get no guard that they stay equal), so a schedule's first
+forward (`temb` of one row: both sigmas are 1) and every later one (two or more rows) share the graph. By default
+dynamo would specialize a size of 1 and compile a second graph: a warm start loaded and traced both, ~2x the time.
+`dynamic: false` gives one graph per token count (each prompt length recompiles) and, with nothing symbolic,
+`_BlockRows.index` specialized again (a graph per block: past dynamo's recompile limit of 8 the rest run eager,
+uncounted): for measuring the static graph, not for serving.
 
 Compiled and eager differ by reassociation (bf16 fusion): the bound is stated where it is tested
 (tests/test_forward_kernels.py, the inductor test) and measured per block at the released width (bench/forward.py).
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (the size-oblivious switch `_one_graph` sets)
 from torch import nn
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
@@ -70,14 +72,20 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def _unspecialized_module_ints(compiled: Callable[..., object]) -> Callable[..., object]:
-    """`compiled`, traced with nn.Module integer attributes as inputs rather than constants. ExternalModulation's
-    `_BlockRows.index` is the one attribute that differs between blocks: specialized, it compiles a graph per
-    block, and past dynamo's recompile limit (8) the remaining blocks run eager without a word."""
+def _one_graph(compiled: Callable[..., object]) -> Callable[..., object]:
+    """`compiled`, traced so that one graph serves every block and every forward of a schedule:
+
+    - nn.Module integer attributes are inputs rather than constants. ExternalModulation's `_BlockRows.index` is the
+      one attribute that differs between blocks: specialized, it compiles a graph per block, and past dynamo's
+      recompile limit (8) the remaining blocks run eager without a word;
+    - sizes are size-oblivious and not duck-shaped (torch.fx.experimental's config, read while dynamo traces), so
+      neither the one-row `temb` of a schedule's first forward nor its size's equality with the batch of one
+      specializes a second graph."""
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        with (torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True),
+              torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)):
             return compiled(*args, **kwargs)
 
     return run
@@ -112,7 +120,7 @@ class CompiledBlocks:
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
-        compiled = _unspecialized_module_ints(torch.compile(self._forward, **options))
+        compiled = _one_graph(torch.compile(self._forward, **options))
         for block in self.blocks:
             block.forward = functools.partial(compiled, block)
         self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()

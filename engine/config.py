@@ -230,8 +230,9 @@ class WarmupCanvas(BaseModel):
     seconds: float = Field(..., gt=0, description="Clip length (snapped as a request's is).")
     steps: int | None = Field(
         None, ge=2, description="Not read: accepted for configs written when the warm-up ran whole schedules. The "
-        "warm-up runs a schedule's first two forwards (one graph for a forward of one timestep, one for every later "
-        "one: a graph does not depend on the step count), so one canvas serves every step count.")
+        "warm-up runs a schedule's first forward (with dynamic: true one graph serves every forward of a schedule; "
+        "static, its first two: a forward of one timestep, then of several), so one canvas serves every step "
+        "count.")
     adapters: tuple[str, ...] = Field(
         (), max_length=2, description="Configured adapters (engine.adapters names) active in this warm-up request: "
         "a compiled block with LoRA layers on is another graph, so warm the adapters requests will name (a Turbo "
@@ -261,7 +262,7 @@ class CompileConfig(BaseModel):
         (), description="Canvases whose graphs the engine compiles at start (a stand-in prompt embedding, seed 0), "
         "so the first request of these shapes pays no compile. Each graph is made once: with dynamic: true the "
         "canvases of one adapter set share a graph and only the one of fewest tokens runs, with dynamic: false each "
-        "distinct token count does; each run is two forwards per served weight tier. Checked but not run with "
+        "distinct token count does; each run is one forward (dynamic: false: two) per served weight tier. Checked but not run with "
         "mode: off.")
 
 

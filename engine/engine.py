@@ -299,9 +299,10 @@ class Engine:
         return [quality for quality in ("lossless", "fp8") if quality in self.limits.qualities]
 
     def _warm_up_request(self, canvas: WarmupCanvas, quality: Quality) -> GenerationRequest:
-        """The request a warm-up of `canvas` runs: the schedule's first `forward.WARMUP_FORWARDS` forwards (fewer
+        """The request a warm-up of `canvas` runs: the schedule's first `forward.warmup_forwards` forwards (fewer
         when max_steps allows no more: then no request has more), with the canvas's adapters on, no decode."""
-        return GenerationRequest(prompt="warm-up", steps=min(forward.WARMUP_FORWARDS + 1, self.limits.max_steps),
+        forwards = forward.warmup_forwards(self.config.compile.dynamic)
+        return GenerationRequest(prompt="warm-up", steps=min(forwards + 1, self.limits.max_steps),
                                  seconds=canvas.seconds, width=canvas.width, height=canvas.height, seed=0,
                                  return_video=False, quality=quality,
                                  adapters=tuple(AdapterChoice(name=name) for name in canvas.adapters))

@@ -29,9 +29,14 @@ logger = logging.getLogger(__name__)
 
 #: Prompt rows of the warm-up's stand-in embedding (the sequence dimension is dynamic: any length would do).
 WARMUP_TEXT_TOKENS = 64
-#: Forwards of one warm-up run: dynamo specializes a size of 1, so a schedule's first forward (one timestep row:
-#: both sigmas are 1) is one graph and every later forward (two or more rows) another; steps = forwards + 1.
-WARMUP_FORWARDS = 2
+
+
+def warmup_forwards(dynamic: bool) -> int:
+    """Forwards of one warm-up run (its steps: forwards + 1). With dynamic sizes a schedule's first forward (one
+    timestep row: both sigmas are 1) and every later one (two or more rows) share one graph
+    (`engine.compiled._one_graph`); static, they are two."""
+    return 1 if dynamic else 2
+
 
 
 @dataclass
@@ -83,7 +88,7 @@ def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile
 
 @dataclass(frozen=True)
 class WarmupRun:
-    """One warm-up request: a schedule's first `WARMUP_FORWARDS` forwards of `canvas` on one weight tier, with the
+    """One warm-up request: a schedule's first `warmup_forwards` forwards of `canvas` on one weight tier, with the
     canvas's adapters on."""
 
     index: int  # in engine.compile.warmup (errors and the log name it)

@@ -186,7 +186,8 @@ class _BlockRows(_Rows):
         self.hidden_size = hidden_size
 
     def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
-        rows = self.source.current(temb.shape[0]).blocks[self.index]  # [M, 3 * 6 * hidden]
+        # narrow, not `[index]`: a symbolic index (one graph for every block) into a symbolic row count.
+        rows = self.source.current(temb.shape[0]).blocks.narrow(0, self.index, 1)[0]  # [M, 3 * 6 * hidden]
         # [M*3, 6 * hidden] -> 6 x [M*3, hidden], as MiniMaxH3AdaLayerNormModulation returns them.
         return rows.reshape(-1, NUM_BLOCK_CHUNKS * self.hidden_size).chunk(NUM_BLOCK_CHUNKS, dim=-1)
 

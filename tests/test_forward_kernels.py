@@ -33,7 +33,7 @@ from offload.wrapped import inner_tensors, is_wrapped  # noqa: E402
 from tests.denoise_support import Request, assert_same_velocities, denoise, offload, t2va_request  # noqa: E402
 
 EAGER = CompileOptions(backend="eager")
-NUM_STEPS = 4  # 3 forwards: the first of one timestep, then two each (dynamo specializes the two apart)
+NUM_STEPS = 4  # 3 forwards: the first of one timestep, then two each (one graph serves both)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_flash_4_runs_the_wheels_kernel_through_diffusers_fa4_backend_in_eager_a
     assert_same_velocities(denoise(compiled_model, t2va), eager_run)
     assert len(fake_fa4_wheel) > eager_calls
     # The custom op keeps the block one graph: no break at the attention call.
-    assert compiled.stats().graph_breaks == 0 and compiled.stats().frames_compiled == 2
+    assert compiled.stats().graph_breaks == 0 and compiled.stats().frames_compiled == 1
 
 
 def test_flash_4_without_the_wheel_fails_naming_it_and_on_a_cpu_naming_the_device(model, monkeypatch):
@@ -244,11 +244,11 @@ def test_the_config_refuses_an_unknown_backend_naming_the_field():
 # --- engine.compile ----------------------------------------------------------------------------------------
 
 
-def test_compiled_blocks_equal_eager_bit_for_bit_and_share_one_graph_per_timestep_count(model, t2va, eager_run):
+def test_compiled_blocks_equal_eager_bit_for_bit_and_share_one_graph(model, t2va, eager_run):
     compiled = CompiledBlocks(model.transformer_blocks, EAGER).apply()
     assert_same_velocities(denoise(model, t2va), eager_run)
-    # 4 blocks, 3 forwards: one graph for a forward of one timestep, one for several; none per block.
-    assert compiled.stats().frames_compiled == 2
+    # 4 blocks, 3 forwards (of one timestep, then two): one graph, not one per block or per timestep count.
+    assert compiled.stats().frames_compiled == 1
     compiled.warmup_ended(0.0, 3)
     longer = longer_prompt(t2va, 9)
     denoise(model, longer)  # another sequence length: the dynamic graph serves it
@@ -277,9 +277,9 @@ def test_online_adaln_equals_resident_under_compile_bit_for_bit_with_one_graph_f
         modulation.set(resident_modulation(resident, adaln_input(resident, timesteps)))
 
     assert_same_velocities(denoise(online, t2va, before_step=set_rows), want)
-    # Each block reads its own row block (`_BlockRows.index`): still one graph per timestep count, not per block
-    # (8 blocks' worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks).
-    assert compiled.stats().frames_compiled == 2
+    # Each block reads its own row block (`_BlockRows.index`): still one graph, not one per block (8 blocks'
+    # worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks).
+    assert compiled.stats().frames_compiled == 1
 
 
 def test_offload_equals_resident_under_compile_bit_for_bit(weights, t2va, eager_run):
@@ -459,8 +459,6 @@ def prompt_of(rows: int, seed: int = 0):
 def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothing(tiny_checkpoint, monkeypatch):
     from engine.api import GenerationRequest
     from engine.engine import DenoiserEngine
-    from engine.forward import WARMUP_FORWARDS
-
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
     forwards = ForwardRows(monkeypatch)
     canvas = dict(width=64, height=64, seconds=5.0)
@@ -469,10 +467,11 @@ def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothin
     described = engine.describe()["forward"]
     assert described["attention"]["backend"] == DEFAULT_BACKEND and described["attention"]["reason"] == "default"
     assert described["quantization"] == "none" and described["quantized_linears"] == 0
-    assert described["compile"]["frames_compiled"] >= 1 and described["compile"]["since_warmup"] == 0
+    assert described["compile"]["frames_compiled"] == 1 and described["compile"]["since_warmup"] == 0
     assert described["compile"]["warmup_s"] > 0
-    # One canvas, one weight tier: the first two forwards of a schedule, not the whole one.
-    assert described["compile"]["warmup_forwards"] == len(forwards.rows) == WARMUP_FORWARDS
+    # One canvas, one weight tier: a schedule's first forward (its one graph serves the later ones), not the whole
+    # schedule.
+    assert described["compile"]["warmup_forwards"] == len(forwards.rows) == 1
     assert engine.health()["requests"] == 0  # the warm-up is no request
 
     # 11 prompt rows (the warm-up ran 64) and 9 steps: another sequence length and step count, same graphs.
@@ -492,10 +491,10 @@ STREAM_STEPS = (2, 3, 4)  # 1 to 3 forwards: a forward of one timestep, then of 
 def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_nothing(tiny_checkpoint,
                                                                                          monkeypatch):
     """With a symbolic sequence length the canvases share their graphs: the warm-up runs the one of fewest tokens,
-    once (its first two forwards), and every canvas of the stream, larger ones included, compiles nothing."""
+    once (its first forward), and every canvas and step count of the stream, larger ones included, compiles
+    nothing."""
     from engine.api import GenerationRequest
     from engine.engine import DenoiserEngine
-    from engine.forward import WARMUP_FORWARDS
 
     torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
     forwards = ForwardRows(monkeypatch)
@@ -504,8 +503,8 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
                                          geometry={"short_edge": None, "min_seconds": 0.1},
                                          compile={"mode": "blocks", "backend": "eager", "warmup": warmup}))
     warmed = engine.describe()["forward"]["compile"]
-    assert warmed["frames_compiled"] >= 2  # a graph for the first forward (one timestep) and one for the others
-    assert warmed["warmup_forwards"] == len(forwards.rows) == WARMUP_FORWARDS
+    assert warmed["frames_compiled"] == 1  # one graph for the first forward (one timestep) and the others
+    assert warmed["warmup_forwards"] == len(forwards.rows) == 1
     warm_up_rows = set(forwards.rows)
     stream_start = len(forwards.rows)
     rows_of: dict[int, int] = {}
@@ -527,7 +526,7 @@ def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_c
     also specializes `_BlockRows.index`, a graph per block, and past its recompile limit (8: the 4 tiny blocks x 2
     graphs of the first count) it runs the rest eager without counting a compile."""
     from engine.engine import DenoiserEngine
-    from engine.forward import WARMUP_FORWARDS
+    from engine.forward import warmup_forwards
 
     torch._dynamo.reset()
     forwards = ForwardRows(monkeypatch)
@@ -536,7 +535,7 @@ def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_c
                                          geometry={"short_edge": None, "min_seconds": 0.1},
                                          compile={"mode": "blocks", "backend": "eager", "dynamic": False,
                                                   "warmup": canvases}))
-    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == len(forwards.rows) == 2 * WARMUP_FORWARDS
+    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == len(forwards.rows) == 2 * warmup_forwards(False) == 4
     assert len(set(forwards.rows)) == 2
 
 
@@ -549,7 +548,6 @@ def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compil
     Each adapter set is warmed once: two canvases of one set run once."""
     from engine.api import AdapterChoice, GenerationRequest
     from engine.engine import DenoiserEngine
-    from engine.forward import WARMUP_FORWARDS
     from model.tiny_adapter import save_adapter, tiny_lora_factors
 
     torch._dynamo.reset()
@@ -560,7 +558,7 @@ def test_a_warmup_canvas_naming_an_adapter_leaves_its_requests_nothing_to_compil
                                          compile={"mode": "blocks", "backend": "eager",
                                                   "warmup": [canvas, dict(canvas, adapters=warm_adapters)]}))
     adapter_sets = 2 if warm_adapters else 1
-    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == adapter_sets * WARMUP_FORWARDS
+    assert engine.describe()["forward"]["compile"]["warmup_forwards"] == adapter_sets
     before = 0
     for adapters in ((AdapterChoice(name="turbo"),), ()):
         result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False,
