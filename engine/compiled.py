@@ -11,10 +11,11 @@ around them: `parallel.sequence`; SP2 compiled == SP1 compiled bit for bit under
 3 counted graph breaks per rank on the tiny model: tests/test_parallel_compile.py).
 
 The sizes are dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a prompt length never
-seen before does not recompile, and every timestep count: the sizes are traced size-oblivious (no guard that a size
-is 1) and not duck-shaped (two sizes equal at trace time get no guard that they stay equal), so a schedule's first
-forward (`temb` of one row: both sigmas are 1) and every later one (two or more rows) share the graph. By default
-dynamo would specialize a size of 1 and compile a second graph: a warm start loaded and traced both, ~2x the time.
+seen before does not recompile, and every timestep count: the row count of `temb` (and of ExternalModulation's
+rows) is unbacked, so a schedule's first forward (one row: both sigmas are 1) and every later one (two or more
+rows) share the graph. Backed, dynamo would specialize the size of 1 and compile a second graph: a warm start traced
+and loaded both. (Tracing every size size-oblivious instead fails on torch 2.11 at the rotary embedding's
+broadcast of a size-1 dimension.)
 `dynamic: false` gives one graph per token count (each prompt length recompiles) and, with nothing symbolic,
 `_BlockRows.index` specialized again (a graph per block: past dynamo's recompile limit of 8 the rest run eager,
 uncounted): for measuring the static graph, not for serving.
@@ -25,15 +26,24 @@ Compiled and eager differ by reassociation (bf16 fusion): the bound is stated wh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.fx.experimental._config  # noqa: F401  (the size-oblivious switch `_one_graph` sets)
 from torch import nn
+
+from engine import precompiled
+from engine.precompiled import PrecompiledGraphs, PrecompileStats
+
+logger = logging.getLogger(__name__)
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
@@ -47,6 +57,12 @@ class CompileOptions:
     dynamic: bool = True
     inductor_mode: InductorMode = "default"
     cache_dir: str | None = None
+    #: Where the warm-up's graphs are saved whole and later starts load them (`engine.precompiled`); None: off.
+    #: Inductor only (the other backends make nothing to save).
+    precompile_dir: str | None = None
+    #: What the graphs depend on beyond their guards, from the engine (attention backend, quantization): part of
+    #: the saved graphs' key.
+    precompile_context: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,7 @@ class CompileStats:
     graph_breaks: int
     warmup_s: float | None  # None: no warm-up ran
     warmup_forwards: int | None  # transformer forwards the warm-up ran (None: no warm-up ran)
+    precompiled: PrecompileStats | None = None  # None: compile.precompile off
 
 
 def _frames_compiled() -> int:
@@ -72,23 +89,30 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def _one_graph(compiled: Callable[..., object]) -> Callable[..., object]:
-    """`compiled`, traced so that one graph serves every block and every forward of a schedule:
+@contextmanager
+def _tracing() -> Iterator[None]:
+    """The dynamo settings every trace of the blocks runs under: nn.Module integer attributes are inputs rather
+    than constants. ExternalModulation's `_BlockRows.index` is the one attribute that differs between blocks:
+    specialized, it compiles a graph per block, and past dynamo's recompile limit (8) the remaining blocks run eager
+    without a word."""
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        yield
 
-    - nn.Module integer attributes are inputs rather than constants. ExternalModulation's `_BlockRows.index` is the
-      one attribute that differs between blocks: specialized, it compiles a graph per block, and past dynamo's
-      recompile limit (8) the remaining blocks run eager without a word;
-    - sizes are size-oblivious and not duck-shaped (torch.fx.experimental's config, read while dynamo traces), so
-      neither the one-row `temb` of a schedule's first forward nor its size's equality with the batch of one
-      specializes a second graph."""
 
-    @functools.wraps(compiled)
-    def run(*args, **kwargs):
-        with (torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True),
-              torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)):
-            return compiled(*args, **kwargs)
+def _timestep_rows_unbacked(forward: Callable[..., object]) -> Callable[[tuple, dict], None]:
+    """A function marking the row count of a call's `temb` (the forward's distinct timesteps) unbacked. Dynamo
+    specializes a backed size of 1, so a schedule's first forward (one row: both sigmas are 1) would compile a second
+    graph beside every later one's (two or more rows), and a warm start would trace and load both. ExternalModulation
+    marks its rows the same way (`model.adaln`)."""
+    names = list(inspect.signature(forward).parameters)  # (self, hidden_states, temb, ...): a call's args too
+    position = names.index("temb") if "temb" in names else None
 
-    return run
+    def mark(args: tuple, kwargs: dict) -> None:
+        temb = kwargs.get("temb", args[position] if position is not None and len(args) > position else None)
+        if isinstance(temb, torch.Tensor):
+            torch._dynamo.decorators.mark_unbacked(temb, 0)
+
+    return mark
 
 
 class CompiledBlocks:
@@ -110,6 +134,7 @@ class CompiledBlocks:
         self._frames_at_warmup: int | None = None
         self.warmup_s: float | None = None
         self.warmup_forwards: int | None = None
+        self.precompiled: PrecompiledGraphs | None = None
 
     def apply(self) -> CompiledBlocks:
         if self._applied:
@@ -120,17 +145,61 @@ class CompiledBlocks:
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
-        compiled = _one_graph(torch.compile(self._forward, **options))
+        compiled = torch.compile(self._forward, **options)
+        mark = _timestep_rows_unbacked(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
+
+        def traced(*args, **kwargs):
+            mark(args, kwargs)
+            with _tracing():
+                return compiled(*args, **kwargs)
+
+        self.precompiled = self._load_precompiled()
+        run = traced if self.precompiled is None else self._precompiled_first(traced, mark, self.precompiled)
         for block in self.blocks:
-            block.forward = functools.partial(compiled, block)
+            block.forward = functools.partial(run, block)
         self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()
         self._applied = True
         return self
+
+    def _load_precompiled(self) -> PrecompiledGraphs | None:
+        """The saved graphs of this configuration, when `precompile_dir` is set, the backend is inductor and this
+        torch can load them."""
+        if self.options.precompile_dir is None or self.options.backend != "inductor":
+            return None
+        if not precompiled.available():
+            logger.warning("compile.precompile: torch %s has no AOT precompile; blocks compile as usual",
+                           torch.__version__)
+            return None
+        device = next(self.blocks[0].parameters()).device
+        key = PrecompiledGraphs.key_of(dataclasses.replace(self.options, precompile_dir=None), 
+                                       self.options.precompile_context, device)
+        return PrecompiledGraphs(Path(self.options.precompile_dir), key).load()
+
+    def _precompiled_first(self, compiled: Callable[..., object], mark: Callable[[tuple, dict], None],
+                           graphs: PrecompiledGraphs) -> Callable[..., object]:
+        """A block call runs the first saved graph whose guards accept it; during the warm-up a call none accepts
+        is captured and saved; otherwise the ordinary compiled function runs it."""
+        mode = self.options.inductor_mode if self.options.inductor_mode != "default" else None
+
+        def run(block: nn.Module, *args, **kwargs):
+            call = (block, *args)
+            graph = graphs.find(call, kwargs)
+            if graph is None and self.warming_up:
+                mark(call, kwargs)
+                graph = graphs.capture(self._forward, call, kwargs, self.options.backend, mode, _tracing)
+            return graph(*call, **kwargs) if graph is not None else compiled(block, *args, **kwargs)
+
+        return run
 
     def remove(self) -> None:
         for block in self.blocks:
             del block.forward  # the instance attribute; the class's forward shows again
         self._applied = False
+
+    @property
+    def warming_up(self) -> bool:
+        """From `apply()` until `warmup_ended()`."""
+        return self._applied and self._frames_at_warmup is None
 
     def warmup_ended(self, seconds: float, forwards: int) -> None:
         """The engine's warm-up ran (`forwards` transformer forwards in `seconds`): later compiles are counted as
@@ -144,4 +213,5 @@ class CompiledBlocks:
         after = frames - (self._frames_at_warmup if self._frames_at_warmup is not None else self._frames_at_apply)
         return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
                             graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s,
-                            warmup_forwards=self.warmup_forwards)
+                            warmup_forwards=self.warmup_forwards,
+                            precompiled=self.precompiled.stats() if self.precompiled is not None else None)

@@ -186,8 +186,10 @@ class _BlockRows(_Rows):
         self.hidden_size = hidden_size
 
     def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
-        # narrow, not `[index]`: a symbolic index (one graph for every block) into a symbolic row count.
-        rows = self.source.current(temb.shape[0]).blocks.narrow(0, self.index, 1)[0]  # [M, 3 * 6 * hidden]
+        # Compiled, the row count is symbolic and unbacked (one graph for every timestep count), so it is not
+        # compared here: norm_out's `_FinalRows` runs eager after the blocks and checks it.
+        source = self.source.current_rows() if torch.compiler.is_compiling() else self.source.current(temb.shape[0])
+        rows = source.blocks[self.index]  # [M, 3 * 6 * hidden]
         # [M*3, 6 * hidden] -> 6 x [M*3, hidden], as MiniMaxH3AdaLayerNormModulation returns them.
         return rows.reshape(-1, NUM_BLOCK_CHUNKS * self.hidden_size).chunk(NUM_BLOCK_CHUNKS, dim=-1)
 
@@ -259,6 +261,9 @@ class ExternalModulation:
                 f"modulation is {modulation.blocks.dtype}/{modulation.final.dtype}; the transformer's AdaLN "
                 f"dtype is {self.dtype}"
             )
+        # Their row count is the forward's timestep count (1 for a schedule's first forward, 2 after): unbacked for
+        # dynamo, so one compiled block graph serves both (`engine.compiled`); no effect in eager.
+        torch._dynamo.decorators.mark_unbacked(modulation.blocks, 1)
         self._modulation = modulation
 
     def clear(self) -> None:
@@ -267,16 +272,19 @@ class ExternalModulation:
 
     def current(self, num_timesteps: int) -> Modulation:
         """The rows set for this forward; RuntimeError if none or if they are for another timestep count."""
-        if self._modulation is None:
-            raise RuntimeError(
-                "the transformer runs on external AdaLN modulation: call ExternalModulation.set(modulation) "
-                "before each forward"
-            )
-        if self._modulation.num_rows != num_timesteps:
+        modulation = self.current_rows()
+        if modulation.num_rows != num_timesteps:
             raise RuntimeError(
                 f"the forward has {num_timesteps} distinct timesteps but the modulation set for it has "
-                f"{self._modulation.num_rows} rows"
+                f"{modulation.num_rows} rows"
             )
+        return modulation
+
+    def current_rows(self) -> Modulation:
+        """The rows set for this forward, their count unchecked (`_BlockRows` under compile); RuntimeError if none."""
+        if self._modulation is None:
+            raise RuntimeError("the transformer runs on external AdaLN modulation: call ExternalModulation.set("
+                               "modulation) before each forward")
         return self._modulation
 
     def consume(self) -> None:
