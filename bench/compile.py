@@ -4,6 +4,7 @@ disk against a start without compile.
 
     python -m bench.compile                       # one GPU: h3 width, 4 blocks, inductor (~5 min on an H200)
     python -m bench.compile --smoke               # CPU: the tiny checkpoint, dynamo's eager backend (seconds)
+    python -m bench.compile --smoke --backend inductor   # CPU, inductor's C++ kernels (~1 min)
 
 Three starts, each in a fresh process (one engine per process: dynamo's and inductor's in-memory caches start
 empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defaults otherwise):
@@ -12,10 +13,8 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
 - `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases, `compile.cache_dir` an
   empty folder: every kernel is generated (the warm-up runs what compiles: the canvas of fewest tokens, a
   schedule's first forward, `engine.forward.warm_up`);
-- `compile, warm cache`: the same config and folder again: the start loads the graph the cold start's warm-up
-  saved whole (`compile.precompile`, `engine.precompiled`), no trace;
-- `compile, warm cache, no precompile`: the same without the saved graph: dynamo traces, inductor loads its
-  kernels from what the cold start wrote.
+- `compile, warm cache`: the same config and folder again: dynamo traces, inductor loads its kernels from what
+  the cold start wrote.
 
 The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
 the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
@@ -73,7 +72,7 @@ H3_CANVASES = (Canvas(1344, 768, 5.0), Canvas(768, 1344, 5.0), Canvas(1024, 576,
 SMOKE_CANVASES = (Canvas(64, 64, 0.5), Canvas(128, 64, 0.5), Canvas(64, 128, 0.5), Canvas(96, 64, 0.5))
 H3_STEPS = (5, 9, 3)  # the first is the warm-up's and the first request's
 SMOKE_STEPS = (5, 4, 3)
-STARTS = ("no compile", "compile, cold cache", "compile, warm cache", "compile, warm cache, no precompile")
+STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
            "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
            "stream_requests", "stream_recompiles"]
@@ -81,9 +80,6 @@ COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile
 #: the whole frame, dynamo's own trace, AOTAutograd, inductor (a cache hit: the load), Triton's kernel compiles,
 #: and the FX graph / AOTAutograd cache hits and misses.
 PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses"]
-#: The saved whole-graph store (`engine.compile.precompile`): graphs loaded at start and saved by the warm-up, block
-#: calls they served (warm-up and requests) and why a file or capture was not used.
-PRECOMPILED = ["pre_loaded", "pre_saved", "pre_served", "pre_refused"]
 RELEASED_BLOCKS = 50
 #: The 50-block estimate's formula, as the report states it.
 ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
@@ -101,7 +97,7 @@ def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_
         checkpoint=str(checkpoint), device=args.device, text_encoder=text_encoder,
         geometry={"short_edge": None, "min_seconds": 0.1},
         compile={"mode": "blocks" if compiled else "off", "backend": args.backend, "cache_dir": str(cache_dir),
-                 "precompile": not start.endswith("no precompile"), "warmup": warmup})
+                 "warmup": warmup})
 
 
 def serve_one(args: argparse.Namespace) -> dict:
@@ -128,7 +124,7 @@ def serve_one(args: argparse.Namespace) -> dict:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
                frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"],
-               **compile_phases(), **precompiled_columns(compile_stats["precompiled"]))
+               **compile_phases())
     canvases, steps = _canvases(args)
     embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
     prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
@@ -149,14 +145,6 @@ def serve_one(args: argparse.Namespace) -> dict:
     row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)},
                stream_requests=len(stream), stream_recompiles=recompiles)
     return row
-
-
-def precompiled_columns(stats: dict | None) -> dict[str, int | str]:
-    """`PRECOMPILED` of the start's compile stats (empty without precompile: the inductor backend only)."""
-    if stats is None:
-        return {}
-    return {"pre_loaded": stats["loaded"], "pre_saved": stats["saved"], "pre_served": stats["served_calls"],
-            "pre_refused": "; ".join(stats["refused"])}
 
 
 def compile_phases() -> dict[str, float | int]:
@@ -223,6 +211,8 @@ def ensure_checkpoint(args: argparse.Namespace, root: Path) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny checkpoint, dynamo's eager backend")
+    p.add_argument("--backend", choices=("eager", "inductor"), default=None,
+                   help="compile backend (default: eager on a CPU, inductor on a GPU)")
     p.add_argument("--num-blocks", type=int, default=4, help="h3: transformer blocks of the made checkpoint")
     p.add_argument("--text-layers", type=int, default=2, help="h3: Qwen3-VL layers of the made checkpoint")
     p.add_argument("--repeats", type=int, default=3, help="later requests timed after the first")
@@ -239,7 +229,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     args.model = "tiny" if args.device == "cpu" else "h3"
-    args.backend = "eager" if args.device == "cpu" else "inductor"
+    if args.backend is None:
+        args.backend = "eager" if args.device == "cpu" else "inductor"
     if args.smoke:
         args.repeats = min(args.repeats, 2)
     return args
@@ -264,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         for start in STARTS:
             child = [sys.executable, "-m", "bench.compile", "--start", start, "--checkpoint", str(checkpoint),
                      "--cache-dir", str(cache_dir), "--device", args.device, "--repeats", str(args.repeats),
-                     "--num-blocks", str(args.num_blocks), "--text-layers", str(args.text_layers)]
+                     "--num-blocks", str(args.num_blocks), "--text-layers", str(args.text_layers),
+                     "--backend", args.backend]
             logger.info("start: %s", start)
             out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
@@ -276,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         row["start_s_50"] = round(estimate_at_50_blocks(row), 4)
         row["x no-compile start, 50 blocks"] = round(estimate_at_50_blocks(row) / baseline_50, 3)
     canvases, steps = _canvases(args)
-    print(markdown_table(rows, COLUMNS + PHASES + PRECOMPILED))
+    print(markdown_table(rows, COLUMNS + PHASES))
     notes = [
         f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
         f"; engine.Engine denoiser only, served defaults but engine.compile; backend {args.backend}",
@@ -296,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
     ]
     tag = device_tag(args.device)
-    md, _ = write_results("compile", rows, f"smoke-{tag}" if args.smoke else tag, command, columns=COLUMNS + PHASES + PRECOMPILED,
+    name = (f"smoke-{args.backend}-{tag}" if args.backend != "eager" else f"smoke-{tag}") if args.smoke else tag
+    md, _ = write_results("compile", rows, name, command, columns=COLUMNS + PHASES,
                           notes=notes, out_dir=args.out)
     print(md.read_text())
     return 0

@@ -26,24 +26,16 @@ Compiled and eager differ by reassociation (bf16 fusion): the bound is stated wh
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
-
-from engine import precompiled
-from engine.precompiled import PrecompiledGraphs, PrecompileStats
-
-logger = logging.getLogger(__name__)
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
@@ -57,12 +49,6 @@ class CompileOptions:
     dynamic: bool = True
     inductor_mode: InductorMode = "default"
     cache_dir: str | None = None
-    #: Where the warm-up's graphs are saved whole and later starts load them (`engine.precompiled`); None: off.
-    #: Inductor only (the other backends make nothing to save).
-    precompile_dir: str | None = None
-    #: What the graphs depend on beyond their guards, from the engine (attention backend, quantization): part of
-    #: the saved graphs' key.
-    precompile_context: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +60,6 @@ class CompileStats:
     graph_breaks: int
     warmup_s: float | None  # None: no warm-up ran
     warmup_forwards: int | None  # transformer forwards the warm-up ran (None: no warm-up ran)
-    precompiled: PrecompileStats | None = None  # None: compile.precompile off
 
 
 def _frames_compiled() -> int:
@@ -134,7 +119,6 @@ class CompiledBlocks:
         self._frames_at_warmup: int | None = None
         self.warmup_s: float | None = None
         self.warmup_forwards: int | None = None
-        self.precompiled: PrecompiledGraphs | None = None
 
     def apply(self) -> CompiledBlocks:
         if self._applied:
@@ -153,53 +137,16 @@ class CompiledBlocks:
             with _tracing():
                 return compiled(*args, **kwargs)
 
-        self.precompiled = self._load_precompiled()
-        run = traced if self.precompiled is None else self._precompiled_first(traced, mark, self.precompiled)
         for block in self.blocks:
-            block.forward = functools.partial(run, block)
+            block.forward = functools.partial(traced, block)
         self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()
         self._applied = True
         return self
-
-    def _load_precompiled(self) -> PrecompiledGraphs | None:
-        """The saved graphs of this configuration, when `precompile_dir` is set, the backend is inductor and this
-        torch can load them."""
-        if self.options.precompile_dir is None or self.options.backend != "inductor":
-            return None
-        if not precompiled.available():
-            logger.warning("compile.precompile: torch %s has no AOT precompile; blocks compile as usual",
-                           torch.__version__)
-            return None
-        device = next(self.blocks[0].parameters()).device
-        key = PrecompiledGraphs.key_of(dataclasses.replace(self.options, precompile_dir=None), 
-                                       self.options.precompile_context, device)
-        return PrecompiledGraphs(Path(self.options.precompile_dir), key).load()
-
-    def _precompiled_first(self, compiled: Callable[..., object], mark: Callable[[tuple, dict], None],
-                           graphs: PrecompiledGraphs) -> Callable[..., object]:
-        """A block call runs the first saved graph whose guards accept it; during the warm-up a call none accepts
-        is captured and saved; otherwise the ordinary compiled function runs it."""
-        mode = self.options.inductor_mode if self.options.inductor_mode != "default" else None
-
-        def run(block: nn.Module, *args, **kwargs):
-            call = (block, *args)
-            graph = graphs.find(call, kwargs)
-            if graph is None and self.warming_up:
-                mark(call, kwargs)
-                graph = graphs.capture(self._forward, call, kwargs, self.options.backend, mode, _tracing)
-            return graph(*call, **kwargs) if graph is not None else compiled(block, *args, **kwargs)
-
-        return run
 
     def remove(self) -> None:
         for block in self.blocks:
             del block.forward  # the instance attribute; the class's forward shows again
         self._applied = False
-
-    @property
-    def warming_up(self) -> bool:
-        """From `apply()` until `warmup_ended()`."""
-        return self._applied and self._frames_at_warmup is None
 
     def warmup_ended(self, seconds: float, forwards: int) -> None:
         """The engine's warm-up ran (`forwards` transformer forwards in `seconds`): later compiles are counted as
@@ -213,5 +160,4 @@ class CompiledBlocks:
         after = frames - (self._frames_at_warmup if self._frames_at_warmup is not None else self._frames_at_apply)
         return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
                             graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s,
-                            warmup_forwards=self.warmup_forwards,
-                            precompiled=self.precompiled.stats() if self.precompiled is not None else None)
+                            warmup_forwards=self.warmup_forwards)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from typing import Literal
 
@@ -16,7 +15,6 @@ from cache.cache_dit import CacheDitConfig
 from cache.config import AdalnConfig
 from engine.limits import ADAPTER_NAME_PATTERN, ServedAdapter
 from engine.compiled import CompileBackend, CompileOptions, InductorMode
-from engine.precompiled import PRECOMPILED_DIR
 from engine.limits import Quantization
 from model.geometry import H3_LATENTS, snap_num_frames
 from model.layout import Partition
@@ -260,12 +258,6 @@ class CompileConfig(BaseModel):
     cache_dir: str | None = Field(
         None, description="Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) on local disk, so a restarted or "
         "scaled-out replica loads its kernels instead of compiling them; null: inductor's default (/tmp/...).")
-    precompile: bool = Field(
-        True, description="Save the graphs the warm-up compiles whole (torch's AOT precompile) under the compile "
-        "cache (cache_dir, or inductor's default) and load them at the next start instead of tracing: a restarted "
-        "or scaled-out replica with a warm cache starts without dynamo's trace. A saved graph serves only calls its "
-        "guards accept, for the same torch, diffusers, device, options, attention backend and quantization, and "
-        "only while the sources it traced are unchanged; anything else compiles as usual. Inductor only.")
     warmup: tuple[WarmupCanvas, ...] = Field(
         (), description="Canvases whose graphs the engine compiles at start (a stand-in prompt embedding, seed 0), "
         "so the first request of these shapes pays no compile. Each graph is made once: with dynamic: true the "
@@ -276,12 +268,7 @@ class CompileConfig(BaseModel):
 
     @property
     def options(self) -> CompileOptions:
-        precompile_dir = None
-        if self.precompile and self.backend == "inductor":
-            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-            precompile_dir = os.path.join(os.path.abspath(self.cache_dir or default_cache_dir()), PRECOMPILED_DIR)
-        return CompileOptions(self.backend, self.dynamic, self.inductor_mode, self.cache_dir, precompile_dir)
+        return CompileOptions(self.backend, self.dynamic, self.inductor_mode, self.cache_dir)
 
 
 class EngineConfig(BaseModel):

@@ -81,11 +81,8 @@ def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile
             quantization: str, device: torch.device, precision: LinearPrecision | None = None) -> ForwardKernels:
     """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured."""
     choice = choose_attention(transformer, attention, device)
-    # The saved graphs' key: what the guards do not see (the backend is a processor attribute, FP8 a weight type).
-    options = dataclasses.replace(compile_config.options,
-                                  precompile_context=f"attention={choice.backend} quantization={quantization}")
-    compiled = CompiledBlocks(transformer.transformer_blocks, options).apply() if compile_config.mode == "blocks" \
-        else None
+    compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options).apply() \
+        if compile_config.mode == "blocks" else None
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
 
 

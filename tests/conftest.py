@@ -38,7 +38,6 @@ LONGEST_MODULES = (
     "test_playground_browser",  # 33
     "test_pool_serve",  # 32
     "test_engine",  # 30
-    "test_precompiled",  # 28 (alone)
     "test_bench_compile",  # 23
     "test_bench_h3_modes",  # 21
     "test_router_adapters",  # 20
