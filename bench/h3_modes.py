@@ -61,8 +61,6 @@ MODES = ("eager", "compiled", "fp8", "fp8+compiled")
 #: The H3 Turbo 768p 8-step files' defaults (issue 24): 9 sigma points, shifts 6 / 3.
 TURBO_STEPS, TURBO_FLOW_SHIFT, TURBO_AUDIO_FLOW_SHIFT = 9, 6.0, 3.0
 LOSSLESS_GOAL_S, TODAY_50_STEPS_S, TURBO_GOAL_S = 260.0, 335.0, 60.0
-#: Warm-up grid points of the compiled modes: forward 0 (one timestep) and forward 1 (several) are the two graphs.
-WARMUP_STEPS = 3
 
 
 @dataclass
@@ -247,8 +245,8 @@ class Bench:
             "(peft layers) at scale 1; the first request after the start is reported apart (its plan miss; compiled "
             "modes warm the canvas with the adapter on too, so its compiles_in_first should be 0)",
             f"compiled modes: engine.compile.mode blocks, backend {args.compile_backend}, dynamic, warm-up on the "
-            f"request canvas at {WARMUP_STEPS} points, plain and with the adapter (engine.compile.warmup): reported as "
-            "compile_warmup_s",
+            "request canvas, plain and with the adapter (engine.compile.warmup: the forwards that compile): reported "
+            "as compile_warmup_s",
             "x_bf16_floor: the forward over matmul FLOPs / the measured bf16 GEMM rate (fp8 modes also against their "
             "own floor, projections at twice the rate); at_50_blocks: x 50 / blocks (the non-block part scaled "
             "too: a slight overestimate)",
@@ -297,8 +295,7 @@ class Bench:
         plan_page_bytes = (self.args.num_blocks * self.config.adaln_width + self.config.final_adaln_width) * 2
         compiled = "compiled" in mode
         shape = self.request_shape
-        canvas = {"width": shape.width, "height": shape.height, "seconds": (shape.frames - 1) / 24,
-                  "steps": WARMUP_STEPS}
+        canvas = {"width": shape.width, "height": shape.height, "seconds": (shape.frames - 1) / 24}
         # The canvas once plain and once with the adapter on (another graph of the compiled block).
         warmup = [canvas, {**canvas, "adapters": ["turbo"]}] if compiled else []
         return EngineConfig(

@@ -262,8 +262,8 @@ class CompileConfig(BaseModel):
         (), description="Canvases whose graphs the engine compiles at start (a stand-in prompt embedding, seed 0), "
         "so the first request of these shapes pays no compile. Each graph is made once: with dynamic: true the "
         "canvases of one adapter set share a graph and only the one of fewest tokens runs, with dynamic: false each "
-        "distinct token count does; each run is one forward (dynamic: false: two) per served weight tier. Checked but not run with "
-        "mode: off.")
+        "distinct token count does; each run is one forward (dynamic: false: two) per served weight tier. Checked "
+        "but not run with mode: off.")
 
 
     @property

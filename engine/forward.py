@@ -33,10 +33,9 @@ WARMUP_TEXT_TOKENS = 64
 
 def warmup_forwards(dynamic: bool) -> int:
     """Forwards of one warm-up run (its steps: forwards + 1). With dynamic sizes a schedule's first forward (one
-    timestep row: both sigmas are 1) and every later one (two or more rows) share one graph
-    (`engine.compiled._one_graph`); static, they are two."""
+    timestep row: both sigmas are 1) and every later one (two or more rows) share one graph (the row count is
+    unbacked: `engine.compiled`); static, they are two."""
     return 1 if dynamic else 2
-
 
 
 @dataclass
