@@ -196,6 +196,21 @@ def test_rows_for_another_timestep_count_are_refused(tiny):
     tiny.external.clear()
 
 
+def test_compiled_blocks_leave_the_timestep_count_check_to_norm_out(tiny):
+    """Compiled, a block's row count is unbacked (one graph for every count) and not compared; norm_out's rows
+    run eager after the blocks and refuse rows for another count all the same."""
+    from engine.compiled import CompiledBlocks, CompileOptions
+
+    online = load_transformer(tiny.reader, "cpu", skip=is_adaln_param)  # its own: compiling wraps its blocks
+    external = ExternalModulation.install(online)
+    CompiledBlocks(online.transformer_blocks, CompileOptions(backend="eager")).apply()
+    external.set(resident_rows(tiny.resident, TIMESTEPS[3]))
+    with pytest.raises(RuntimeError, match="2 distinct timesteps but the modulation set for it has 3 rows"):
+        forward(online, packed_inputs(TIMESTEPS[2]))
+    external.set(resident_rows(tiny.resident, TIMESTEPS[2]))
+    forward(online, packed_inputs(TIMESTEPS[2]))
+
+
 def test_set_checks_shape_and_dtype(tiny):
     good = resident_rows(tiny.resident, TIMESTEPS[2])
     with pytest.raises(ModulationError, match=r"expected \[4, 2, 1152\] / \[2, 128\]"):
