@@ -48,11 +48,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch._dynamo.utils import CompilationMetrics
+
     from engine.engine import Engine
 
 logger = logging.getLogger("bench.compile")
@@ -152,19 +155,20 @@ def compile_phases() -> dict[str, float | int]:
     are the warm-up's)."""
     from torch._dynamo.utils import get_compilation_metrics
 
-    def total(name: str, scale: float = 1.0) -> float:
-        # A field torch does not record in this version (or left None for a frame) counts 0.
-        return sum((getattr(metric, name, None) or 0) * scale for metric in get_compilation_metrics())
+    metrics = get_compilation_metrics()
 
-    return {"frame_s": round(total("entire_frame_compile_time_s"), 2),
-            "dynamo_s": round(total("dynamo_cumulative_compile_time_us", 1e-6), 2),
-            "aot_s": round(total("aot_autograd_cumulative_compile_time_us", 1e-6), 2),
-            "inductor_s": round(total("inductor_cumulative_compile_time_us", 1e-6), 2),
-            "triton_s": round(total("triton_compile_time_us", 1e-6), 2),
-            "fx_hits": int(total("inductor_fx_local_cache_hit_count")),
-            "fx_misses": int(total("inductor_fx_local_cache_miss_count")),
-            "aot_hits": int(total("aotautograd_local_cache_hit_count")),
-            "aot_misses": int(total("aotautograd_local_cache_miss_count"))}
+    def total(field: Callable[[CompilationMetrics], float | int | None], scale: float = 1.0) -> float:
+        return sum((field(metric) or 0) * scale for metric in metrics)  # None: the phase did not run for that frame
+
+    return {"frame_s": round(total(lambda m: m.entire_frame_compile_time_s), 2),
+            "dynamo_s": round(total(lambda m: m.dynamo_cumulative_compile_time_us, 1e-6), 2),
+            "aot_s": round(total(lambda m: m.aot_autograd_cumulative_compile_time_us, 1e-6), 2),
+            "inductor_s": round(total(lambda m: m.inductor_cumulative_compile_time_us, 1e-6), 2),
+            "triton_s": round(total(lambda m: m.triton_compile_time_us, 1e-6), 2),
+            "fx_hits": int(total(lambda m: m.inductor_fx_local_cache_hit_count)),
+            "fx_misses": int(total(lambda m: m.inductor_fx_local_cache_miss_count)),
+            "aot_hits": int(total(lambda m: m.aotautograd_local_cache_hit_count)),
+            "aot_misses": int(total(lambda m: m.aotautograd_local_cache_miss_count))}
 
 
 def warmup_forwards_again(engine: Engine, canvases: tuple[Canvas, ...], forwards: int) -> float:
@@ -210,7 +214,8 @@ def ensure_checkpoint(args: argparse.Namespace, root: Path) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, the tiny checkpoint, dynamo's eager backend")
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny checkpoint (dynamo's eager backend unless "
+                   "--backend)")
     p.add_argument("--backend", choices=("eager", "inductor"), default=None,
                    help="compile backend (default: eager on a CPU, inductor on a GPU)")
     p.add_argument("--num-blocks", type=int, default=4, help="h3: transformer blocks of the made checkpoint")
@@ -288,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
     ]
     tag = device_tag(args.device)
-    name = (f"smoke-{args.backend}-{tag}" if args.backend != "eager" else f"smoke-{tag}") if args.smoke else tag
+    # The backend in the name where it is not the device's default, so such a run never overwrites the default's.
+    default_backend = "eager" if args.device == "cpu" else "inductor"
+    name = "-".join(["smoke"] * args.smoke + [args.backend] * (args.backend != default_backend) + [tag])
     md, _ = write_results("compile", rows, name, command, columns=COLUMNS + PHASES,
                           notes=notes, out_dir=args.out)
     print(md.read_text())

@@ -37,6 +37,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from model.adaln import ExternalModulation, Modulation
+
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
 
@@ -87,24 +89,32 @@ def _tracing() -> Iterator[None]:
 def _timestep_rows_unbacked(forward: Callable[..., object]) -> Callable[[tuple, dict], None]:
     """A function marking the row count of a call's `temb` (the forward's distinct timesteps) unbacked. Dynamo
     specializes a backed size of 1, so a schedule's first forward (one row: both sigmas are 1) would compile a second
-    graph beside every later one's (two or more rows), and a warm start would trace and load both. ExternalModulation
-    marks its rows the same way (`model.adaln`)."""
+    graph beside every later one's (two or more rows), and a warm start would trace and load both. ValueError for a
+    block forward without a `temb` parameter (it would silently compile that second graph at the first request)."""
     names = list(inspect.signature(forward).parameters)  # (self, hidden_states, temb, ...): a call's args too
-    position = names.index("temb") if "temb" in names else None
+    if "temb" not in names:
+        raise ValueError(f"the blocks' forward takes no `temb` (parameters: {names}): its timestep rows cannot be "
+                         "marked dynamic")
+    position = names.index("temb")
 
     def mark(args: tuple, kwargs: dict) -> None:
-        temb = kwargs.get("temb", args[position] if position is not None and len(args) > position else None)
-        if isinstance(temb, torch.Tensor):
-            torch._dynamo.decorators.mark_unbacked(temb, 0)
+        torch._dynamo.decorators.mark_unbacked(kwargs["temb"] if "temb" in kwargs else args[position], 0)
 
     return mark
+
+
+def _rows_unbacked(modulation: Modulation) -> None:
+    """ExternalModulation's `on_set` under dynamic compiled blocks: the rows' count is the forward's timestep count,
+    unbacked as `temb`'s is (the blocks read the rows instead of projecting temb)."""
+    torch._dynamo.decorators.mark_unbacked(modulation.blocks, 1)
 
 
 class CompiledBlocks:
     """The blocks of a `nn.ModuleList` run through one compiled forward. Invariant: while applied, every
     block's `forward` is the shared compiled function bound to that block; `remove()` restores the class's."""
 
-    def __init__(self, blocks: nn.ModuleList, options: CompileOptions = CompileOptions()):
+    def __init__(self, blocks: nn.ModuleList, options: CompileOptions = CompileOptions(),
+                 modulation: ExternalModulation | None = None):
         if len(blocks) == 0:
             raise ValueError("no blocks to compile")
         kinds = {type(block) for block in blocks}
@@ -112,6 +122,7 @@ class CompiledBlocks:
             raise ValueError(f"the repeated blocks are of several classes: {sorted(k.__name__ for k in kinds)}")
         self.blocks = blocks
         self.options = options
+        self.modulation = modulation  # online AdaLN: the rows the blocks read, marked as `temb` is
         self._forward = kinds.pop().forward
         self._applied = False
         self._frames_at_apply = 0
@@ -139,6 +150,8 @@ class CompiledBlocks:
 
         for block in self.blocks:
             block.forward = functools.partial(traced, block)
+        if self.modulation is not None and self.options.dynamic:
+            self.modulation.on_set = _rows_unbacked
         self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()
         self._applied = True
         return self
@@ -146,6 +159,8 @@ class CompiledBlocks:
     def remove(self) -> None:
         for block in self.blocks:
             del block.forward  # the instance attribute; the class's forward shows again
+        if self.modulation is not None:
+            self.modulation.on_set = None
         self._applied = False
 
     def warmup_ended(self, seconds: float, forwards: int) -> None:

@@ -240,7 +240,7 @@ class Engine:
         self.forward_kernels = forward.install(self.transformer, attention=config.attention,
                                                compile_config=config.compile, quantized_linears=quantized_linears,
                                                quantization=config.quantization, device=self.device,
-                                               precision=precision)
+                                               precision=precision, modulation=self.modulation)
         hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
@@ -279,7 +279,7 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
-        # The configured canvases' graphs, so no request pays the compile: a few forwards, not their schedules.
+        # The configured canvases' graphs, so no request pays the compile: a forward or two, not their schedules.
         forward.warm_up(self.forward_kernels, config.served_warmup(), self._warm_up_tiers(),
                         tokens=self._warm_up_tokens, run=self._warm_up_run)
         self._num_requests = 0

@@ -24,6 +24,7 @@ from engine.compiled import CompiledBlocks, CompileStats
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 from engine.limits import Quality
+from model.adaln import ExternalModulation
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,12 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
 
 
 def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile_config: CompileConfig, quantized_linears: int,
-            quantization: str, device: torch.device, precision: LinearPrecision | None = None) -> ForwardKernels:
-    """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured."""
+            quantization: str, device: torch.device, precision: LinearPrecision | None = None,
+            modulation: ExternalModulation | None = None) -> ForwardKernels:
+    """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured
+    (`modulation`: online AdaLN's rows, which the compiled blocks read)."""
     choice = choose_attention(transformer, attention, device)
-    compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options).apply() \
+    compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options, modulation).apply() \
         if compile_config.mode == "blocks" else None
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
 

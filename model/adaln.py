@@ -20,6 +20,7 @@ and processes that only move plan rows (the node pool's actors) should not pay d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -186,10 +187,9 @@ class _BlockRows(_Rows):
         self.hidden_size = hidden_size
 
     def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
-        # Compiled, the row count is symbolic and unbacked (one graph for every timestep count), so it is not
-        # compared here: norm_out's `_FinalRows` runs eager after the blocks and checks it.
-        source = self.source.current_rows() if torch.compiler.is_compiling() else self.source.current(temb.shape[0])
-        rows = source.blocks[self.index]  # [M, 3 * 6 * hidden]
+        # The row count was checked against temb's by the block's pre-hook (`ExternalModulation._check_rows`):
+        # outside the block's compiled graph, where the count is symbolic.
+        rows = self.source.current_rows().blocks[self.index]  # [M, 3 * 6 * hidden]
         # [M*3, 6 * hidden] -> 6 x [M*3, hidden], as MiniMaxH3AdaLayerNormModulation returns them.
         return rows.reshape(-1, NUM_BLOCK_CHUNKS * self.hidden_size).chunk(NUM_BLOCK_CHUNKS, dim=-1)
 
@@ -215,7 +215,8 @@ class ExternalModulation:
     skip=model.weights.is_adaln_param)` leaves them). Then, per forward: `set(modulation)` with the step's
     rows on the transformer's device. One `set` serves one forward: norm_out's module marks it used, so a
     forward without a fresh `set` raises RuntimeError instead of reusing the previous step's rows, and so
-    does a forward whose timestep count differs from the rows'.
+    does a forward whose timestep count differs from the rows' (each block's forward pre-hook checks it, before
+    the block runs: outside a compiled block's graph, as a clear error rather than an out-of-range gather).
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, dtype: torch.dtype):
@@ -223,6 +224,9 @@ class ExternalModulation:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self._modulation: Modulation | None = None
+        #: Called with each modulation `set` accepts (compiled blocks mark its row count dynamic:
+        #: `engine.compiled.CompiledBlocks`).
+        self.on_set: Callable[[Modulation], None] | None = None
 
     @classmethod
     def install(cls, transformer: MiniMaxH3Transformer3DModel) -> ExternalModulation:
@@ -235,6 +239,7 @@ class ExternalModulation:
             # The replacement lives where the block's other weights are (its norm is never an adaln param).
             device = _real_device(block.norm1.weight)
             block.adaln_proj = _BlockRows(external, index, hidden_size, dtype, device)
+            block.register_forward_pre_hook(external._check_rows, with_kwargs=True)
         transformer.norm_out.linear = _FinalRows(external, dtype, _real_device(transformer.norm_out.norm.weight))
         return external
 
@@ -261,9 +266,8 @@ class ExternalModulation:
                 f"modulation is {modulation.blocks.dtype}/{modulation.final.dtype}; the transformer's AdaLN "
                 f"dtype is {self.dtype}"
             )
-        # Their row count is the forward's timestep count (1 for a schedule's first forward, 2 after): unbacked for
-        # dynamo, so one compiled block graph serves both (`engine.compiled`); no effect in eager.
-        torch._dynamo.decorators.mark_unbacked(modulation.blocks, 1)
+        if self.on_set is not None:
+            self.on_set(modulation)
         self._modulation = modulation
 
     def clear(self) -> None:
@@ -281,11 +285,17 @@ class ExternalModulation:
         return modulation
 
     def current_rows(self) -> Modulation:
-        """The rows set for this forward, their count unchecked (`_BlockRows` under compile); RuntimeError if none."""
+        """The rows set for this forward, their count unchecked; RuntimeError if none."""
         if self._modulation is None:
             raise RuntimeError("the transformer runs on external AdaLN modulation: call ExternalModulation.set("
                                "modulation) before each forward")
         return self._modulation
+
+    def _check_rows(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A block's forward pre-hook: its `temb` (the forward's distinct timesteps) against the rows set (diffusers
+        calls a block with `(hidden_states, temb, ...)`, cache-dit too, positional or by keyword)."""
+        temb = kwargs["temb"] if "temb" in kwargs else args[1]
+        self.current(temb.shape[0])
 
     def consume(self) -> None:
         self._modulation = None

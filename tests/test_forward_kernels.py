@@ -271,15 +271,29 @@ def test_online_adaln_equals_resident_under_compile_bit_for_bit_with_one_graph_f
     torch._dynamo.reset()  # count this model's graphs, not reuse the resident one's
     online = load_transformer(weights, "cpu", skip=is_adaln_param)
     modulation = ExternalModulation.install(online)
-    compiled = CompiledBlocks(online.transformer_blocks, EAGER).apply()
+    compiled = CompiledBlocks(online.transformer_blocks, EAGER, modulation).apply()
 
     def set_rows(timesteps):
         modulation.set(resident_modulation(resident, adaln_input(resident, timesteps)))
 
     assert_same_velocities(denoise(online, t2va, before_step=set_rows), want)
     # Each block reads its own row block (`_BlockRows.index`): still one graph, not one per block (8 blocks'
-    # worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks).
+    # worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks), and one for the
+    # first forward's one row and the later ones' two (the rows' count is unbacked as temb's is).
     assert compiled.stats().frames_compiled == 1
+    compiled.remove()
+    assert modulation.on_set is None
+
+
+def test_blocks_without_a_temb_parameter_are_refused_when_dynamic():
+    class Block(nn.Module):
+        def forward(self, hidden_states, timestep_rows):
+            return hidden_states
+
+    blocks = nn.ModuleList([Block(), Block()])
+    with pytest.raises(ValueError, match="takes no `temb`"):
+        CompiledBlocks(blocks, EAGER).apply()
+    CompiledBlocks(blocks, CompileOptions(backend="eager", dynamic=False)).apply()  # static: nothing to mark
 
 
 def test_offload_equals_resident_under_compile_bit_for_bit(weights, t2va, eager_run):

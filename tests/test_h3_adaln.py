@@ -196,19 +196,21 @@ def test_rows_for_another_timestep_count_are_refused(tiny):
     tiny.external.clear()
 
 
-def test_compiled_blocks_leave_the_timestep_count_check_to_norm_out(tiny):
-    """Compiled, a block's row count is unbacked (one graph for every count) and not compared; norm_out's rows
-    run eager after the blocks and refuse rows for another count all the same."""
+@pytest.mark.parametrize("rows, timesteps", [(3, 2), (1, 2), (2, 3)])
+def test_compiled_blocks_refuse_rows_of_another_count_before_they_run(tiny, rows, timesteps):
+    """Compiled, a block's row count is symbolic (one graph for every count): each block's forward pre-hook checks
+    it outside the graph, so fewer rows than timesteps is the same clear error, not an out-of-range gather."""
     from engine.compiled import CompiledBlocks, CompileOptions
 
     online = load_transformer(tiny.reader, "cpu", skip=is_adaln_param)  # its own: compiling wraps its blocks
     external = ExternalModulation.install(online)
-    CompiledBlocks(online.transformer_blocks, CompileOptions(backend="eager")).apply()
-    external.set(resident_rows(tiny.resident, TIMESTEPS[3]))
-    with pytest.raises(RuntimeError, match="2 distinct timesteps but the modulation set for it has 3 rows"):
-        forward(online, packed_inputs(TIMESTEPS[2]))
-    external.set(resident_rows(tiny.resident, TIMESTEPS[2]))
-    forward(online, packed_inputs(TIMESTEPS[2]))
+    CompiledBlocks(online.transformer_blocks, CompileOptions(backend="eager"), external).apply()
+    external.set(resident_rows(tiny.resident, TIMESTEPS[rows]))
+    with pytest.raises(RuntimeError, match=f"{timesteps} distinct timesteps but the modulation set for it has "
+                                           f"{rows} rows"):
+        forward(online, packed_inputs(TIMESTEPS[timesteps]))
+    external.set(resident_rows(tiny.resident, TIMESTEPS[timesteps]))
+    forward(online, packed_inputs(TIMESTEPS[timesteps]))
 
 
 def test_set_checks_shape_and_dtype(tiny):
