@@ -29,8 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,16 +73,6 @@ def _graph_breaks() -> int:
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())
-
-
-@contextmanager
-def _tracing() -> Iterator[None]:
-    """The dynamo settings every trace of the blocks runs under: nn.Module integer attributes are inputs rather
-    than constants. ExternalModulation's `_BlockRows.index` is the one attribute that differs between blocks:
-    specialized, it compiles a graph per block, and past dynamo's recompile limit (8) the remaining blocks run eager
-    without a word."""
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
-        yield
 
 
 def _timestep_rows_unbacked(forward: Callable[..., object]) -> Callable[[tuple, dict], None]:
@@ -145,7 +134,10 @@ class CompiledBlocks:
 
         def traced(*args, **kwargs):
             mark(args, kwargs)
-            with _tracing():
+            # nn.Module ints traced as inputs, not constants: ExternalModulation's `_BlockRows.index` is the one
+            # attribute that differs between blocks, and specialized it would compile a graph per block (past
+            # dynamo's recompile limit of 8 the remaining blocks run eager without a word).
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
                 return compiled(*args, **kwargs)
 
         for block in self.blocks:
