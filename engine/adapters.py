@@ -109,6 +109,11 @@ class AdapterSet:
     def fused(self) -> str | None:
         return self._fused.name if self._fused is not None else None
 
+    def lora_active(self) -> bool:
+        """An unfused adapter is on: its peft layers scale their output by a float the compiled blocks take as an
+        input (`engine.compiled`)."""
+        return bool(self._active)
+
     def scales(self, choices: tuple[AdapterChoice, ...]) -> dict[str, float]:
         """Each chosen adapter's scale: the request's, else its configured one."""
         return {c.name: c.scale if c.scale is not None else self.configs[c.name].scale for c in choices}

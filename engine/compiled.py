@@ -16,6 +16,11 @@ rows) is unbacked, so a schedule's first forward (one row: both sigmas are 1) an
 rows) share the graph. Backed, dynamo would specialize the size of 1 and compile a second graph: a warm start traced
 and loaded both. (Tracing every size size-oblivious instead fails on torch 2.11 at the rotary embedding's
 broadcast of a size-1 dimension.)
+Floats the block reads (the norms' eps, dropout's p) are constants of the graph. Dynamo's default traces every float
+as an input, fails to keep the eps that reach ATen ops as one and restarts the whole trace with them constant: a
+third of a warm start's compile, for the same graph. Only a LoRA layer's scale (peft's `scaling`) varies between
+calls: while an unfused adapter is on (`lora_active`) the floats are traced as inputs, so a request's adapter scale
+compiles nothing (the adapter's layers on are another graph anyway).
 `dynamic: false` gives one graph per token count (each prompt length recompiles) and, with nothing symbolic,
 `_BlockRows.index` specialized again (a graph per block: past dynamo's recompile limit of 8 the rest run eager,
 uncounted): for measuring the static graph, not for serving.
@@ -103,7 +108,7 @@ class CompiledBlocks:
     block's `forward` is the shared compiled function bound to that block; `remove()` restores the class's."""
 
     def __init__(self, blocks: nn.ModuleList, options: CompileOptions = CompileOptions(),
-                 modulation: ExternalModulation | None = None):
+                 modulation: ExternalModulation | None = None, lora_active: Callable[[], bool] = lambda: False):
         if len(blocks) == 0:
             raise ValueError("no blocks to compile")
         kinds = {type(block) for block in blocks}
@@ -112,6 +117,7 @@ class CompiledBlocks:
         self.blocks = blocks
         self.options = options
         self.modulation = modulation  # online AdaLN: the rows the blocks read, marked as `temb` is
+        self.lora_active = lora_active  # an unfused adapter is on: its scale, a float, is a graph input
         self._forward = kinds.pop().forward
         self._applied = False
         self._frames_at_apply = 0
@@ -136,8 +142,10 @@ class CompiledBlocks:
             mark(args, kwargs)
             # nn.Module ints traced as inputs, not constants: ExternalModulation's `_BlockRows.index` is the one
             # attribute that differs between blocks, and specialized it would compile a graph per block (past
-            # dynamo's recompile limit of 8 the remaining blocks run eager without a word).
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            # dynamo's recompile limit of 8 the remaining blocks run eager without a word). Floats constant but
+            # a LoRA scale's (the module docstring says why).
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
+                                            specialize_float=not self.lora_active()):
                 return compiled(*args, **kwargs)
 
         for block in self.blocks:

@@ -240,7 +240,8 @@ class Engine:
         self.forward_kernels = forward.install(self.transformer, attention=config.attention,
                                                compile_config=config.compile, quantized_linears=quantized_linears,
                                                quantization=config.quantization, device=self.device,
-                                               precision=precision, modulation=self.modulation)
+                                               precision=precision, modulation=self.modulation,
+                                               lora_active=self.adapters.lora_active)
         hooks_s, t = time.perf_counter() - t, time.perf_counter()
         self.plan_cache: PlanCache | None = None
         #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).

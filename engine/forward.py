@@ -79,12 +79,14 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
 
 def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile_config: CompileConfig, quantized_linears: int,
             quantization: str, device: torch.device, precision: LinearPrecision | None = None,
-            modulation: ExternalModulation | None = None) -> ForwardKernels:
+            modulation: ExternalModulation | None = None,
+            lora_active: Callable[[], bool] = lambda: False) -> ForwardKernels:
     """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured
-    (`modulation`: online AdaLN's rows, which the compiled blocks read)."""
+    (`modulation`: online AdaLN's rows, which the compiled blocks read; `lora_active`: whether an unfused adapter
+    is on, `engine.adapters.AdapterSet.lora_active`)."""
     choice = choose_attention(transformer, attention, device)
-    compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options, modulation).apply() \
-        if compile_config.mode == "blocks" else None
+    compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options, modulation,
+                              lora_active).apply() if compile_config.mode == "blocks" else None
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
 
 
