@@ -82,7 +82,7 @@ COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile
 #: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
 #: the whole frame, dynamo's own trace, AOTAutograd, inductor (a cache hit: the load), Triton's kernel compiles,
 #: and the FX graph / AOTAutograd cache hits and misses.
-PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses"]
+PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses", "restarts"]
 RELEASED_BLOCKS = 50
 #: The 50-block estimate's formula, as the report states it.
 ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
@@ -168,7 +168,10 @@ def compile_phases() -> dict[str, float | int]:
             "fx_hits": int(total(lambda m: m.inductor_fx_local_cache_hit_count)),
             "fx_misses": int(total(lambda m: m.inductor_fx_local_cache_miss_count)),
             "aot_hits": int(total(lambda m: m.aotautograd_local_cache_hit_count)),
-            "aot_misses": int(total(lambda m: m.aotautograd_local_cache_miss_count))}
+            "aot_misses": int(total(lambda m: m.aotautograd_local_cache_miss_count)),
+            # A restart re-traces the frame from scratch (e.g. a float dynamo traced as an input that AOTAutograd
+            # could not keep one): the same graph paid twice.
+            "restarts": sum(len(m.restart_reasons or ()) for m in metrics)}
 
 
 def warmup_forwards_again(engine: Engine, canvases: tuple[Canvas, ...], forwards: int) -> float:
