@@ -1,7 +1,7 @@
 """The transformer forward's kernels, set up once per engine: FP8 block linears (`engine.quantization`), the
 attention backend (`engine.attention`), compiled blocks (`engine.compile`) and the start-up warm-up of the
-configured canvases (the runs that make their graphs, not their whole schedules). The engine calls `quantize` right
-after the load, `install` after every hook (ExternalModulation, sequence parallel, offloader, Cache-DiT) is in
+configured canvases (the runs that make their graphs, not their whole schedules). The engine calls
+`import_compiler` before it loads the checkpoint, `quantize` right after the load, `install` after every hook (ExternalModulation, sequence parallel, offloader, Cache-DiT) is in
 place, and `warm_up` once it can serve.
 
 What it set up is `describe()["forward"]` (`GET /v1/models`) and a line of the start-up log.
@@ -20,7 +20,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
 from engine.attention import AttentionChoice, choose_attention
-from engine.compiled import CompiledBlocks, CompileStats
+from engine.compiled import CompiledBlocks, CompileStats, compiler_modules, import_in_background
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 from engine.limits import Quality
@@ -75,6 +75,13 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
         precision = LinearPrecision(transformer.transformer_blocks, device)
         return len(precision.names), precision
     return len(quantize_blocks_fp8(transformer.transformer_blocks, device)), None
+
+
+def import_compiler(compile_config: CompileConfig, device: torch.device) -> None:
+    """With compiled blocks, import the compiler on a thread while the caller loads the checkpoint, so neither the
+    start nor the warm-up waits for it (`engine.compiled.import_in_background`)."""
+    if compile_config.mode == "blocks":
+        import_in_background(compiler_modules(compile_config.backend, device))
 
 
 def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile_config: CompileConfig, quantized_linears: int,

@@ -21,7 +21,8 @@ from diffusers.models.attention_dispatch import AttentionBackendName  # noqa: E4
 
 from engine.attention import (AUTO, DEFAULT_BACKEND, AttentionBackendError, AttentionChoice,  # noqa: E402
                               choose_attention)
-from engine.compiled import CompiledBlocks, CompileOptions  # noqa: E402
+from engine import engine as engine_module  # noqa: E402
+from engine.compiled import CompiledBlocks, CompileOptions, compiler_modules, import_in_background  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8, quantize_linears_fp8  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
@@ -309,6 +310,47 @@ def test_the_inductor_cache_dir_is_the_configured_local_one(model, tmp_path, mon
     import os
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("backend, device, wanted, not_wanted", [
+    ("inductor", "cpu", "torch._inductor.compile_fx", "triton"),
+    ("inductor", "cuda", "triton", None),
+    ("aot_eager", "cuda", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"),
+    ("eager", "cpu", "torch._dynamo.repro.after_dynamo", "torch._functorch.aot_autograd"),
+])
+def test_the_compiler_modules_are_what_the_backend_imports_on_that_device(backend, device, wanted, not_wanted):
+    modules = compiler_modules(backend, torch.device(device))
+    assert wanted in modules and not_wanted not in modules
+
+
+def test_the_compiler_imports_on_a_thread_and_a_module_that_fails_stops_it_quietly(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "bg_first.py").write_text("LOADED = True\n")
+    (tmp_path / "bg_broken.py").write_text("raise ImportError('no such kernel library')\n")
+    (tmp_path / "bg_after.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("bg_first", "bg_broken", "bg_after"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    thread = import_in_background(("bg_first", "bg_broken", "bg_after"))
+    thread.join(timeout=30)
+    assert not thread.is_alive() and thread.daemon
+    assert sys.modules["bg_first"].LOADED
+    assert "bg_broken" not in sys.modules and "bg_after" not in sys.modules
+
+
+def test_an_engine_with_compiled_blocks_imports_the_compiler_before_its_load(tiny_checkpoint, monkeypatch):
+    from engine import forward
+    from engine.engine import DenoiserEngine
+
+    events: list[str] = []
+    monkeypatch.setattr(forward, "import_in_background", lambda modules: events.append(f"import {modules[-1]}"))
+    monkeypatch.setattr(engine_module, "load_transformer",
+                        lambda *args, **kwargs: events.append("load") or load_transformer(*args, **kwargs))
+    DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", compile={"backend": "eager"}))
+    DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", compile={"mode": "blocks",
+                                                                                       "backend": "eager"}))
+    assert events == ["load", "import torch._dynamo.repro.after_dynamo", "load"]
 
 
 # --- engine.quantization: fp8 ------------------------------------------------------------------------------
