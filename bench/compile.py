@@ -5,6 +5,7 @@ disk against a start without compile.
     python -m bench.compile                       # one GPU: h3 width, 4 blocks, inductor (~5 min on an H200)
     python -m bench.compile --smoke               # CPU: the tiny checkpoint, dynamo's eager backend (seconds)
     python -m bench.compile --smoke --backend inductor   # CPU, inductor's C++ kernels (~1 min)
+    python -m bench.compile --stages --text-layers 12    # one GPU: the whole engine's start, 12 Qwen3-VL layers
 
 Three starts, each in a fresh process (one engine per process: dynamo's and inductor's in-memory caches start
 empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defaults otherwise):
@@ -15,6 +16,10 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
   schedule's first forward, `engine.forward.warm_up`);
 - `compile, warm cache`: the same config and folder again: dynamo traces, inductor loads its kernels from what
   the cold start wrote.
+
+With `--stages` each start is the whole `engine.Engine` (its text encoder, `--text-layers` decoder layers, and its
+VAEs load too): a compiled start runs its warm-up beside the text encoder's load (`engine.forward.warm_up`), so
+it pays the longer of the two, where the denoiser alone pays the warm-up whole.
 
 The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
 the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
@@ -78,15 +83,20 @@ SMOKE_STEPS = (5, 4, 3)
 STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
            "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
-           "stream_requests", "stream_recompiles"]
+           "stream_requests", "stream_recompiles", "text_encoder_s", "vae_s"]
 #: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
 #: the whole frame, dynamo's own trace, AOTAutograd, inductor (a cache hit: the load), Triton's kernel compiles,
 #: and the FX graph / AOTAutograd cache hits and misses.
-PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses", "restarts"]
+PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses",
+          "restarts"]
 RELEASED_BLOCKS = 50
+RELEASED_TEXT_LAYERS = 50  # the Qwen3-VL decoder layers H3 reads (hidden_states[50])
 #: The 50-block estimate's formula, as the report states it.
 ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
             "(50 / blocks - 1), bytes_50 = non-block bytes + block_bytes x 50 / blocks")
+#: With --stages, the text encoder's share of it, scaled to the 50 decoder layers H3 reads.
+ESTIMATE_STAGES = ("; with the stages start_s_50 adds text_encoder_s x (text_bytes_50 / text_bytes - 1), "
+                   "text_bytes_50 = non-layer bytes + layer_bytes x 50 / layers")
 
 
 def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_dir: Path):
@@ -108,13 +118,13 @@ def serve_one(args: argparse.Namespace) -> dict:
     import torch
 
     from engine.api import GenerationRequest
-    from engine.engine import DenoiserEngine
+    from engine.engine import DenoiserEngine, Engine
     from engine.stage_data import PromptEmbedding
     from model.prompts import PromptCacheStats
 
     checkpoint, cache_dir = Path(args.checkpoint), Path(args.cache_dir)
     begin = time.perf_counter()
-    engine = DenoiserEngine(engine_config(args, checkpoint, args.start, cache_dir))
+    engine = (Engine if args.stages else DenoiserEngine)(engine_config(args, checkpoint, args.start, cache_dir))
     start_s = time.perf_counter() - begin
     compile_stats = engine.describe()["forward"]["compile"]
     blocks = engine.transformer.transformer_blocks
@@ -122,7 +132,13 @@ def serve_one(args: argparse.Namespace) -> dict:
     row: dict = {"start": args.start, "start_s": round(start_s, 4), "blocks": len(blocks),
                  "transformer_s": round(engine.startup.transformer_s, 4),
                  "transformer_bytes": engine.startup.transformer_bytes,
-                 "block_bytes": sum(p.nbytes for p in blocks.parameters() if not p.is_meta), "warmup_forward_s": 0.0}
+                 "block_bytes": sum(p.nbytes for p in blocks.parameters() if not p.is_meta), "warmup_forward_s": 0.0,
+                 "text_encoder_s": round(engine.startup.text_encoder_s, 4), "vae_s": round(engine.startup.vae_s, 4)}
+    if engine.prompt_stage is not None:
+        encoder = engine.prompt_stage.encoder
+        row.update(text_bytes=engine.prompt_stage.weights.bytes, text_layers=encoder.num_loaded_layers,
+                   text_layer_bytes=sum(p.nbytes for name, p in encoder.module.named_parameters()
+                                        if name.startswith("layers.") or ".layers." in name))
     if compile_stats is None:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
@@ -199,8 +215,13 @@ def estimate_at_50_blocks(row: dict) -> float:
     """The start's seconds with the released 50 blocks (`ESTIMATE`)."""
     scale = RELEASED_BLOCKS / row["blocks"]
     bytes_50 = row["transformer_bytes"] - row["block_bytes"] + row["block_bytes"] * scale
-    return (row["start_s"] + row["transformer_s"] * (bytes_50 / row["transformer_bytes"] - 1)
-            + row["warmup_forward_s"] * (scale - 1))
+    seconds = (row["start_s"] + row["transformer_s"] * (bytes_50 / row["transformer_bytes"] - 1)
+               + row["warmup_forward_s"] * (scale - 1))
+    if "text_bytes" in row:  # --stages (`ESTIMATE_STAGES`)
+        layer_bytes = row["text_layer_bytes"]
+        text_bytes_50 = row["text_bytes"] - layer_bytes + layer_bytes * RELEASED_TEXT_LAYERS / row["text_layers"]
+        seconds += row["text_encoder_s"] * (text_bytes_50 / row["text_bytes"] - 1)
+    return seconds
 
 
 def _canvases(args: argparse.Namespace) -> tuple[tuple[Canvas, ...], tuple[int, ...]]:
@@ -223,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compile backend (default: eager on a CPU, inductor on a GPU)")
     p.add_argument("--num-blocks", type=int, default=4, help="h3: transformer blocks of the made checkpoint")
     p.add_argument("--text-layers", type=int, default=2, help="h3: Qwen3-VL layers of the made checkpoint")
+    p.add_argument("--stages", action="store_true", help="the whole engine: its text encoder (--text-layers "
+                   "layers) and VAEs load at start too, the compile warm-up beside the text encoder's load")
     p.add_argument("--repeats", type=int, default=3, help="later requests timed after the first")
     p.add_argument("--checkpoint-root", default=None, help="where the checkpoint is made/reused (default: temp)")
     p.add_argument("--out", default=None, help="results folder (default: bench/results)")
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             child = [sys.executable, "-m", "bench.compile", "--start", start, "--checkpoint", str(checkpoint),
                      "--cache-dir", str(cache_dir), "--device", args.device, "--repeats", str(args.repeats),
                      "--num-blocks", str(args.num_blocks), "--text-layers", str(args.text_layers),
-                     "--backend", args.backend]
+                     "--backend", args.backend] + ["--stages"] * args.stages
             logger.info("start: %s", start)
             out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
@@ -279,13 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows, COLUMNS + PHASES))
     notes = [
         f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
-        f"; engine.Engine denoiser only, served defaults but engine.compile; backend {args.backend}",
+        f"; engine.{'Engine with its text encoder and VAEs' if args.stages else 'DenoiserEngine (no text encoder, no VAEs)'}"
+        f", served defaults but engine.compile; backend {args.backend}",
         "canvases: " + ", ".join(f"{c.width}x{c.height} {c.seconds:g} s" for c in canvases)
         + "; warm-up: what compiles (the canvas of fewest tokens, a schedule's first forward: warmup_forwards); "
         f"stream: each x steps {', '.join(map(str, steps))}, seeded order",
-        f"50-block estimate ({rows[0]['blocks']} blocks measured): {ESTIMATE}; transformer_s and its bytes from "
-        "Engine.startup, warmup_forward_s: the warm-up's forwards timed again after the start (0 without compile); "
-        "other phases as measured",
+        f"50-block estimate ({rows[0]['blocks']} blocks measured): {ESTIMATE}"
+        + (f"{ESTIMATE_STAGES} ({rows[0].get('text_layers')} layers measured; conservative for a compiled start, "
+           "whose warm-up ran beside the text encoder load: the load's seconds with the warm-up beside it and the "
+           "warm-up's forwards are both scaled in full)" if args.stages else "")
+        + "; transformer_s and its bytes from Engine.startup, warmup_forward_s: the warm-up's forwards timed again "
+        "after the start (0 without compile); other phases as measured",
         f"first_ms / later_ms: ms per forward of the first request after the start (canvas 0, {steps[0]} steps) "
         f"and the median of {args.repeats} later ones; x later goal <= 1.05",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
@@ -293,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "
         "dynamo's trace, AOTAutograd, inductor, Triton compiles, cumulative and nested: dynamo_s includes the "
         "others; fx/aot: local cache hits and misses)",
-        f"prompt: {PROMPT_ROWS} random rows (no text encoder); whole run {time.perf_counter() - began:.0f} s",
+        f"prompt: {PROMPT_ROWS} random rows (the text encoder does not run); whole run {time.perf_counter() - began:.0f} s",
     ]
     tag = device_tag(args.device)
     # The backend in the name where it is not the device's default, so such a run never overwrites the default's.
     default_backend = "eager" if args.device == "cpu" else "inductor"
-    name = "-".join(["smoke"] * args.smoke + [args.backend] * (args.backend != default_backend) + [tag])
+    name = "-".join(["smoke"] * args.smoke + ["stages"] * args.stages + [args.backend] * (args.backend != default_backend) + [tag])
     md, _ = write_results("compile", rows, name, command, columns=COLUMNS + PHASES,
                           notes=notes, out_dir=args.out)
     print(md.read_text())

@@ -261,7 +261,6 @@ class Engine:
             # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
             self.plan_cache.warm_up(default_request_plans())
         warm_up_s = time.perf_counter() - t
-        text_encoder_s, vae_s = self._load_stages()
         #: The node-shared plan pool (None without one): `update_weights` calls its
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
@@ -269,11 +268,7 @@ class Engine:
         self.limits = model_limits(config, self.model_config.hidden_size,
                                    config.served_tasks(self.checkpoint.partition.value), CanvasRule.of(self.checkpoint))
         self._geometry_limits = geometry_limits(self.limits)
-        self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
-                                               self._geometry_limits)
         self._lock = threading.RLock()  # generations and weight updates, one at a time
-        #: The stages composed once (`engine.pipeline`): this engine's prompt, denoise and decode steps.
-        self._pipeline = Pipeline(*local_steps(self))
         #: Schedules served and the plan keys each needed: which of them the slab holds is the router's input.
         self.served_schedules = ServedSchedules()
         self._busy = False
@@ -281,9 +276,19 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
-        # The configured canvases' graphs, so no request pays the compile: a forward or two, not their schedules.
-        forward.warm_up(self.forward_kernels, config.served_warmup(), self._warm_up_tiers(),
-                        tokens=self._warm_up_tokens, run=self._warm_up_run)
+        # The configured canvases' graphs, so no request pays the compile (a forward or two, not their schedules),
+        # made while the text encoder loads (one device: `forward.warm_up` says why not with a group).
+        text_encoder_s = forward.warm_up(
+            self.forward_kernels, config.served_warmup(), self._warm_up_tiers(), tokens=self._warm_up_tokens,
+            run=self._warm_up_run, meanwhile=self._load_text_encoder, overlap=self.group is None,
+            device=self.device)
+        # After the warm-up: diffusers' `from_pretrained` sets torch's default dtype, process-wide, while it builds
+        # a VAE (a warm-up beside it could trace a graph of other dtypes).
+        vae_s = self._load_vaes()
+        self.conditioning = conditioning_stage(self.checkpoint, self.prompt_stage, self.decode_stage,
+                                               self._geometry_limits)
+        #: The stages composed once (`engine.pipeline`): this engine's prompt, denoise and decode steps.
+        self._pipeline = Pipeline(*local_steps(self))
         self._num_requests = 0
         self.startup = EngineStartup(
             device_init_s=device_init_s, checkpoint_s=checkpoint_s, transformer_s=transformer_s,
@@ -322,10 +327,6 @@ class Engine:
         result = self.denoise(self._warm_up_request(run.canvas, run.quality),
                               PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
         return result.stats.forwards
-
-    def _load_stages(self) -> tuple[float, float]:
-        """Build the prompt and decode stages this engine runs in process; (text encoder, VAEs) seconds."""
-        return self._load_text_encoder(), self._load_vaes()
 
     def _load_text_encoder(self) -> float:
         """Build the prompt stage; its seconds."""
@@ -854,8 +855,11 @@ class DenoiserEngine(Engine):
     def __init__(self, config: EngineConfig, remote: RemoteTier | None = None):
         super().__init__(config, remote)
 
-    def _load_stages(self) -> tuple[float, float]:
-        return 0.0, 0.0
+    def _load_text_encoder(self) -> float:
+        return 0.0
+
+    def _load_vaes(self) -> float:
+        return 0.0
 
     def generate(self, request: GenerationRequest, progress: ProgressFn | None = None,
                  cancelled: CancelledFn | None = None) -> GenerationResult:

@@ -1,8 +1,9 @@
 """The transformer forward's kernels, set up once per engine: FP8 block linears (`engine.quantization`), the
 attention backend (`engine.attention`), compiled blocks (`engine.compile`) and the start-up warm-up of the
 configured canvases (the runs that make their graphs, not their whole schedules). The engine calls
-`import_compiler` before it loads the checkpoint, `quantize` right after the load, `install` after every hook (ExternalModulation, sequence parallel, offloader, Cache-DiT) is in
-place, and `warm_up` once it can serve.
+`import_compiler` before it loads the checkpoint, `quantize` right after the load, `install` after every hook
+(ExternalModulation, sequence parallel, offloader, Cache-DiT) is in place, and `warm_up` once it can serve, with
+its text encoder's load beside it.
 
 What it set up is `describe()["forward"]` (`GET /v1/models`) and a line of the start-up log.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
@@ -25,6 +28,8 @@ from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 from engine.limits import Quality
 from model.adaln import ExternalModulation
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -133,28 +138,78 @@ def warmup_runs(canvases: Sequence[WarmupCanvas], tokens: Sequence[int], tiers: 
 
 
 def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], tiers: Sequence[Quality], *,
-            tokens: Callable[[WarmupCanvas], int], run: Callable[[WarmupRun], int]) -> None:
+            tokens: Callable[[WarmupCanvas], int], run: Callable[[WarmupRun], int], meanwhile: Callable[[], T],
+            overlap: bool, device: torch.device) -> T:
     """Check every canvas (`tokens`: its packed rows, or ValueError when the engine refuses it: that fails the
     start naming it), then, with compiled blocks, `run` each of `warmup_runs` (it returns the forwards it ran)
-    and start counting compiles as after the warm-up. With compile off nothing runs: there is no graph to make."""
-    begin = time.perf_counter()
+    and start counting compiles as after the warm-up; returns what `meanwhile` returns. With compile off nothing
+    runs: there is no graph to make.
+
+    `meanwhile` is the rest of the engine's start (its text encoder load: mostly disk and copies, with the GIL
+    released) and runs on this thread. With `overlap` the runs without adapters go on a thread of their own
+    while it does, so a warm start pays the longer of the two, not their sum: dynamo's trace is Python on the
+    CPU, the loads wait on the disk. The runs naming adapters follow it: loading an adapter makes parameters, and
+    the loads' `init_empty_weights` would put those on meta. No overlap for a replica of several ranks: its
+    warm-up's collectives must not interleave with the loads' (text encoder TP)."""
     counts = []
     for index, canvas in enumerate(canvases):
         with _naming(index, canvas):
             counts.append(tokens(canvas))
     if kernels.compiled is None:
-        return
+        return meanwhile()
     runs = warmup_runs(canvases, counts, tiers, kernels.compiled.options.dynamic)
-    forwards = 0
-    for one in runs:
-        with _naming(one.index, one.canvas):
-            forwards += run(one)
-    seconds = time.perf_counter() - begin
-    kernels.compiled.warmup_ended(seconds, forwards)
+    early = tuple(one for one in runs if overlap and not one.canvas.adapters)
+    late = tuple(one for one in runs if one not in early)
+    warm = _WarmupRuns(run, device)
+    if early:
+        thread = threading.Thread(target=warm.run_all, args=(early,), name="compile-warm-up", daemon=True)
+        thread.start()
+        try:
+            result = meanwhile()
+        finally:
+            thread.join()
+        warm.raise_failure()
+    else:
+        result = meanwhile()
+    warm.run_all(late)
+    warm.raise_failure()
+    kernels.compiled.warmup_ended(warm.seconds, warm.forwards)
     if canvases:
-        logger.info("compile warm-up: %d forwards in %.2f s (%d runs for %d canvases: %s)", forwards, seconds,
-                    len(runs), len(canvases), ", ".join(f"[{one.index}] {one.tokens} tokens {one.quality}"
-                                                        for one in runs))
+        logger.info("compile warm-up: %d forwards in %.2f s (%d runs for %d canvases: %s; %d beside the loads)",
+                    warm.forwards, warm.seconds, len(runs), len(canvases),
+                    ", ".join(f"[{one.index}] {one.tokens} tokens {one.quality}" for one in runs), len(early))
+    return result
+
+
+class _WarmupRuns:
+    """Runs warm-up requests on whichever thread calls `run_all`, adding up their forwards and seconds and
+    keeping the first failure (named after its canvas) for the starting thread to raise."""
+
+    def __init__(self, run: Callable[[WarmupRun], int], device: torch.device):
+        self._run = run
+        self._device = device
+        self.forwards = 0
+        self.seconds = 0.0
+        self._failure: BaseException | None = None
+
+    def run_all(self, runs: Sequence[WarmupRun]) -> None:
+        if self._failure is not None:
+            return
+        if self._device.type == "cuda":  # a new thread starts on device 0
+            torch.cuda.set_device(self._device)
+        begin = time.perf_counter()
+        try:
+            for one in runs:
+                with _naming(one.index, one.canvas):
+                    self.forwards += self._run(one)
+        except BaseException as exc:
+            self._failure = exc
+        finally:
+            self.seconds += time.perf_counter() - begin
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
 
 @contextmanager

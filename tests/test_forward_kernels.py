@@ -649,6 +649,143 @@ def test_the_warm_up_runs_each_graph_key_once_at_its_fewest_tokens_on_every_tier
     assert warmup_runs([], [], ("lossless",), dynamic=True) == ()
 
 
+class FakeCompiled:
+    """What `forward.warm_up` reads of compiled blocks: whether sizes are dynamic, and the warm-up's end."""
+
+    def __init__(self):
+        self.options = CompileOptions(backend="eager")
+        self.ended: tuple[float, int] | None = None
+
+    def warmup_ended(self, seconds: float, forwards: int) -> None:
+        self.ended = (seconds, forwards)
+
+
+class WarmupLog:
+    """A warm-up's runs and the engine's load, as (what, thread) in the order they began; the load waits (up to
+    `wait_s`) for the first run beside it to begin, so a warm-up that does not overlap the load shows as late."""
+
+    def __init__(self, wait_s: float = 0.0):
+        import threading
+
+        self.events: list[tuple[str, str]] = []
+        self.run_began = threading.Event()
+        self.wait_s = wait_s
+
+    def run(self, one) -> int:
+        import threading
+
+        self.events.append((f"run {one.index}", threading.current_thread().name))
+        self.run_began.set()
+        return 1
+
+    def load(self) -> str:
+        import threading
+
+        self.events.append(("load", threading.current_thread().name))
+        if self.wait_s:
+            self.run_began.wait(self.wait_s)
+        self.events.append(("loaded", threading.current_thread().name))
+        return "stages"
+
+
+def _warm_up(log: WarmupLog, *, overlap: bool, run=None, load=None, compiled: FakeCompiled | None = None):
+    from engine.config import WarmupCanvas
+    from engine.forward import ForwardKernels, warm_up
+
+    canvases = (WarmupCanvas(width=64, height=64, seconds=1.0), WarmupCanvas(width=32, height=64, seconds=1.0),
+                WarmupCanvas(width=64, height=64, seconds=1.0, adapters=("turbo",)))
+    kernels = ForwardKernels(AttentionChoice(DEFAULT_BACKEND, "default", {}), "none", 0,
+                             compiled if compiled is not None else FakeCompiled(), None)
+    return warm_up(kernels, canvases, ("lossless",), tokens=lambda canvas: canvas.width, run=run or log.run,
+                   meanwhile=load or log.load, overlap=overlap, device=torch.device("cpu"))
+
+
+def test_the_warm_up_runs_without_adapters_beside_the_load_and_those_with_adapters_after_it():
+    import threading
+
+    log, compiled = WarmupLog(wait_s=30), FakeCompiled()
+    assert _warm_up(log, overlap=True, compiled=compiled) == "stages"
+    main = threading.current_thread().name
+    # The run began on the other thread before the load (which waited for it) ended: they overlapped.
+    assert sorted(log.events) == [("load", main), ("loaded", main), ("run 1", "compile-warm-up"), ("run 2", main)]
+    order = [what for what, _ in log.events]
+    assert order.index("run 1") < order.index("loaded") < order.index("run 2")
+    assert compiled.ended is not None and compiled.ended[1] == 2
+
+
+def test_without_overlap_every_warm_up_run_follows_the_load_on_its_thread():
+    import threading
+
+    log = WarmupLog()
+    _warm_up(log, overlap=False)
+    main = threading.current_thread().name
+    assert log.events == [("load", main), ("loaded", main), ("run 1", main), ("run 2", main)]
+
+
+def test_a_warm_up_run_that_fails_beside_the_load_fails_the_start_naming_its_canvas_after_the_load():
+    log = WarmupLog()
+
+    def failing(one) -> int:
+        raise ValueError("no graph")
+
+    with pytest.raises(ValueError, match=r"engine.compile.warmup\[1\] \(32x64, 1 s\): no graph"):
+        _warm_up(log, overlap=True, run=failing)
+    assert [what for what, _ in log.events] == ["load", "loaded"]  # the load ran to its end; no later run
+
+
+def test_a_load_that_fails_fails_the_start_once_the_warm_up_beside_it_ended():
+    import threading
+
+    ended = threading.Event()
+    log = WarmupLog()
+
+    def slow(one) -> int:
+        ended.wait(0.2)
+        ended.set()
+        return 1
+
+    def load() -> str:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        _warm_up(log, overlap=True, run=slow, load=load)
+    assert ended.is_set()  # joined before the error left
+
+
+def test_an_engine_compiles_its_warm_up_beside_its_text_encoder_load_and_its_requests_compile_nothing(
+        tiny_checkpoint, monkeypatch):
+    import threading
+
+    from engine.api import GenerationRequest
+    from engine.engine import Engine
+
+    torch._dynamo.reset()
+    seen: dict[str, str] = {}
+    load_text_encoder, warm_up_run = Engine._load_text_encoder, Engine._warm_up_run
+    began = threading.Event()
+
+    def loading(self) -> float:
+        seen["load"] = threading.current_thread().name
+        assert began.wait(30), "the warm-up did not run while the text encoder loaded"
+        return load_text_encoder(self)
+
+    def warming(self, run) -> int:
+        seen["warm-up"] = threading.current_thread().name
+        began.set()
+        return warm_up_run(self, run)
+
+    monkeypatch.setattr(Engine, "_load_text_encoder", loading)
+    monkeypatch.setattr(Engine, "_warm_up_run", warming)
+    canvas = dict(width=64, height=64, seconds=5.0)
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+    assert seen == {"load": threading.current_thread().name, "warm-up": "compile-warm-up"}
+    assert engine.prompt_stage is not None and engine.decode_stage is not None
+    assert torch.get_default_dtype() == torch.float32
+    result = engine.generate(GenerationRequest(prompt="a red fox", seed=3, steps=3, **canvas))
+    assert result.stats.compile.since_warmup == 0 and result.video is not None
+
+
 def test_a_warmup_adapter_must_be_configured_naming_the_field():
     with pytest.raises(ValueError, match=r"compile.warmup\[0\].adapters: \['turbo'\] are not configured"):
         EngineConfig(compile={"warmup": [dict(width=64, height=64, seconds=5.0, steps=3, adapters=["turbo"])]})
