@@ -761,20 +761,28 @@ def test_an_engine_compiles_its_warm_up_beside_its_text_encoder_load_and_its_req
 
     torch._dynamo.reset()
     seen: dict[str, str] = {}
-    load_text_encoder, warm_up_run = Engine._load_text_encoder, Engine._warm_up_run
-    began = threading.Event()
+    load_text_encoder, load_vaes, warm_up_run = Engine._load_text_encoder, Engine._load_vaes, Engine._warm_up_run
+    began, ended = threading.Event(), threading.Event()
 
     def loading(self) -> float:
         seen["load"] = threading.current_thread().name
         assert began.wait(30), "the warm-up did not run while the text encoder loaded"
         return load_text_encoder(self)
 
+    def loading_vaes(self) -> float:
+        # diffusers' from_pretrained sets the process's default dtype while it builds a VAE: never beside a warm-up
+        assert ended.is_set(), "the VAEs loaded beside the warm-up"
+        return load_vaes(self)
+
     def warming(self, run) -> int:
         seen["warm-up"] = threading.current_thread().name
         began.set()
-        return warm_up_run(self, run)
+        forwards = warm_up_run(self, run)
+        ended.set()
+        return forwards
 
     monkeypatch.setattr(Engine, "_load_text_encoder", loading)
+    monkeypatch.setattr(Engine, "_load_vaes", loading_vaes)
     monkeypatch.setattr(Engine, "_warm_up_run", warming)
     canvas = dict(width=64, height=64, seconds=5.0)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
