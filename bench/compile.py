@@ -302,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows, COLUMNS + PHASES))
     notes = [
         f"model: {'the tiny checkpoint' if args.model == 'tiny' else f'h3 width, {args.num_blocks} of 50 blocks, random weights'}"
-        f"; engine.{'Engine with its text encoder and VAEs' if args.stages else 'DenoiserEngine (no text encoder, no VAEs)'}"
-        f", served defaults but engine.compile; backend {args.backend}",
+        + ("; engine.Engine with its text encoder and VAEs" if args.stages
+           else "; engine.DenoiserEngine (no text encoder, no VAEs)")
+        + f", served defaults but engine.compile; backend {args.backend}",
         "canvases: " + ", ".join(f"{c.width}x{c.height} {c.seconds:g} s" for c in canvases)
         + "; warm-up: what compiles (the canvas of fewest tokens, a schedule's first forward: warmup_forwards); "
         f"stream: each x steps {', '.join(map(str, steps))}, seeded order",
@@ -320,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "
         "dynamo's trace, AOTAutograd, inductor, Triton compiles, cumulative and nested: dynamo_s includes the "
         "others; fx/aot: local cache hits and misses)",
-        f"prompt: {PROMPT_ROWS} random rows (the text encoder does not run); whole run {time.perf_counter() - began:.0f} s",
+        f"prompt: {PROMPT_ROWS} random rows (the text encoder does not run); "
+        f"whole run {time.perf_counter() - began:.0f} s",
     ]
     tag = device_tag(args.device)
     # The backend in the name where it is not the device's default, so such a run never overwrites the default's.
     default_backend = "eager" if args.device == "cpu" else "inductor"
-    name = "-".join(["smoke"] * args.smoke + ["stages"] * args.stages + [args.backend] * (args.backend != default_backend) + [tag])
+    name = "-".join(["smoke"] * args.smoke + ["stages"] * args.stages
+                    + [args.backend] * (args.backend != default_backend) + [tag])
     md, _ = write_results("compile", rows, name, command, columns=COLUMNS + PHASES,
                           notes=notes, out_dir=args.out)
     print(md.read_text())

@@ -193,8 +193,6 @@ class _WarmupRuns:
         self._failure: BaseException | None = None
 
     def run_all(self, runs: Sequence[WarmupRun]) -> None:
-        if self._failure is not None:
-            return
         if self._device.type == "cuda":  # a new thread starts on device 0
             torch.cuda.set_device(self._device)
         begin = time.perf_counter()
