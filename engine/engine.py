@@ -324,8 +324,9 @@ class Engine:
         """One warm-up request through the denoiser on a stand-in prompt embedding (zeros); its forwards."""
         embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
                              dtype=self.model_config.torch_dtype)
-        result = self.denoise(self._warm_up_request(run.canvas, run.quality),
-                              PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)))
+        result = self._locked_denoise(self._warm_up_request(run.canvas, run.quality),
+                                      PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)), None, None,
+                                      warm_up=True)
         return result.stats.forwards
 
     def _load_text_encoder(self) -> float:
@@ -514,7 +515,6 @@ class Engine:
                 raise
             raise translated from exc
 
-    @torch.no_grad()
     def denoise(
         self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None = None,
         cancelled: CancelledFn | None = None,
@@ -522,6 +522,12 @@ class Engine:
         """The denoiser stage: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
         (`encode` of it, in any process). Returns the latents (no MP4: the decode stage decodes them); timings
         `plan_s`, `denoise_s`. Errors as `generate`."""
+        return self._locked_denoise(request, embedding, progress, cancelled, warm_up=False)
+
+    @torch.no_grad()
+    def _locked_denoise(self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None,
+                        cancelled: CancelledFn | None, *, warm_up: bool) -> GenerationResult:
+        """`denoise`; with `warm_up` on stand-in AdaLN rows (`forward.StandInPlans`)."""
         request = with_adapter_defaults(request, self.limits)  # its adapters' steps and shifts, where it set none
         geometry, schedule, cache_dit = self._checked(request, embedding)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
@@ -533,7 +539,8 @@ class Engine:
                 raise ServerFault(f"engine unusable: {unusable}", FaultCause.ENGINE_UNUSABLE)
             self._busy = True
             try:
-                result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled)
+                result = self._denoise(request, geometry, schedule, cache_dit, seed, embedding, progress, cancelled,
+                                       warm_up=warm_up)
             except BaseException as exc:
                 self._num_failed += 1
                 translated = _translated(exc)
@@ -744,18 +751,23 @@ class Engine:
     def _denoise(
         self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
         cache_dit: CacheDitConfig, seed: int, embedding: PromptEmbedding, progress: ProgressFn | None,
-        cancelled: CancelledFn | None,
+        cancelled: CancelledFn | None, *, warm_up: bool = False,
     ) -> GenerationResult:
-        """AdaLN plans and the denoising loop: latents on the CPU, timings plan_s and denoise_s."""
+        """AdaLN plans and the denoising loop: latents on the CPU, timings plan_s and denoise_s. A `warm_up` runs
+        on stand-in rows: a plan of its schedule would cost a rebuild from the checkpoint (at the released size it
+        reads all 24.2 GiB of AdaLN projections), take slab rows and tell the router of a schedule no client sent."""
         self._check_cancelled(cancelled)
         num_forwards = schedule.num_forwards
         t0 = time.perf_counter()
         # plan first: the plan cache rejects requests it can never serve before the loop
-        if self.group is None:
+        if warm_up:  # every rank alike: nothing to agree on
+            prepared = forward.StandInPlans(self.modulation, schedule.plans, self.device) \
+                if self.plan_cache is not None else None
+        elif self.group is None:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:
             prepared = self.agreement.prepare(self.plan_cache, schedule.plans)
-        if prepared is not None:  # the plans' own key (what the media made of the request: a video's soundtrack)
+        if prepared is not None and not warm_up:  # the plans' own key (what the media made of the request)
             self.served_schedules.served(schedule.key, prepared.keys)
         try:
             self._begin_request(cache_dit, num_forwards)

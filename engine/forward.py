@@ -27,7 +27,7 @@ from engine.compiled import CompiledBlocks, CompileStats, compiler_modules, impo
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 from engine.limits import Quality
-from model.adaln import ExternalModulation
+from model.adaln import ExternalModulation, Modulation
 
 T = TypeVar("T")
 
@@ -100,6 +100,27 @@ def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile
     compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options, modulation,
                               lora_active).apply() if compile_config.mode == "blocks" else None
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
+
+
+class StandInPlans:
+    """A warm-up request's AdaLN rows: zeros of each step's plan width (`ExternalModulation.stand_in`), in place of
+    the plan cache's `PreparedPlans` (the same `modulation`, `stats`, `release`). A warm-up makes graphs; its
+    output is dropped, so its rows need not be the checkpoint's: they are shaped, typed and placed as a plan's,
+    which is all the graphs depend on."""
+
+    keys: tuple = ()  # no plan of the cache's
+    stats = None  # the plan cache was not asked
+
+    def __init__(self, modulation: ExternalModulation, plans: Sequence[torch.Tensor], device: torch.device):
+        self._modulation = modulation
+        self._widths = [timesteps.numel() for timesteps in plans]
+        self._device = device
+
+    def modulation(self, step_index: int) -> Modulation:
+        return self._modulation.stand_in(self._widths[step_index], self._device)
+
+    def release(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)

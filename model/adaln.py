@@ -251,6 +251,12 @@ class ExternalModulation:
     def final_adaln_width(self) -> int:
         return NUM_FINAL_CHUNKS * self.hidden_size
 
+    def stand_in(self, num_rows: int, device: torch.device) -> Modulation:
+        """Zero rows for a forward of `num_rows` timesteps, shaped and typed as a plan's (`set` takes them): a
+        compile warm-up's, whose output nobody reads, so it needs no plan from the checkpoint."""
+        return Modulation(torch.zeros(self.num_blocks, num_rows, self.adaln_width, dtype=self.dtype, device=device),
+                          torch.zeros(num_rows, self.final_adaln_width, dtype=self.dtype, device=device))
+
     def set(self, modulation: Modulation) -> None:
         """The rows of the next forward (blocks [num_blocks, M, adaln_width], final [M, final_adaln_width])."""
         m = modulation.num_rows

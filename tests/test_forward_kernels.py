@@ -537,6 +537,47 @@ def test_engine_warms_its_canvases_at_start_so_a_request_of_them_compiles_nothin
     assert result.stats.model_dump()["compile"]["since_warmup"] == 0
 
 
+def test_the_warm_up_runs_on_stand_in_adaln_rows_so_it_builds_no_plan_and_tells_the_router_of_none(
+        tiny_checkpoint, monkeypatch):
+    """A plan of the warm-up's schedule would be a rebuild from the checkpoint (at the released size all 24.2 GiB
+    of AdaLN projections read, on every compiled start), slab rows taken and a schedule no client sent offered to
+    the router. The warm-up's rows are zeros shaped as a plan's: its graph is the requests' (they compile nothing)."""
+    from engine.api import GenerationRequest
+    from engine.engine import DenoiserEngine
+
+    torch._dynamo.reset()
+    forwards = ForwardRows(monkeypatch)
+    canvas = dict(width=64, height=64, seconds=5.0)
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+    assert engine.config.adaln.mode == "online" and len(forwards.rows) == 1  # the warm-up ran, on online AdaLN
+    stats = engine.plan_cache.stats
+    assert (stats.requests, stats.built_plans, stats.rebuild_bytes_read) == (0, 0, 0)
+    state = engine.slab_state()
+    assert state.schedule_keys == () and state.free_plans == state.capacity_plans > 0
+
+    result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False, **canvas),
+                            prompt_of(11))
+    assert result.stats.compile.since_warmup == 0
+    assert result.stats.adaln.built_plans > 0 and engine.slab_state().schedule_keys == (result.stats.schedule_key,)
+
+
+def test_stand_in_rows_are_shaped_typed_and_placed_as_a_plans_and_set_like_one(model):
+    from engine.forward import StandInPlans
+
+    modulation = ExternalModulation.install(model)
+    plans = [torch.tensor([1.0]), torch.tensor([0.9, 0.8])]
+    stand_in = StandInPlans(modulation, plans, torch.device("cpu"))
+    for step, timesteps in enumerate(plans):
+        rows = stand_in.modulation(step)
+        assert rows.blocks.shape == (modulation.num_blocks, timesteps.numel(), modulation.adaln_width)
+        assert rows.final.shape == (timesteps.numel(), modulation.final_adaln_width)
+        assert rows.blocks.dtype == rows.final.dtype == modulation.dtype
+        assert not rows.blocks.any() and not rows.final.any()
+        modulation.set(rows)  # ExternalModulation checks shape and dtype
+    assert stand_in.keys == () and stand_in.stats is None
+
+
 #: The mixed stream: 4 canvases (3 token counts, one of them in two orientations) x 3 step counts.
 STREAM_CANVASES = [dict(width=64, height=64, seconds=0.5), dict(width=128, height=64, seconds=0.5),
                    dict(width=64, height=128, seconds=0.5), dict(width=96, height=64, seconds=1.0)]
