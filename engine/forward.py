@@ -202,22 +202,31 @@ def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], tiers: 
     return result
 
 
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device index `device` means on the calling thread (`cuda` alone: its current device); None for
+    another device type."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class _WarmupRuns:
     """Runs warm-up requests on whichever thread calls `run_all`, adding up their forwards and seconds and
     keeping the first failure (named after its canvas) for the starting thread to raise."""
 
     def __init__(self, run: Callable[[WarmupRun], int], device: torch.device):
         self._run = run
-        self._device = device
+        # A new thread starts on device 0: the runs go on the starting thread's device ("cuda" names no index).
+        self._cuda_index = cuda_index(device)
         self.forwards = 0
         self.seconds = 0.0
         self._failure: BaseException | None = None
 
     def run_all(self, runs: Sequence[WarmupRun]) -> None:
-        if self._device.type == "cuda":  # a new thread starts on device 0
-            torch.cuda.set_device(self._device)
         begin = time.perf_counter()
         try:
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)
             for one in runs:
                 with _naming(one.index, one.canvas):
                     self.forwards += self._run(one)

@@ -729,7 +729,8 @@ class WarmupLog:
         return "stages"
 
 
-def _warm_up(log: WarmupLog, *, overlap: bool, run=None, load=None, compiled: FakeCompiled | None = None):
+def _warm_up(log: WarmupLog, *, overlap: bool, run=None, load=None, compiled: FakeCompiled | None = None,
+             device: torch.device = torch.device("cpu")):
     from engine.config import WarmupCanvas
     from engine.forward import ForwardKernels, warm_up
 
@@ -738,7 +739,42 @@ def _warm_up(log: WarmupLog, *, overlap: bool, run=None, load=None, compiled: Fa
     kernels = ForwardKernels(AttentionChoice(DEFAULT_BACKEND, "default", {}), "none", 0,
                              compiled if compiled is not None else FakeCompiled(), None)
     return warm_up(kernels, canvases, ("lossless",), tokens=lambda canvas: canvas.width, run=run or log.run,
-                   meanwhile=load or log.load, overlap=overlap, device=torch.device("cpu"))
+                   meanwhile=load or log.load, overlap=overlap, device=device)
+
+
+@pytest.mark.parametrize("name, expected", [("cuda", 3), ("cuda:1", 1)])
+def test_the_warm_up_runs_on_the_starting_threads_cuda_device_named_with_or_without_an_index(monkeypatch, name,
+                                                                                            expected):
+    """A new thread starts on CUDA device 0: the warm-up's thread is set to the engine's device first, and an
+    engine on `cuda` (no index) means the starting thread's current device (3 here)."""
+    import threading
+
+    set_on: list[tuple[int, str]] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: set_on.append((index, threading.current_thread().name)))
+    log = WarmupLog(wait_s=30)
+    assert _warm_up(log, overlap=True, device=torch.device(name)) == "stages"
+    assert set_on == [(expected, "compile-warm-up"), (expected, threading.current_thread().name)]
+
+
+def test_a_warm_up_thread_that_cannot_take_its_device_fails_the_start_after_the_load():
+    def refuse(index: int) -> None:  # on the warm-up's thread only: the starting thread holds its device
+        if threading_main() == "compile-warm-up":
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+
+    log = WarmupLog()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "set_device", refuse)
+        with pytest.raises(RuntimeError, match="invalid device ordinal 7"):
+            _warm_up(log, overlap=True, device=torch.device("cuda:7"))
+    assert ("loaded", threading_main()) in log.events and not any(what.startswith("run") for what, _ in log.events)
+    # (the runs naming adapters, after the load, never began: the start failed first)
+
+
+def threading_main() -> str:
+    import threading
+
+    return threading.current_thread().name
 
 
 def test_the_warm_up_runs_without_adapters_beside_the_load_and_those_with_adapters_after_it():
