@@ -243,27 +243,7 @@ class Engine:
                                                quantization=config.quantization, device=self.device,
                                                precision=precision, modulation=self.modulation,
                                                lora_active=self.adapters.lora_active)
-        hooks_s, t = time.perf_counter() - t, time.perf_counter()
-        self.plan_cache: PlanCache | None = None
-        #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
-        self.sharded_rebuild: RankShardedRebuild | None = None
-        if online and self.group is None:
-            provider = make_adaln_provider(config.adaln, self.transformer, self.weights, self.device, remote=remote)
-            assert isinstance(provider, PlanCache)
-            self.plan_cache = provider
-        elif online:
-            self.sharded_rebuild = RankShardedRebuild(self.group, self.model_config.num_blocks)
-            self.plan_cache = PlanCache(config.adaln, self.weights, self.transformer, self.device, remote=remote,
-                                        shards=self.sharded_rebuild)
-        plan_cache_s, t = time.perf_counter() - t, time.perf_counter()
-        if self.plan_cache is not None:
-            # Staging buffers, reader threads, the cuBLAS handle and the projection kernels now, so the first
-            # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
-            self.plan_cache.warm_up(default_request_plans())
-        warm_up_s = time.perf_counter() - t
-        #: The node-shared plan pool (None without one): `update_weights` calls its
-        #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
-        self.pool_tier = remote if online else None
+        hooks_s = time.perf_counter() - t
         #: What this engine serves (`describe()["limits"]`); `_geometry_limits`: the same, as `model.geometry` checks.
         self.limits = model_limits(config, self.model_config.hidden_size,
                                    config.served_tasks(self.checkpoint.partition.value), CanvasRule.of(self.checkpoint))
@@ -276,12 +256,19 @@ class Engine:
         self._num_failed = 0
         #: Why this rank can no longer serve (ranks diverged), beside the group's own failure; None: healthy.
         self._fault: str | None = None
+        self.plan_cache: PlanCache | None = None
+        #: With a group: how this rank's plan cache splits rebuilds with the other ranks' (None: one device).
+        self.sharded_rebuild: RankShardedRebuild | None = None
+        #: The node-shared plan pool (None without one): `update_weights` calls its
+        #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
+        self.pool_tier = remote if online else None
         # The configured canvases' graphs, so no request pays the compile (a forward or two, not their schedules),
-        # made while the text encoder loads (one device: `forward.warm_up` says why not with a group).
-        text_encoder_s = forward.warm_up(
+        # made while the plan cache is built and the text encoder loads: the warm-up's AdaLN rows are stand-ins,
+        # it needs neither (one device: `forward.warm_up` says why not with a group).
+        plan_cache_s, warm_up_s, text_encoder_s = forward.warm_up(
             self.forward_kernels, config.served_warmup(), self._warm_up_tiers(), tokens=self._warm_up_tokens,
-            run=self._warm_up_run, meanwhile=self._load_text_encoder, overlap=self.group is None,
-            device=self.device)
+            run=self._warm_up_run, meanwhile=functools.partial(self._build_rest, online, remote),
+            overlap=self.group is None, device=self.device)
         # After the warm-up: diffusers' `from_pretrained` sets torch's default dtype, process-wide, while it builds
         # a VAE (a warm-up beside it could trace a graph of other dtypes).
         vae_s = self._load_vaes()
@@ -300,6 +287,27 @@ class Engine:
                     self.model_name, self.checkpoint.layout.value, self.device, config.adaln.mode, offload,
                     config.cache_dit.enabled, self.startup.summary())
         logger.info("forward: %s", self.forward_kernels.summary())
+
+    def _build_rest(self, online: bool, remote: RemoteTier | None) -> tuple[float, float, float]:
+        """What the start builds beside the compile warm-up: the AdaLN plan cache (online), its warm-up, the text
+        encoder. Their seconds."""
+        t = time.perf_counter()
+        if online and self.group is None:
+            provider = make_adaln_provider(self.config.adaln, self.transformer, self.weights, self.device,
+                                           remote=remote)
+            assert isinstance(provider, PlanCache)
+            self.plan_cache = provider
+        elif online:
+            self.sharded_rebuild = RankShardedRebuild(self.group, self.model_config.num_blocks)
+            self.plan_cache = PlanCache(self.config.adaln, self.weights, self.transformer, self.device, remote=remote,
+                                        shards=self.sharded_rebuild)
+        plan_cache_s, t = time.perf_counter() - t, time.perf_counter()
+        if self.plan_cache is not None:
+            # Staging buffers, reader threads, the cuBLAS handle and the projection kernels now, so the first
+            # plan miss costs what later ones cost (on an H200 it took 0.80 s vs 0.165 s when set up lazily).
+            self.plan_cache.warm_up(default_request_plans())
+        warm_up_s = time.perf_counter() - t
+        return plan_cache_s, warm_up_s, self._load_text_encoder()
 
     def _warm_up_tiers(self) -> list[Quality]:
         """The served weight sets, each its own graphs (bf16+fp8: both), as the tier a warm-up request names."""
@@ -762,7 +770,7 @@ class Engine:
         # plan first: the plan cache rejects requests it can never serve before the loop
         if warm_up:  # every rank alike: nothing to agree on
             prepared = forward.StandInPlans(self.modulation, schedule.plans, self.device) \
-                if self.plan_cache is not None else None
+                if self.modulation is not None else None
         elif self.group is None:
             prepared = self.plan_cache.prepare(schedule.plans) if self.plan_cache is not None else None
         else:

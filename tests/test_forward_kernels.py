@@ -871,6 +871,37 @@ def test_an_engine_compiles_its_warm_up_beside_its_text_encoder_load_and_its_req
     assert result.stats.compile.since_warmup == 0 and result.video is not None
 
 
+def test_a_denoiser_engine_compiles_its_warm_up_beside_its_plan_cache_build(tiny_checkpoint, monkeypatch):
+    """A denoiser-only replica (`stages: split`) loads no text encoder: its warm-up overlaps the plan cache's build
+    (pinned host tier, slab, a probe rebuild), which the stand-in rows let it skip."""
+    import threading
+
+    from engine.api import GenerationRequest
+    from engine.engine import DenoiserEngine, Engine
+
+    torch._dynamo.reset()
+    began = threading.Event()
+    make_provider, warm_up_run = engine_module.make_adaln_provider, Engine._warm_up_run
+
+    def building(*args, **kwargs):
+        assert began.wait(30), "the warm-up did not run while the plan cache was built"
+        return make_provider(*args, **kwargs)
+
+    def warming(self, run) -> int:
+        began.set()
+        return warm_up_run(self, run)
+
+    monkeypatch.setattr(engine_module, "make_adaln_provider", building)
+    monkeypatch.setattr(Engine, "_warm_up_run", warming)
+    canvas = dict(width=64, height=64, seconds=5.0)
+    engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                         compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+    assert engine.plan_cache is not None and engine.startup.plan_cache_s > 0
+    result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False, **canvas),
+                            prompt_of(11))
+    assert result.stats.compile.since_warmup == 0 and result.stats.adaln.built_plans > 0
+
+
 def test_a_warmup_adapter_must_be_configured_naming_the_field():
     with pytest.raises(ValueError, match=r"compile.warmup\[0\].adapters: \['turbo'\] are not configured"):
         EngineConfig(compile={"warmup": [dict(width=64, height=64, seconds=5.0, steps=3, adapters=["turbo"])]})
