@@ -263,12 +263,13 @@ class Engine:
         #: `invalidate(old_weights_version)` so no tier keeps plans of the old weights.
         self.pool_tier = remote if online else None
         # The configured canvases' graphs, so no request pays the compile (a forward or two, not their schedules),
-        # made while the plan cache is built and the text encoder loads: the warm-up's AdaLN rows are stand-ins,
-        # it needs neither (one device: `forward.warm_up` says why not with a group).
+        # made after the plan cache's build and the text encoder's load, or beside them with
+        # `compile.warmup_overlap` (the warm-up's AdaLN rows are stand-ins: it needs neither; one device only:
+        # `forward.warm_up` says why).
         plan_cache_s, warm_up_s, text_encoder_s = forward.warm_up(
             self.forward_kernels, config.served_warmup(), self._warm_up_tiers(), tokens=self._warm_up_tokens,
             run=self._warm_up_run, meanwhile=functools.partial(self._build_rest, online, remote),
-            overlap=self.group is None, device=self.device)
+            overlap=self.group is None and config.compile.warmup_overlap, device=self.device)
         # After the warm-up: diffusers' `from_pretrained` sets torch's default dtype, process-wide, while it builds
         # a VAE (a warm-up beside it could trace a graph of other dtypes).
         vae_s = self._load_vaes()

@@ -1,5 +1,5 @@
-"""bench.compile's smoke run on CPU writes the table its GPU run writes: three starts in fresh processes (no
-compile, a cold and a warm compile cache), the compiled ones' first-vs-later request and the mixed stream's
+"""bench.compile's smoke run on CPU writes the table its GPU run writes: four starts in fresh processes (no
+compile, a cold and a warm compile cache, the warm one again with its warm-up beside the loads), the compiled ones' first-vs-later request and the mixed stream's
 recompiles after the warm-up, each start beside the no-compile one, measured and estimated at 50 blocks (the
 formula recomputed from the row's own fields)."""
 
@@ -12,7 +12,7 @@ import pytest
 from bench import compile as bench_compile
 from engine.forward import warmup_forwards
 
-pytestmark = pytest.mark.slow  # three engine starts in subprocesses, two of them tracing the blocks (dynamo)
+pytestmark = pytest.mark.slow  # four engine starts in subprocesses, three of them tracing the blocks (dynamo)
 
 
 def test_compile_smoke_writes_every_start_and_the_stream_compiles_nothing_after_the_warm_up(tmp_path):
@@ -22,6 +22,8 @@ def test_compile_smoke_writes_every_start_and_the_stream_compiles_nothing_after_
     rows = {row["start"]: row for row in report["rows"]}
     assert list(rows) == list(bench_compile.STARTS)
     assert rows["no compile"]["x no-compile start"] == 1 and "frames_compiled" not in rows["no compile"]
+    assert [row["warmup_overlap"] for row in rows.values()] == [start == bench_compile.OVERLAP_START
+                                                                for start in rows]
     for start in bench_compile.STARTS[1:]:
         row = rows[start]
         assert row["x no-compile start"] == pytest.approx(row["start_s"] / rows["no compile"]["start_s"], rel=0.01)

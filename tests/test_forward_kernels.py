@@ -72,6 +72,68 @@ def longer_prompt(request: Request, num_text_tokens: int) -> Request:
 # --- engine.attention --------------------------------------------------------------------------------------
 
 
+class FakeCudaTimeline:
+    """torch.cuda's spin, events and their timing over a fake device clock (ms): a call takes `kernel_ms` of device
+    time, and the host queues each call `host_gap_ms` after the last. Queued behind a spin still running, a call
+    starts when the one before it ends; otherwise when the host launches it (the gap is on the device's timeline).
+    The spin lasts `ms_per_cycle` a cycle."""
+
+    def __init__(self, monkeypatch, kernel_ms: float, host_gap_ms: float, ms_per_cycle: float):
+        self.kernel_ms, self.host_gap_ms, self.ms_per_cycle = kernel_ms, host_gap_ms, ms_per_cycle
+        self.host = 0.0  # host clock
+        self.device = 0.0  # when the device's queue is done
+        self.spins: list[int] = []
+        timeline = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False):
+                self.at: float | None = None
+
+            def record(self) -> None:
+                self.at = timeline.device = max(timeline.device, timeline.host)
+
+            def query(self) -> bool:
+                return self.at <= timeline.host
+
+            def synchronize(self) -> None:
+                timeline.host = max(timeline.host, self.at)
+
+            def elapsed_time(self, end: "Event") -> float:
+                return end.at - self.at
+
+        def sleep(cycles: int) -> None:
+            self.spins.append(cycles)
+            self.device = max(self.device, self.host) + cycles * self.ms_per_cycle
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+
+    def call(self) -> None:
+        self.host += self.host_gap_ms
+        self.device = max(self.device, self.host) + self.kernel_ms
+
+
+@pytest.mark.parametrize("host_gap_ms, spin_ms, spins", [
+    (0.1, 30.0, [1000]),  # the launches queue behind the first spin
+    (5.0, 10.0, [1000, 2000, 4000]),  # 5 launches take 25 ms: the spin is doubled until it outlasts them
+])
+def test_the_attention_probe_times_the_kernels_alone_however_slow_the_host_launches_them(monkeypatch, host_gap_ms,
+                                                                                         spin_ms, spins):
+    from engine.attention import queued_ms
+
+    timeline = FakeCudaTimeline(monkeypatch, kernel_ms=2.9, host_gap_ms=host_gap_ms, ms_per_cycle=spin_ms / 1000)
+    times = queued_ms(timeline.call, 5, spin_cycles=1000, attempts=3)
+    assert times == pytest.approx([2.9] * 5) and timeline.spins == spins
+
+
+def test_a_host_slower_than_every_spin_gets_the_last_attempts_times_with_its_gaps(monkeypatch):
+    from engine.attention import queued_ms
+
+    timeline = FakeCudaTimeline(monkeypatch, kernel_ms=2.9, host_gap_ms=50.0, ms_per_cycle=0.01)
+    times = queued_ms(timeline.call, 3, spin_cycles=1000, attempts=2)
+    assert timeline.spins == [1000, 2000] and max(times) > 2.9  # the gaps show (nothing better was possible)
+
+
 def test_auto_on_cpu_keeps_the_default_and_measures_nothing(model):
     def timer(name: str) -> float:
         raise AssertionError(f"auto measured {name} on a CPU")
@@ -863,7 +925,8 @@ def test_an_engine_compiles_its_warm_up_beside_its_text_encoder_load_and_its_req
     monkeypatch.setattr(Engine, "_warm_up_run", warming)
     canvas = dict(width=64, height=64, seconds=5.0)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas],
+                                          "warmup_overlap": True}))
     assert seen == {"load": threading.current_thread().name, "warm-up": "compile-warm-up"}
     assert engine.prompt_stage is not None and engine.decode_stage is not None
     assert torch.get_default_dtype() == torch.float32
@@ -895,11 +958,35 @@ def test_a_denoiser_engine_compiles_its_warm_up_beside_its_plan_cache_build(tiny
     monkeypatch.setattr(Engine, "_warm_up_run", warming)
     canvas = dict(width=64, height=64, seconds=5.0)
     engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
-                                         compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+                                         compile={"mode": "blocks", "backend": "eager", "warmup": [canvas],
+                                                  "warmup_overlap": True}))
     assert engine.plan_cache is not None and engine.startup.plan_cache_s > 0
     result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False, **canvas),
                             prompt_of(11))
     assert result.stats.compile.since_warmup == 0 and result.stats.adaln.built_plans > 0
+
+
+def test_by_default_the_warm_up_runs_on_the_starting_thread_once_the_plan_cache_and_text_encoder_are_built(
+        tiny_checkpoint, monkeypatch):
+    import threading
+
+    from engine.engine import Engine
+
+    torch._dynamo.reset()
+    seen: list[tuple[str, bool, bool]] = []
+    warm_up_run = Engine._warm_up_run
+
+    def warming(self, run) -> int:
+        seen.append((threading.current_thread().name, self.plan_cache is not None, self.prompt_stage is not None))
+        return warm_up_run(self, run)
+
+    monkeypatch.setattr(Engine, "_warm_up_run", warming)
+    config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                          compile={"mode": "blocks", "backend": "eager", "warmup": [dict(width=64, height=64,
+                                                                                          seconds=5.0)]})
+    assert config.compile.warmup_overlap is False
+    Engine(config)
+    assert seen == [(threading.current_thread().name, True, True)]
 
 
 def test_a_warmup_adapter_must_be_configured_naming_the_field():
