@@ -16,9 +16,9 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
   schedule's first forward, `engine.forward.warm_up`), after the plan cache's build (and the text encoder's load);
 - `compile, warm cache`: the same config and folder again: dynamo traces, inductor loads its kernels from what
   the cold start wrote;
-- `compile, warm cache, beside the loads`: the same with `compile.warmup_overlap`: the warm-up on a thread beside
-  the plan cache's build (and the text encoder's load), so the start pays the longer of the two where they do not
-  contend, not their sum.
+- `compile, warm cache, beside the loads`: the same with `compile.overlap_loads`: the compiler imported on a
+  thread during the checkpoint read, the warm-up on one beside the plan cache's build (and the text encoder's
+  load), so the start pays the longer of the two where they do not contend, not their sum.
 
 With `--stages` each start is the whole `engine.Engine` (its text encoder, `--text-layers` decoder layers, and its
 VAEs load too).
@@ -83,7 +83,7 @@ SMOKE_CANVASES = (Canvas(64, 64, 0.5), Canvas(128, 64, 0.5), Canvas(64, 128, 0.5
 H3_STEPS = (5, 9, 3)  # the first is the warm-up's and the first request's
 SMOKE_STEPS = (5, 4, 3)
 STARTS = ("no compile", "compile, cold cache", "compile, warm cache", "compile, warm cache, beside the loads")
-#: The start whose warm-up runs beside the plan cache's build and the text encoder's load (`compile.warmup_overlap`).
+#: The start whose warm-up runs beside the plan cache's build and the text encoder's load (`compile.overlap_loads`).
 OVERLAP_START = STARTS[3]
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
            "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
@@ -114,7 +114,7 @@ def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_
         checkpoint=str(checkpoint), device=args.device, text_encoder=text_encoder,
         geometry={"short_edge": None, "min_seconds": 0.1},
         compile={"mode": "blocks" if compiled else "off", "backend": args.backend, "cache_dir": str(cache_dir),
-                 "warmup": warmup, "warmup_overlap": start == OVERLAP_START})
+                 "warmup": warmup, "overlap_loads": start == OVERLAP_START})
 
 
 def serve_one(args: argparse.Namespace) -> dict:
@@ -137,7 +137,7 @@ def serve_one(args: argparse.Namespace) -> dict:
                  "transformer_s": round(engine.startup.transformer_s, 4),
                  "transformer_bytes": engine.startup.transformer_bytes,
                  "block_bytes": sum(p.nbytes for p in blocks.parameters() if not p.is_meta), "warmup_forward_s": 0.0,
-                 "warmup_overlap": engine.config.compile.warmup_overlap,
+                 "overlap_loads": engine.config.compile.overlap_loads,
                  "text_encoder_s": round(engine.startup.text_encoder_s, 4), "vae_s": round(engine.startup.vae_s, 4)}
     if engine.prompt_stage is not None:
         encoder = engine.prompt_stage.encoder

@@ -264,12 +264,12 @@ class Engine:
         self.pool_tier = remote if online else None
         # The configured canvases' graphs, so no request pays the compile (a forward or two, not their schedules),
         # made after the plan cache's build and the text encoder's load, or beside them with
-        # `compile.warmup_overlap` (the warm-up's AdaLN rows are stand-ins: it needs neither; one device only:
+        # `compile.overlap_loads` (the warm-up's AdaLN rows are stand-ins: it needs neither; one device only:
         # `forward.warm_up` says why).
         plan_cache_s, warm_up_s, text_encoder_s = forward.warm_up(
             self.forward_kernels, config.served_warmup(), self._warm_up_tiers(), tokens=self._warm_up_tokens,
             run=self._warm_up_run, meanwhile=functools.partial(self._build_rest, online, remote),
-            overlap=self.group is None and config.compile.warmup_overlap, device=self.device)
+            overlap=self.group is None and config.compile.overlap_loads, device=self.device)
         # After the warm-up: diffusers' `from_pretrained` sets torch's default dtype, process-wide, while it builds
         # a VAE (a warm-up beside it could trace a graph of other dtypes).
         vae_s = self._load_vaes()

@@ -83,9 +83,9 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
 
 
 def import_compiler(compile_config: CompileConfig, device: torch.device) -> None:
-    """With compiled blocks, import the compiler on a thread while the caller loads the checkpoint, so neither the
-    start nor the warm-up waits for it (`engine.compiled.import_in_background`)."""
-    if compile_config.mode == "blocks":
+    """With compiled blocks and `compile.overlap_loads`, import the compiler on a thread while the caller loads the
+    checkpoint (`engine.compiled.import_in_background`); otherwise the warm-up's first compile imports it."""
+    if compile_config.mode == "blocks" and compile_config.overlap_loads:
         import_in_background(compiler_modules(compile_config.backend, device))
 
 

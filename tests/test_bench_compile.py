@@ -22,7 +22,7 @@ def test_compile_smoke_writes_every_start_and_the_stream_compiles_nothing_after_
     rows = {row["start"]: row for row in report["rows"]}
     assert list(rows) == list(bench_compile.STARTS)
     assert rows["no compile"]["x no-compile start"] == 1 and "frames_compiled" not in rows["no compile"]
-    assert [row["warmup_overlap"] for row in rows.values()] == [start == bench_compile.OVERLAP_START
+    assert [row["overlap_loads"] for row in rows.values()] == [start == bench_compile.OVERLAP_START
                                                                 for start in rows]
     for start in bench_compile.STARTS[1:]:
         row = rows[start]

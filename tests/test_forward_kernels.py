@@ -401,7 +401,7 @@ def test_the_compiler_imports_on_a_thread_and_a_module_that_fails_stops_it_quiet
     assert "bg_broken" not in sys.modules and "bg_after" not in sys.modules
 
 
-def test_an_engine_with_compiled_blocks_imports_the_compiler_before_its_load(tiny_checkpoint, monkeypatch):
+def test_an_engine_compiling_beside_its_loads_imports_the_compiler_before_its_load(tiny_checkpoint, monkeypatch):
     from engine import forward
     from engine.engine import DenoiserEngine
 
@@ -412,7 +412,9 @@ def test_an_engine_with_compiled_blocks_imports_the_compiler_before_its_load(tin
     DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", compile={"backend": "eager"}))
     DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", compile={"mode": "blocks",
                                                                                        "backend": "eager"}))
-    assert events == ["load", "import torch._dynamo.repro.after_dynamo", "load"]
+    DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", compile={
+        "mode": "blocks", "backend": "eager", "overlap_loads": True}))
+    assert events == ["load", "load", "import torch._dynamo.repro.after_dynamo", "load"]
 
 
 # --- engine.quantization: fp8 ------------------------------------------------------------------------------
@@ -926,7 +928,7 @@ def test_an_engine_compiles_its_warm_up_beside_its_text_encoder_load_and_its_req
     canvas = dict(width=64, height=64, seconds=5.0)
     engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                                  compile={"mode": "blocks", "backend": "eager", "warmup": [canvas],
-                                          "warmup_overlap": True}))
+                                          "overlap_loads": True}))
     assert seen == {"load": threading.current_thread().name, "warm-up": "compile-warm-up"}
     assert engine.prompt_stage is not None and engine.decode_stage is not None
     assert torch.get_default_dtype() == torch.float32
@@ -959,7 +961,7 @@ def test_a_denoiser_engine_compiles_its_warm_up_beside_its_plan_cache_build(tiny
     canvas = dict(width=64, height=64, seconds=5.0)
     engine = DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                                          compile={"mode": "blocks", "backend": "eager", "warmup": [canvas],
-                                                  "warmup_overlap": True}))
+                                                  "overlap_loads": True}))
     assert engine.plan_cache is not None and engine.startup.plan_cache_s > 0
     result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False, **canvas),
                             prompt_of(11))
@@ -984,7 +986,7 @@ def test_by_default_the_warm_up_runs_on_the_starting_thread_once_the_plan_cache_
     config = EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                           compile={"mode": "blocks", "backend": "eager", "warmup": [dict(width=64, height=64,
                                                                                           seconds=5.0)]})
-    assert config.compile.warmup_overlap is False
+    assert config.compile.overlap_loads is False
     Engine(config)
     assert seen == [(threading.current_thread().name, True, True)]
 
