@@ -176,6 +176,31 @@ def test_app_smoke_measures_every_tier_through_the_served_app(tmp_path, bench_st
     assert all(metric in markdown for metric in rows if metric.startswith("plan_s: "))  # every tier's row
 
 
+def test_served_compile_smoke_warms_each_compiled_replica_so_its_requests_compile_nothing(tmp_path,
+                                                                                          bench_starts_its_own_ray):
+    """bench.served_compile on CPU: three app starts (no compile, a cold and a warm compile cache), each a fresh
+    Worker replica; through the handle the compiled ones' first request and the mixed stream compile nothing
+    after the warm-up (what every response reports), each start beside the no-compile one."""
+    from bench import served_compile
+
+    assert served_compile.main(["--smoke", "--repeats", "1", "--checkpoint", str(tmp_path / "tiny"),
+                                "--out", str(tmp_path)]) == 0
+    report = load(tmp_path / "served-compile-smoke-cpu.json")
+    assert report["commit"] and report["command"].startswith("python")
+    rows = {row["start"]: row for row in report["rows"]}
+    assert list(rows) == list(served_compile.STARTS)
+    assert "warmup_s" not in rows["no compile"] and rows["no compile"]["x no-compile replica"] == 1
+    for start in served_compile.STARTS[1:]:
+        row = rows[start]
+        assert 0 < row["engine_s"] < row["replica_s"]  # the engine's build is part of the replica's start
+        assert row["x no-compile replica"] == pytest.approx(row["replica_s"] / rows["no compile"]["replica_s"],
+                                                            rel=0.01)
+        assert row["warmup_s"] > 0 and row["warmup_forwards"] == 1  # a fresh process: the warm-up compiled
+        assert row["stream_requests"] == len(served_compile.SMOKE_CANVASES) * len(served_compile.SMOKE_STEPS)
+        assert row["stream_recompiles"] == 0
+        assert row["x later"] == pytest.approx(row["first_ms"] / row["later_ms"], rel=0.01)
+
+
 def test_app_scale_up_parts_add_up_to_the_request_to_running_time():
     """bench.app's scale-up rows: consecutive parts of the new replica's wall-clock timeline, from the scale
     request to Serve reporting it RUNNING; a replica that did not answer describe() gets one n/a row."""
