@@ -1,7 +1,7 @@
 """The attention kernel the transformer runs (`engine.attention`): a diffusers backend name, or `auto`.
 
-`auto` measures the exact backends this process can run, once at start on the engine's device, and keeps the
-fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where
+`auto` measures the exact backends this process can run, once at start on the engine's device (or recalls what a
+replica before it measured, beside the compile cache: `ChoiceMemo`), and keeps the fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where
 the `flash-attn-4` wheel is: `engine.flash4`). On a CPU it keeps diffusers' default and measures nothing (no
 kernel choice there is worth a start-up cost). A named backend is set as is; one this process cannot run fails
 the start with the field named, and one whose kernels come from an optional package (FlashAttention 2/3/4,
@@ -16,10 +16,15 @@ so it honours the choice whether installed before or after.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import logging
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from diffusers import ModelMixin
@@ -27,6 +32,8 @@ from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_a
 
 from engine import flash4
 from engine.config import ATTENTION_AUTO as AUTO
+
+logger = logging.getLogger(__name__)
 
 
 #: diffusers' default when none is set: torch's scaled_dot_product_attention, which picks its own kernel.
@@ -103,7 +110,8 @@ class AttentionChoice:
     """What the engine runs and why (`describe()["forward"]["attention"]`, the start-up log)."""
 
     backend: str
-    reason: str  # "configured", "measured" (auto on an accelerator), "default" (auto on a CPU)
+    reason: str  # "configured", "measured" (auto on an accelerator), "remembered" (auto: `ChoiceMemo`), "default"
+    # (auto on a CPU)
     #: ms of one probe call per backend that ran (auto on an accelerator only), fastest first.
     measured_ms: dict[str, float] = field(default_factory=dict)
     #: Backends auto tried that could not run here, each with why.
@@ -136,9 +144,10 @@ BackendTimer = Callable[[str], float]
 
 
 def choose_attention(transformer: ModelMixin, setting: str, device: torch.device, *,
-                     timer: BackendTimer | None = None) -> AttentionChoice:
+                     timer: BackendTimer | None = None, memo: ChoiceMemo | None = None) -> AttentionChoice:
     """Set `setting` (a backend name or `auto`) on `transformer` and say what runs. `timer`: how `auto` times a
-    backend (default: `probe_timer` on `device` with the transformer's heads and head dim)."""
+    backend (default: `probe_timer` on `device` with the transformer's heads and head dim). `memo`: where `auto`
+    recalls a choice made for the same `ProbeKey` instead of measuring, and keeps the one it measured."""
     if setting != AUTO:
         if setting == flash4.FLASH_4 and device.type != "cuda":
             raise AttentionBackendError(setting, f"FlashAttention-4 needs a CUDA GPU, not {device.type}")
@@ -147,23 +156,101 @@ def choose_attention(transformer: ModelMixin, setting: str, device: torch.device
     if device.type == "cpu":
         return AttentionChoice(DEFAULT_BACKEND, "default")
     config = transformer.config
-    if timer is None:
-        timer = probe_timer(device, config.num_attention_heads, config.attention_head_dim)
-    measured: dict[str, float] = {}
     unavailable: dict[str, str] = {}
+    candidates = []
     for name in EXACT_CANDIDATES:
         try:
             _requirements(name)
+            candidates.append(name)
+        except Exception as exc:  # a missing package, an unsupported device: not a candidate here
+            unavailable[name] = _why(exc)
+    key = ProbeKey.of(device, config.num_attention_heads, config.attention_head_dim, tuple(candidates))
+    if memo is not None and (recalled := memo.recall(key)) is not None:
+        _set(transformer, recalled.backend)
+        return recalled
+    if timer is None:
+        timer = probe_timer(device, config.num_attention_heads, config.attention_head_dim)
+    measured: dict[str, float] = {}
+    for name in candidates:
+        try:
             measured[name] = timer(name)
-        except Exception as exc:  # a missing package, an unsupported device or shape: not a candidate here
-            unavailable[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        except Exception as exc:  # an unsupported shape or dtype, a wrong output: not a candidate here
+            unavailable[name] = _why(exc)
     if not measured:
         raise AttentionBackendError(AUTO, f"no exact backend ran: {unavailable}")
     ranked = dict(sorted(measured.items(), key=lambda item: item[1]))
     best = next(iter(ranked))
     _set(transformer, best)
     flops = 4.0 * PROBE_TOKENS**2 * config.num_attention_heads * config.attention_head_dim
-    return AttentionChoice(best, "measured", ranked, unavailable, PROBE_TOKENS, flops)
+    choice = AttentionChoice(best, "measured", ranked, unavailable, PROBE_TOKENS, flops)
+    if memo is not None:
+        memo.keep(key, choice)
+    return choice
+
+
+def _why(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+@dataclass(frozen=True)
+class ProbeKey:
+    """What an `auto` measurement holds for: the device model, the kernels' software, the probe's shape and the
+    backends this process can run (`_requirements` passed: an installed or removed FlashAttention changes it)."""
+
+    device: str
+    torch: str
+    diffusers: str
+    heads: int
+    head_dim: int
+    tokens: int
+    candidates: tuple[str, ...]
+
+    @classmethod
+    def of(cls, device: torch.device, heads: int, head_dim: int, candidates: tuple[str, ...]) -> ProbeKey:
+        import diffusers
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() \
+            else device.type
+        return cls(name, torch.__version__, diffusers.__version__, heads, head_dim, PROBE_TOKENS, candidates)
+
+
+class ChoiceMemo:
+    """`auto`'s choice kept in a JSON file beside the compile cache (`compile.cache_dir`), so a restarted or
+    scaled-out replica on the same machine type runs the kernel its predecessor measured fastest, without measuring
+    again. That is what makes the compile cache serve it: another backend is another graph, and a near tie (or a
+    disturbed probe: on an H100 one start ranked `_native_flash` first) decided anew at each start would send a
+    warm start to a full compile (a 15 s warm-up instead of 6.7 s on a 4-block H100 run). A record of another `ProbeKey` (another
+    GPU, torch, diffusers, model shape or set of installed kernels), or one that does not parse, is measured over
+    and replaced. Replicas starting together on one node may each measure and write (the file is replaced whole, the
+    last one stays)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def recall(self, key: ProbeKey) -> AttentionChoice | None:
+        try:
+            record = json.loads(self.path.read_text())
+            if record.get("key") != _jsonable(dataclasses.asdict(key)):
+                return None
+            choice = AttentionChoice(**{**record["choice"], "reason": "remembered"})
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as exc:  # a torn or foreign file: measure again
+            logger.warning("engine.attention: ignoring %s (%s); measuring again", self.path, exc)
+            return None
+        return choice
+
+    def keep(self, key: ProbeKey, choice: AttentionChoice) -> None:
+        record = {"key": _jsonable(dataclasses.asdict(key)), "choice": dataclasses.asdict(choice)}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(record, indent=1))
+        partial.replace(self.path)  # atomic: a reader sees the old record or the new one
+
+
+def _jsonable(value: object) -> object:
+    """`value` as it reads back from JSON (tuples become lists), so a recalled key compares equal."""
+    return json.loads(json.dumps(value))
 
 
 def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int = PROBE_TOKENS,

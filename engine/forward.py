@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-from engine.attention import AttentionChoice, choose_attention
+from engine.attention import AttentionChoice, ChoiceMemo, choose_attention
 from engine.compiled import CompiledBlocks, CompileStats, compiler_modules, import_in_background
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
@@ -33,6 +34,8 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
+#: The file in `compile.cache_dir` that keeps `engine.attention: auto`'s choice (`attention_memo`).
+ATTENTION_MEMO = "attention-auto.json"
 #: Prompt rows of the warm-up's stand-in embedding (the sequence dimension is dynamic: any length would do).
 WARMUP_TEXT_TOKENS = 64
 
@@ -96,7 +99,7 @@ def install(transformer: MiniMaxH3Transformer3DModel, *, attention: str, compile
     """Choose the attention backend (measured on `device` for `auto`), then compile the blocks if configured
     (`modulation`: online AdaLN's rows, which the compiled blocks read; `lora_active`: whether an unfused adapter
     is on, `engine.adapters.AdapterSet.lora_active`)."""
-    choice = choose_attention(transformer, attention, device)
+    choice = choose_attention(transformer, attention, device, memo=attention_memo(compile_config))
     compiled = CompiledBlocks(transformer.transformer_blocks, compile_config.options, modulation,
                               lora_active).apply() if compile_config.mode == "blocks" else None
     return ForwardKernels(choice, quantization, quantized_linears, compiled, precision)
@@ -121,6 +124,14 @@ class StandInPlans:
 
     def release(self) -> None:
         pass
+
+
+def attention_memo(compile_config: CompileConfig) -> ChoiceMemo | None:
+    """Where `auto` keeps its choice: beside the compiled blocks' on-disk cache, whose graphs it decides (None
+    without one: nothing would be reused)."""
+    if compile_config.mode != "blocks" or compile_config.cache_dir is None:
+        return None
+    return ChoiceMemo(Path(compile_config.cache_dir) / ATTENTION_MEMO)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ bench/results/forward-nvidia-h200.md (relative error 2.7e-3 per block)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
+import json
 
 import pytest
 import torch
@@ -268,6 +270,65 @@ def test_flash_4_without_the_wheel_fails_naming_it_and_on_a_cpu_naming_the_devic
     with pytest.raises(AttentionBackendError, match="optional package 'flash_attn.cute'.*flash-attn-4"):
         choose_attention(model, "flash_4", torch.device("cuda"))
     assert processors_backends(model) == {None}
+
+
+CUDNN_FASTEST = {"_native_cudnn": 3.1, "native": 3.3, "_native_flash": 5.3, "_native_efficient": 11.2}
+
+
+def fake_timer(ms: dict[str, float]):
+    def timer(name: str) -> float:
+        if name not in ms:
+            raise RuntimeError(f"{name} cannot run here")
+        return ms[name]
+
+    return timer
+
+
+def never_timed(name: str) -> float:
+    raise AssertionError(f"auto measured {name} though a choice for this key was kept")
+
+
+def test_auto_keeps_its_choice_beside_the_compile_cache_and_a_restart_recalls_it_without_measuring(model, weights,
+                                                                                                  tmp_path):
+    from engine.attention import ChoiceMemo
+
+    memo = ChoiceMemo(tmp_path / "cache" / "attention-auto.json")
+    first = choose_attention(model, AUTO, torch.device("cuda"), timer=fake_timer(CUDNN_FASTEST), memo=memo)
+    assert first.backend == "_native_cudnn" and first.reason == "measured" and memo.path.is_file()
+    fresh = load_transformer(weights, "cpu")  # a restarted replica's
+    again = choose_attention(fresh, AUTO, torch.device("cuda"), timer=never_timed, memo=memo)
+    assert again == dataclasses.replace(first, reason="remembered")
+    assert processors_backends(fresh) == {AttentionBackendName._NATIVE_CUDNN} and "remembered" in again.summary()
+
+
+@pytest.mark.parametrize("foreign", ["another GPU", "another model shape", "other kernels installed", "torn file"])
+def test_a_kept_choice_for_another_probe_key_is_measured_over_and_replaced(model, tmp_path, foreign):
+    from engine.attention import ChoiceMemo
+
+    memo = ChoiceMemo(tmp_path / "attention-auto.json")
+    choose_attention(model, AUTO, torch.device("cuda"), timer=fake_timer({"native": 1.0, "_native_cudnn": 2.0}),
+                     memo=memo)
+    record = json.loads(memo.path.read_text())
+    if foreign == "torn file":
+        memo.path.write_text(memo.path.read_text()[:40])
+    else:
+        field_name = {"another GPU": "device", "another model shape": "heads",
+                      "other kernels installed": "candidates"}[foreign]
+        record["key"][field_name] = {"device": "NVIDIA B200", "heads": 7, "candidates": ["native"]}[field_name]
+        memo.path.write_text(json.dumps(record))
+    choice = choose_attention(model, AUTO, torch.device("cuda"), timer=fake_timer(CUDNN_FASTEST), memo=memo)
+    assert choice.reason == "measured" and choice.backend == "_native_cudnn"
+    assert json.loads(memo.path.read_text())["choice"]["backend"] == "_native_cudnn"  # replaced
+
+
+def test_the_engine_keeps_auto_s_choice_only_beside_a_compile_cache_it_names(tmp_path):
+    from engine.config import CompileConfig
+    from engine.forward import ATTENTION_MEMO, attention_memo
+
+    assert attention_memo(CompileConfig()) is None  # compile off: no graph depends on it
+    assert attention_memo(CompileConfig(mode="blocks")) is None  # inductor's default cache: nothing of ours in it
+    memo = attention_memo(CompileConfig(mode="blocks", cache_dir=str(tmp_path)))
+    assert memo is not None and memo.path == tmp_path / ATTENTION_MEMO
 
 
 def test_auto_times_flash_4_where_the_wheel_imports(model, fake_fa4_wheel):
