@@ -1,12 +1,12 @@
 """The attention kernel the transformer runs (`engine.attention`): a diffusers backend name, or `auto`.
 
 `auto` measures the exact backends this process can run, once at start on the engine's device (or recalls what a
-replica before it measured, beside the compile cache: `ChoiceMemo`), and keeps the fastest (on Hopper today cuDNN; FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where
-the `flash-attn-4` wheel is: `engine.flash4`). On a CPU it keeps diffusers' default and measures nothing (no
-kernel choice there is worth a start-up cost). A named backend is set as is; one this process cannot run fails
-the start with the field named, and one whose kernels come from an optional package (FlashAttention 2/3/4,
-SageAttention, xformers: `OPTIONAL_KERNELS`) that is not importable fails naming the package and how to install
-it.
+replica before it measured, beside the compile cache: `ChoiceMemo`), and keeps the fastest (on Hopper today cuDNN;
+FlashAttention-3 where `flash_attn_interface` is installed, FlashAttention-4 where the `flash-attn-4` wheel is:
+`engine.flash4`). On a CPU it keeps diffusers' default and measures nothing (no kernel choice there is worth a
+start-up cost). A named backend is set as is; one this process cannot run fails the start with the field named, and
+one whose kernels come from an optional package (FlashAttention 2/3/4, SageAttention, xformers: `OPTIONAL_KERNELS`)
+that is not importable fails naming the package and how to install it.
 
 The choice goes through diffusers' own seam (`ModelMixin.set_attention_backend`), which sets every attention
 processor's `_attention_backend` and the registry's active backend; our sequence-parallel processor
@@ -54,7 +54,7 @@ EXACT_CANDIDATES = (
 #: kernels rank as at the served sizes (8k-62k tokens), short enough to cost well under a second in all.
 PROBE_TOKENS = 8192
 #: GPU clock cycles of the spin the probe's calls queue behind (~30 ms at Hopper's clocks: `queued_ms`), and how
-#: often a spin too short for the host is doubled.
+#: many spins a probe tries, each twice as long as the one before, before it takes the times as they are.
 SPIN_CYCLES = 50_000_000
 QUEUE_ATTEMPTS = 3
 #: A backend whose probe output differs from the default's by more than this (bf16 inputs, |out| ~ 1) is
@@ -215,14 +215,15 @@ class ProbeKey:
 
 
 class ChoiceMemo:
-    """`auto`'s choice kept in a JSON file beside the compile cache (`compile.cache_dir`), so a restarted or
-    scaled-out replica on the same machine type runs the kernel its predecessor measured fastest, without measuring
-    again. That is what makes the compile cache serve it: another backend is another graph, and a near tie (or a
+    """`auto`'s choice kept in a JSON file beside the compile cache (`compile.cache_dir`), so a restarted or scaled-out
+    replica on the same machine type runs the kernel its predecessor measured fastest, without measuring again.
+    That is what makes the compile cache serve it: another backend is another graph, and a near tie (or a
     disturbed probe: on an H100 one start ranked `_native_flash` first) decided anew at each start would send a
-    warm start to a full compile (a 15 s warm-up instead of 6.7 s on a 4-block H100 run). A record of another `ProbeKey` (another
-    GPU, torch, diffusers, model shape or set of installed kernels), or one that does not parse, is measured over
-    and replaced. Replicas starting together on one node may each measure and write (the file is replaced whole, the
-    last one stays)."""
+    warm start to a full compile (a 15 s warm-up instead of 6.7 s on a 4-block H100 run). A record of another
+    `ProbeKey` (another GPU, torch, diffusers, model shape or set of installed kernels), or one that does not
+    parse, is measured over and replaced. Replicas starting together on one node may each measure and write (the
+    file is replaced whole, the last one stays). A choice is kept until its key changes: delete the file to
+    measure again."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -230,7 +231,7 @@ class ChoiceMemo:
     def recall(self, key: ProbeKey) -> AttentionChoice | None:
         try:
             record = json.loads(self.path.read_text())
-            if record.get("key") != _jsonable(dataclasses.asdict(key)):
+            if not isinstance(record, dict) or record.get("key") != _jsonable(dataclasses.asdict(key)):
                 return None
             choice = AttentionChoice(**{**record["choice"], "reason": "remembered"})
         except FileNotFoundError:
@@ -241,11 +242,16 @@ class ChoiceMemo:
         return choice
 
     def keep(self, key: ProbeKey, choice: AttentionChoice) -> None:
+        """Write the record; a folder that takes none (read-only, full) costs the next start a measurement, not
+        this one its start."""
         record = {"key": _jsonable(dataclasses.asdict(key)), "choice": dataclasses.asdict(choice)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(record, indent=1))
-        partial.replace(self.path)  # atomic: a reader sees the old record or the new one
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(record, indent=1))
+            partial.replace(self.path)  # atomic: a reader sees the old record or the new one
+        except OSError as exc:
+            logger.warning("engine.attention: could not keep the choice in %s (%s)", self.path, exc)
 
 
 def _jsonable(value: object) -> object:
@@ -263,6 +269,10 @@ def probe_timer(device: torch.device, heads: int, head_dim: int, *, tokens: int 
     reference = dispatch_attention_fn(q, k, v, backend=AttentionBackendName(DEFAULT_BACKEND))
 
     def time_ms(name: str) -> float:
+        with torch.cuda.device(device):  # the spin and the events on the engine's device, not the thread's current
+            return _time_ms(name)
+
+    def _time_ms(name: str) -> float:
         backend = dispatch_name(name)
         out = dispatch_attention_fn(q, k, v, backend=backend)
         error = (out.float() - reference.float()).abs().max().item()
@@ -282,6 +292,8 @@ def queued_ms(call: Callable[[], object], repeats: int, *, spin_cycles: int = SP
     9 ms and once ranked a 1.9x slower backend first). When the spin ended before the last call was queued, the
     host was slower than it: tried again with a spin twice as long, up to `attempts` times, then the last times
     are returned as they are."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(attempts):
         torch.cuda._sleep(spin_cycles << attempt)
         spun = torch.cuda.Event()

@@ -271,7 +271,8 @@ class CompileConfig(BaseModel):
         "and run the warm-up on one beside the plan cache's build and the text encoder's load (one device). Off: on "
         "an H100 both slowed what they ran beside more than they hid (the threads share Python's lock: the "
         "transformer's load 0.6-0.7 s -> 1.0-2.2 s beside the import; a cold warm-up 17.2 s beside a 3.9 s plan "
-        "cache build vs 11.4 s after it); `bench.compile` times both.")
+        "cache build vs 11.4 s after it at the commit before, which paid a trace restart more); `bench.compile` "
+        "times both.")
 
 
     @property

@@ -290,8 +290,8 @@ class Engine:
         logger.info("forward: %s", self.forward_kernels.summary())
 
     def _build_rest(self, online: bool, remote: RemoteTier | None) -> tuple[float, float, float]:
-        """What the start builds beside the compile warm-up: the AdaLN plan cache (online), its warm-up, the text
-        encoder. Their seconds."""
+        """What the start builds before the compile warm-up (beside it with `compile.overlap_loads`): the AdaLN plan
+        cache (online), its warm-up, the text encoder. Their seconds."""
         t = time.perf_counter()
         if online and self.group is None:
             provider = make_adaln_provider(self.config.adaln, self.transformer, self.weights, self.device,
@@ -326,16 +326,16 @@ class Engine:
     def _warm_up_tokens(self, canvas: WarmupCanvas) -> int:
         """Packed rows of a warm-up forward of `canvas` (ClientError, a ValueError, when this engine refuses it)."""
         request = with_adapter_defaults(self._warm_up_request(canvas, self.limits.default_quality), self.limits)
-        geometry, _, _ = self._checked(request)
+        geometry, _, _ = self._checked(request, warm_up=True)
         return geometry.num_tokens(forward.WARMUP_TEXT_TOKENS)
 
     def _warm_up_run(self, run: forward.WarmupRun) -> int:
         """One warm-up request through the denoiser on a stand-in prompt embedding (zeros); its forwards."""
         embeds = torch.zeros(forward.WARMUP_TEXT_TOKENS, self.model_config.text_dim,
                              dtype=self.model_config.torch_dtype)
-        result = self._locked_denoise(self._warm_up_request(run.canvas, run.quality),
-                                      PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)), None, None,
-                                      warm_up=True)
+        result = self._denoise_request(self._warm_up_request(run.canvas, run.quality),
+                                       PromptEmbedding(embeds, 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0)), None, None,
+                                       warm_up=True)
         return result.stats.forwards
 
     def _load_text_encoder(self) -> float:
@@ -389,12 +389,14 @@ class Engine:
         `embedding`: a fl2va / ref2va request's, prepared elsewhere (its `Conditions`: a denoiser-only engine)."""
         self._checked(with_adapter_defaults(request, self.limits), embedding)
 
-    def _checked(self, request: GenerationRequest, embedding: PromptEmbedding | None = None,
-                 ) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
+    def _checked(self, request: GenerationRequest, embedding: PromptEmbedding | None = None, *,
+                 warm_up: bool = False) -> tuple[VideoGeometry, H3Schedule, CacheDitConfig]:
         """The request's geometry, schedule and Cache-DiT config; its prompt is checked by the prompt stage
         (here when this engine holds it, else in the TextEncoder deployment, before encoding). A fl2va / ref2va
         `embedding` carries its `Conditions` (canvas, reference soundtrack): the denoiser needs neither the media
-        nor the encoders to plan it (`stages: split`, and the ranks of a sequence-parallel replica)."""
+        nor the encoders to plan it (`stages: split`, and the ranks of a sequence-parallel replica). A `warm_up`
+        asks neither the plan cache (it runs on stand-in rows) nor the prompt stage (a stand-in embedding): they
+        may still be being built beside it (`compile.overlap_loads`)."""
         self._check_task(request)
         try:
             if request.task is Task.T2VA:
@@ -412,12 +414,12 @@ class Engine:
                 geometry, schedule = checked_conditioning(self.conditioning, request).check(request)
         except (GeometryError, ScheduleError) as exc:
             raise field_error(exc, request) from None
-        if self.plan_cache is not None:  # more distinct plans than the slab holds: refused here, not mid-run
+        if self.plan_cache is not None and not warm_up:  # more plans than the slab holds: refused here, not mid-run
             try:
                 self.plan_cache.check_admission(schedule.plans)
             except AdmissionError as exc:
                 raise AdmissionRejected(str(exc), f"adaln.gpu_plans={self.config.adaln.gpu_plans}") from exc
-        if self.prompt_stage is not None:
+        if self.prompt_stage is not None and not warm_up:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
 
@@ -531,14 +533,14 @@ class Engine:
         """The denoiser stage: AdaLN plans and the denoising loop for `request` conditioned on `embedding`
         (`encode` of it, in any process). Returns the latents (no MP4: the decode stage decodes them); timings
         `plan_s`, `denoise_s`. Errors as `generate`."""
-        return self._locked_denoise(request, embedding, progress, cancelled, warm_up=False)
+        return self._denoise_request(request, embedding, progress, cancelled, warm_up=False)
 
     @torch.no_grad()
-    def _locked_denoise(self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None,
-                        cancelled: CancelledFn | None, *, warm_up: bool) -> GenerationResult:
-        """`denoise`; with `warm_up` on stand-in AdaLN rows (`forward.StandInPlans`)."""
+    def _denoise_request(self, request: GenerationRequest, embedding: PromptEmbedding, progress: ProgressFn | None,
+                         cancelled: CancelledFn | None, *, warm_up: bool) -> GenerationResult:
+        """`denoise`; a `warm_up` on stand-in AdaLN rows (`forward.StandInPlans`)."""
         request = with_adapter_defaults(request, self.limits)  # its adapters' steps and shifts, where it set none
-        geometry, schedule, cache_dit = self._checked(request, embedding)
+        geometry, schedule, cache_dit = self._checked(request, embedding, warm_up=warm_up)
         if self.group is not None and request.seed is None:  # raised alike on every rank, before any collective
             raise ValueError("a multi-rank engine needs the request's seed set (every rank must draw the same "
                              "noise); the coordinator (actors.gpu_worker.ParallelEngine) draws it")
@@ -760,7 +762,7 @@ class Engine:
     def _denoise(
         self, request: GenerationRequest, geometry: VideoGeometry, schedule: H3Schedule,
         cache_dit: CacheDitConfig, seed: int, embedding: PromptEmbedding, progress: ProgressFn | None,
-        cancelled: CancelledFn | None, *, warm_up: bool = False,
+        cancelled: CancelledFn | None, *, warm_up: bool,
     ) -> GenerationResult:
         """AdaLN plans and the denoising loop: latents on the CPU, timings plan_s and denoise_s. A `warm_up` runs
         on stand-in rows: a plan of its schedule would cost a rebuild from the checkpoint (at the released size it

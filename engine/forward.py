@@ -2,8 +2,8 @@
 attention backend (`engine.attention`), compiled blocks (`engine.compile`) and the start-up warm-up of the
 configured canvases (the runs that make their graphs, not their whole schedules). The engine calls
 `import_compiler` before it loads the checkpoint, `quantize` right after the load, `install` after every hook
-(ExternalModulation, sequence parallel, offloader, Cache-DiT) is in place, and `warm_up` once it can serve, with
-its plan cache and text encoder built beside it.
+(ExternalModulation, sequence parallel, offloader, Cache-DiT) is in place, and `warm_up` once it can serve, after its
+plan cache and text encoder are built (beside them with `compile.overlap_loads`).
 
 What it set up is `describe()["forward"]` (`GET /v1/models`) and a line of the start-up log.
 """
@@ -177,12 +177,13 @@ def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], tiers: 
     and start counting compiles as after the warm-up; returns what `meanwhile` returns. With compile off nothing
     runs: there is no graph to make.
 
-    `meanwhile` is the rest of the engine's start (its plan cache: pinned host memory and a probe rebuild; its
-    text encoder load: mostly disk and copies; the GIL released for most of both) and runs on this thread. The
-    warm-up needs neither: its AdaLN rows are stand-ins (`StandInPlans`). With `overlap` the runs without adapters go on a thread of their own
-    while it does, so a warm start pays the longer of the two, not their sum: dynamo's trace is Python on the
-    CPU, the loads wait on the disk. The runs naming adapters follow it: loading an adapter makes parameters, and
-    the loads' `init_empty_weights` would put those on meta. No overlap for a replica of several ranks: its
+    `meanwhile` is the rest of the engine's start (its plan cache: pinned host memory and a probe rebuild; its text
+    encoder load: mostly disk and copies; the GIL released for most of both) and runs on this thread. The
+    warm-up needs neither: its AdaLN rows are stand-ins (`StandInPlans`). With `overlap` the runs without
+    adapters go on a thread of their own while it does, so a warm start would pay the longer of the two rather
+    than their sum, were they not to contend for Python's lock (on an H100 they did: the engine's default is no
+    overlap, `compile.overlap_loads`). The runs naming adapters follow it: loading an adapter makes parameters,
+    and the loads' `init_empty_weights` would put those on meta. No overlap for a replica of several ranks: its
     warm-up's collectives must not interleave with the loads' (text encoder TP, the sharded plan rebuild)."""
     counts = []
     for index, canvas in enumerate(canvases):
@@ -200,7 +201,7 @@ def warm_up(kernels: ForwardKernels, canvases: tuple[WarmupCanvas, ...], tiers: 
         try:
             result = meanwhile()
         finally:
-            thread.join()
+            thread.join()  # a failed load is raised once the thread ended, not while it runs on a half-built engine
         warm.raise_failure()
     else:
         result = meanwhile()
@@ -235,6 +236,8 @@ class _WarmupRuns:
         self._failure: BaseException | None = None
 
     def run_all(self, runs: Sequence[WarmupRun]) -> None:
+        if not runs:
+            return
         begin = time.perf_counter()
         try:
             if self._cuda_index is not None:

@@ -1,7 +1,7 @@
-"""bench.compile's smoke run on CPU writes the table its GPU run writes: four starts in fresh processes (no
-compile, a cold and a warm compile cache, the warm one again with its warm-up beside the loads), the compiled ones' first-vs-later request and the mixed stream's
-recompiles after the warm-up, each start beside the no-compile one, measured and estimated at 50 blocks (the
-formula recomputed from the row's own fields)."""
+"""bench.compile's smoke run on CPU writes the table its GPU run writes: four starts in fresh processes (no compile, a
+cold and a warm compile cache, the warm one again with its warm-up beside the loads), the compiled ones'
+first-vs-later request and the mixed stream's recompiles after the warm-up, each start beside the no-compile one,
+measured and estimated at 50 blocks (the formula recomputed from the row's own fields)."""
 
 from __future__ import annotations
 

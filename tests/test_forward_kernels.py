@@ -301,7 +301,8 @@ def test_auto_keeps_its_choice_beside_the_compile_cache_and_a_restart_recalls_it
     assert processors_backends(fresh) == {AttentionBackendName._NATIVE_CUDNN} and "remembered" in again.summary()
 
 
-@pytest.mark.parametrize("foreign", ["another GPU", "another model shape", "other kernels installed", "torn file"])
+@pytest.mark.parametrize("foreign", ["another GPU", "another model shape", "other kernels installed", "torn file",
+                                     "not a record"])
 def test_a_kept_choice_for_another_probe_key_is_measured_over_and_replaced(model, tmp_path, foreign):
     from engine.attention import ChoiceMemo
 
@@ -311,6 +312,8 @@ def test_a_kept_choice_for_another_probe_key_is_measured_over_and_replaced(model
     record = json.loads(memo.path.read_text())
     if foreign == "torn file":
         memo.path.write_text(memo.path.read_text()[:40])
+    elif foreign == "not a record":
+        memo.path.write_text("[]")
     else:
         field_name = {"another GPU": "device", "another model shape": "heads",
                       "other kernels installed": "candidates"}[foreign]
@@ -319,6 +322,15 @@ def test_a_kept_choice_for_another_probe_key_is_measured_over_and_replaced(model
     choice = choose_attention(model, AUTO, torch.device("cuda"), timer=fake_timer(CUDNN_FASTEST), memo=memo)
     assert choice.reason == "measured" and choice.backend == "_native_cudnn"
     assert json.loads(memo.path.read_text())["choice"]["backend"] == "_native_cudnn"  # replaced
+
+
+def test_a_folder_that_cannot_keep_the_choice_costs_the_start_nothing(model, tmp_path):
+    from engine.attention import ChoiceMemo
+
+    (tmp_path / "file").write_text("")  # a file where the memo's folder should be: mkdir fails
+    memo = ChoiceMemo(tmp_path / "file" / "attention-auto.json")
+    choice = choose_attention(model, AUTO, torch.device("cuda"), timer=fake_timer(CUDNN_FASTEST), memo=memo)
+    assert choice.backend == "_native_cudnn" and choice.reason == "measured" and not memo.path.exists()
 
 
 def test_the_engine_keeps_auto_s_choice_only_beside_a_compile_cache_it_names(tmp_path):
@@ -882,21 +894,20 @@ def test_the_warm_up_runs_on_the_starting_threads_cuda_device_named_with_or_with
     assert set_on == [(expected, "compile-warm-up"), (expected, threading.current_thread().name)]
 
 
-def test_a_warm_up_thread_that_cannot_take_its_device_fails_the_start_after_the_load():
+def test_a_warm_up_thread_that_cannot_take_its_device_fails_the_start_after_the_load(monkeypatch):
     def refuse(index: int) -> None:  # on the warm-up's thread only: the starting thread holds its device
-        if threading_main() == "compile-warm-up":
+        if current_thread_name() == "compile-warm-up":
             raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
 
     log = WarmupLog()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "set_device", refuse)
-        with pytest.raises(RuntimeError, match="invalid device ordinal 7"):
-            _warm_up(log, overlap=True, device=torch.device("cuda:7"))
-    assert ("loaded", threading_main()) in log.events and not any(what.startswith("run") for what, _ in log.events)
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(RuntimeError, match="invalid device ordinal 7"):
+        _warm_up(log, overlap=True, device=torch.device("cuda:7"))
+    assert ("loaded", current_thread_name()) in log.events and not any(what.startswith("run") for what, _ in log.events)
     # (the runs naming adapters, after the load, never began: the start failed first)
 
 
-def threading_main() -> str:
+def current_thread_name() -> str:
     import threading
 
     return threading.current_thread().name
