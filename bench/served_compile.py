@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         "since_warmup, cumulative: the first and later requests' too; goal 0)",
         f"whole run {time.perf_counter() - began:.0f} s",
     ]
-    name = "served-compile" + ("-smoke" if args.smoke else "")
+    default_backend = "inductor" if cuda else "eager"
+    name = "-".join(["served-compile"] + ["smoke"] * args.smoke + [args.backend] * (args.backend != default_backend))
     write_results(name, rows, device_tag("cuda" if cuda else "cpu"), command_line(), columns=COLUMNS, notes=notes,
                   out_dir=Path(args.out) if args.out else None)
     return 0
