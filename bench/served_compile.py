@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -46,13 +45,12 @@ import torch
 import yaml
 from ray import serve
 
+from bench.app import PROMPT, ROOT, ensure_checkpoint, free_port
 from bench.common import command_line, device_tag, write_results
 from bench.compile import H3_CANVASES, H3_STEPS, SMOKE_CANVASES, SMOKE_STEPS, Canvas
 from engine.startup import ReplicaStartup
 
-ROOT = Path(__file__).resolve().parents[1]
 APP_NAME = "bench_served_compile"
-PROMPT = "a lighthouse on a cliff at dusk, waves breaking below"
 STARTS = ("no compile", "compile, cold cache", "compile, warm cache")
 COLUMNS = ["start", "replica_s", "x no-compile replica", "engine_s", "x no-compile engine", "warmup_s",
            "warmup_forwards", "first_ms", "later_ms", "x later", "stream_requests", "stream_recompiles"]
@@ -120,14 +118,6 @@ async def serve_one(args: argparse.Namespace, checkpoint: Path, start: str, cach
         serve.delete(APP_NAME)
 
 
-def ensure_checkpoint(args: argparse.Namespace, root: Path) -> Path:
-    from bench.checkpoints import ensure_bench_checkpoint
-
-    default = "tiny-diffusers" if args.smoke else f"h3-b{args.num_blocks}-t{args.text_layers}"
-    return ensure_bench_checkpoint(Path(args.checkpoint) if args.checkpoint else root / default, tiny=args.smoke,
-                                   num_blocks=args.num_blocks, text_layers=args.text_layers)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny checkpoint (dynamo's eager backend unless "
@@ -151,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     cuda = torch.cuda.is_available() and not args.smoke
     with tempfile.TemporaryDirectory(prefix="bench-served-compile-") as tmp:
-        checkpoint = ensure_checkpoint(args, ROOT / "checkpoints").resolve()
+        checkpoint = ensure_checkpoint(args).resolve()
         cache_dir = Path(tmp) / "inductor-cache"  # empty until the cold start fills it
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
                  **({} if cuda else {"num_cpus": 4}))
@@ -185,12 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     write_results(name, rows, device_tag("cuda" if cuda else "cpu"), command_line(), columns=COLUMNS, notes=notes,
                   out_dir=Path(args.out) if args.out else None)
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
