@@ -393,6 +393,21 @@ def test_compiled_blocks_equal_eager_bit_for_bit_and_share_one_graph(model, t2va
     assert all("forward" not in vars(block) for block in model.transformer_blocks)
 
 
+def test_the_block_traces_without_the_fake_tensor_dispatch_cache_and_leaves_the_setting_as_it_was(model, t2va):
+    """On a block of symbolic sizes the cache cost a warm start more than it saved (`CompiledBlocks.apply`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch._dynamo.reset()  # a graph another test traced for this forward would be reused untraced
+    FakeTensorMode.cache_clear()
+    compiled = CompiledBlocks(model.transformer_blocks, EAGER).apply()
+    denoise(model, t2va)
+    assert compiled.stats().frames_compiled == 1
+    info = FakeTensorMode.cache_info()
+    assert (info.hits, info.misses, info.size) == (0, 0, 0)
+    assert torch._dynamo.config.fake_tensor_cache_enabled  # the process's own setting, outside the trace
+    compiled.remove()
+
+
 def test_hooks_on_a_block_stay_outside_the_compiled_graph(model, t2va):
     CompiledBlocks(model.transformer_blocks, EAGER).apply()
     run = denoise(model, t2va)  # records every block's pre-hook per forward
