@@ -93,6 +93,53 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class BlockSpan:
+    """Seconds inside the block stack: per transformer forward, from the first block's start to the last block's
+    end. A run on `n` of the released blocks then scales to 50 by its blocks alone (`at_50_blocks`): the embedders,
+    refiner and heads run once per forward whatever the block count. CUDA events on a GPU (device time; no sync in
+    the loop), the host clock on a CPU. `seconds()` is None where some forward did not run both ends (a cached
+    Cache-DiT step may skip the last block): callers then scale the whole step, as before."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, device: torch.device):
+        self.blocks = blocks
+        self.device = device
+        self._begins: list[Any] = []
+        self._ends: list[Any] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> BlockSpan:
+        self._handles = [self.blocks[0].register_forward_pre_hook(lambda module, args: self._begins.append(self._mark())),
+                         self.blocks[-1].register_forward_hook(lambda module, args, out: self._ends.append(self._mark()))]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _mark(self) -> Any:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self) -> float | None:
+        """The total over the forwards run inside the `with` (after a device sync)."""
+        if not self._begins or len(self._begins) != len(self._ends):
+            return None
+        if self.device.type != "cuda":
+            return sum(end - begin for begin, end in zip(self._begins, self._ends))
+        sync(self.device)
+        return sum(begin.elapsed_time(end) for begin, end in zip(self._begins, self._ends)) / 1e3
+
+
+def at_blocks(seconds: float, block_seconds: float | None, measured_blocks: int, blocks: int) -> float:
+    """`seconds` of a run on `measured_blocks` blocks, estimated at `blocks`: its blocks' share scaled
+    (`BlockSpan`), or, unknown, all of it (a slight overestimate)."""
+    scaled = seconds if block_seconds is None else block_seconds
+    return seconds + scaled * (blocks / measured_blocks - 1)
+
+
 @dataclass
 class Limits:
     """The device's measured ceilings (floors are computed against these)."""
@@ -206,6 +253,7 @@ class StepRun:
     num_forwards: int
     cached_steps: list[int] = field(default_factory=list)
     h2d_bytes_per_step: float = 0.0
+    block_seconds_per_step: float | None = None  # inside the block stack (`BlockSpan`): what scales with blocks
     peak_gib: float | None = None
     velocity: torch.Tensor | None = None   # first forward's video velocity (bit-exactness checks)
 
@@ -219,7 +267,7 @@ def run_steps(rig: Rig, denoiser: Any, text: torch.Tensor, prepared: Any, forwar
         sync(device)
         rig.offloader.reset_stats()
     first_velocity = None
-    with Peak(device) as peak:
+    with Peak(device) as peak, BlockSpan(rig.transformer.transformer_blocks, device) as span:
         start = time.perf_counter()
         if rig.sequence_parallel is not None:
             rig.sequence_parallel.begin_loop()
@@ -237,7 +285,9 @@ def run_steps(rig: Rig, denoiser: Any, text: torch.Tensor, prepared: Any, forwar
             rig.sequence_parallel.settle()
         sync(device)
         seconds = time.perf_counter() - start
-    run = StepRun(seconds / len(forwards), len(forwards), peak_gib=peak.peak_gib, velocity=first_velocity)
+    block_seconds = span.seconds()
+    run = StepRun(seconds / len(forwards), len(forwards), peak_gib=peak.peak_gib, velocity=first_velocity,
+                  block_seconds_per_step=None if block_seconds is None else block_seconds / len(forwards))
     if rig.offloader is not None:
         run.h2d_bytes_per_step = sum(rig.offloader.stats.h2d_bytes_per_step) / len(forwards)
     if rig.cache is not None:
@@ -371,8 +421,9 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
         f"{args.cache_steps}-step schedule ({args.cache_steps - 1} forwards), the cached ones listed",
         "floor: matmul FLOPs (projections over every token, attention over the packed sequence, refiner over the "
         "text) / the measured GEMM rate; offload: max(the resident step, H2D bytes / measured pinned bandwidth)",
-        "ms_at_50_blocks: the whole step x 50 / blocks (the non-block part, embedders, refiner and heads, is "
-        "scaled too: a slight overestimate)",
+        "ms_at_50_blocks: the step with its blocks' share (first block's start to last block's end, CUDA "
+        "events) x 50 / blocks and the rest (embedders, refiner, heads) as measured; the whole step x 50 / blocks "
+        "where a forward skipped an end block (a cached Cache-DiT step)",
         "peak_GiB: torch.cuda.max_memory_allocated during that run, with everything then resident counted: the "
         "engine's text encoder, VAEs and plan slab, and in the diffusers / ours rows also the diffusers model "
         "loaded beside the engine's transformer",
@@ -559,9 +610,9 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
 
     def denoise_row(shape: Shape, mode: str, run: StepRun, tokens: int, *, floor_s: float, note: str = "",
                     exact: bool | None = None) -> None:
-        scale = RELEASED_BLOCKS / num_blocks
         row = {"shape": shape.label, "tokens": tokens, "mode": mode, "ms_per_step": round(1e3 * run.seconds_per_step, 2),
-               "ms_at_50_blocks": round(1e3 * run.seconds_per_step * scale, 1),
+               "ms_at_50_blocks": round(1e3 * at_blocks(run.seconds_per_step, run.block_seconds_per_step, num_blocks,
+                                                        RELEASED_BLOCKS), 1),
                "floor_ms": round(1e3 * floor_s, 2), "x_floor": round(run.seconds_per_step / floor_s, 2),
                "H2D_GB_per_step": run.h2d_bytes_per_step / 1e9, "peak_GiB": run.peak_gib,
                "cached_steps": f"{len(run.cached_steps)}/{run.num_forwards}" if run.cached_steps or "cache" in mode

@@ -51,7 +51,8 @@ from bench.adapters import build_model, lora_targets, random_factors
 from bench.checkpoints import PRESETS, RELEASED_COMPONENTS, SMALL_COMPONENTS, make_random_checkpoint, write_h3_components
 from bench.common import device_description, git_commit, write_sectioned_report
 from bench.h3 import (H3_REQUEST, PAGE_CACHE_GBPS, PROMPT, RELEASED_BLOCKS, RELEASED_STEPS, RELEASED_TEXT_LAYERS,
-                      SMOKE_PROMPT, SMOKE_REQUEST, Deadline, Peak, Rig, forward_flops, measure_limits, run_steps, sync)
+                      SMOKE_PROMPT, SMOKE_REQUEST, BlockSpan, Deadline, Peak, Rig, at_blocks, forward_flops,
+                      measure_limits, run_steps, sync)
 from engine.fp8 import stored_bytes
 from model.tiny_adapter import save_adapter
 
@@ -248,8 +249,8 @@ class Bench:
             "request canvas, plain and with the adapter (engine.compile.warmup: the forwards that compile): reported "
             "as compile_warmup_s",
             "x_bf16_floor: the forward over matmul FLOPs / the measured bf16 GEMM rate (fp8 modes also against their "
-            "own floor, projections at twice the rate); at_50_blocks: x 50 / blocks (the non-block part scaled "
-            "too: a slight overestimate)",
+            "own floor, projections at twice the rate); at_50_blocks: the blocks' share (first block's start to last "
+            "block's end, CUDA events: bench.h3.BlockSpan) x 50 / blocks, the rest (embedders, heads) as measured",
             "transformer_GiB: the mode's transformer as stored (float8 weights: their fp8 data and scales; the "
             "adapter's factors included); peak_GiB: max allocated during the 50-step forwards, the engine alone on "
             "the device except for the eager one (it holds the text encoder and VAEs)",
@@ -424,7 +425,6 @@ class Bench:
             engine.modulation.clear()
         tokens = geometry.num_tokens(text.shape[0])
         bf16_floor, fp8_floor = self.floors(tokens, text.shape[0])
-        scale = RELEASED_BLOCKS / self.args.num_blocks
         compile_stats = engine.forward_kernels.compile_stats()
         transformer_bytes = stored_bytes(engine.transformer)
         per_block = stored_bytes(engine.transformer.transformer_blocks[0])
@@ -434,7 +434,8 @@ class Bench:
         row = {"mode": mode, "attention": engine.forward_kernels.attention.backend, "tokens": tokens,
                "forwards_timed": run.num_forwards,
                "ms_per_forward": round(1e3 * run.seconds_per_step, 2),
-               "ms_at_50_blocks": round(1e3 * run.seconds_per_step * scale, 1),
+               "ms_at_50_blocks": round(1e3 * at_blocks(run.seconds_per_step, run.block_seconds_per_step,
+                                                        self.args.num_blocks, RELEASED_BLOCKS), 1),
                "x_eager": round(run.seconds_per_step / self.eager_forward_s, 3) if self.eager_forward_s else None,
                "x_bf16_floor": round(run.seconds_per_step / bf16_floor, 3),
                "x_own_floor": round(run.seconds_per_step / (fp8_floor if "fp8" in mode else bf16_floor), 3),
@@ -456,19 +457,19 @@ class Bench:
         first = engine.denoise(request, embedding)
         first_s = time.perf_counter() - t0
         compiles_first = (first.stats.compile.since_warmup - before.since_warmup) if before is not None else None
-        with Peak(self.device) as peak:
+        with Peak(self.device) as peak, BlockSpan(engine.transformer.transformer_blocks, self.device) as span:
             result = engine.denoise(request, embedding)
         after = result.stats.compile
         t = result.timings
         forwards = result.stats.forwards
-        scale = RELEASED_BLOCKS / self.args.num_blocks
         row = {"mode": mode, "steps": result.stats.steps, "forwards": forwards,
                "adapter": f"{', '.join(f'{k} x{v:g}' for k, v in result.stats.adapters.scales.items())} (unfused)",
                "first_request_s": round(first_s, 2), "first_plan_s": round(first.timings.plan_s, 3),
                "compiles_in_first": compiles_first,
                "plan_s": round(t.plan_s, 4), "denoise_s": round(t.denoise_s, 3),
                "ms_per_forward": round(1e3 * t.denoise_s / forwards, 2),
-               "denoise_at_50_blocks_s": round(t.denoise_s * scale, 2),
+               "denoise_at_50_blocks_s": round(at_blocks(t.denoise_s, span.seconds(), self.args.num_blocks,
+                                                         RELEASED_BLOCKS), 2),
                "recompiles_in_second": (after.since_warmup - first.stats.compile.since_warmup)
                if after is not None else None, "peak_GiB": peak.peak_gib,
                "scaled_from": {"blocks": self.args.num_blocks, "to_blocks": RELEASED_BLOCKS, "forwards": forwards}}

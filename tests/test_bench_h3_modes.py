@@ -29,7 +29,8 @@ def test_h3_modes_smoke_times_every_mode_and_the_turbo_request(tmp_path):
         assert row["ms_per_forward"] > 0 and row["forwards_timed"] == 3, mode
         assert row["attention"] == "native", mode  # engine.attention auto on a CPU: diffusers' default, unmeasured
         assert row["scaled_from"] == {"blocks": blocks, "to_blocks": 50, "forwards_timed": 3}
-        assert row["ms_at_50_blocks"] == pytest.approx(row["ms_per_forward"] * 50 / blocks, rel=0.01)
+        # Only the blocks' share scales: more than the forward measured, less than all of it x 50 / blocks.
+        assert row["ms_per_forward"] < row["ms_at_50_blocks"] < row["ms_per_forward"] * 50 / blocks, mode
         compiled = "compiled" in mode
         assert (row["compile_warmup_s"] is not None and row["compile_warmup_s"] > 0) == compiled, mode
         assert row["recompiles_after_warmup"] == (0 if compiled else None), mode
@@ -40,6 +41,7 @@ def test_h3_modes_smoke_times_every_mode_and_the_turbo_request(tmp_path):
     for mode, row in turbo.items():
         assert (row["steps"], row["forwards"]) == (9, 8), mode
         assert row["adapter"].startswith("turbo x1") and row["denoise_s"] > 0
+        assert row["denoise_s"] < row["denoise_at_50_blocks_s"] < row["denoise_s"] * 50 / blocks, mode
         assert row["scaled_from"] == {"blocks": blocks, "to_blocks": 50, "forwards": 8}
         # A compiled engine warmed the canvas with the adapter on: neither request compiles.
         assert row["compiles_in_first"] == (0 if "compiled" in mode else None), mode
