@@ -118,7 +118,7 @@ def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_
 
 
 def serve_one(args: argparse.Namespace) -> dict:
-    """Child: one start (`args.start`), then, compiled, the first-vs-later requests and the mixed stream."""
+    """Child: one start (`args.start`), then the first-vs-later requests and, compiled, the mixed stream."""
     import torch
 
     from engine.api import GenerationRequest
@@ -144,30 +144,34 @@ def serve_one(args: argparse.Namespace) -> dict:
         row.update(text_bytes=engine.prompt_stage.weights.bytes, text_layers=encoder.num_loaded_layers,
                    text_layer_bytes=sum(p.nbytes for name, p in encoder.module.named_parameters()
                                         if name.startswith("layers.") or ".layers." in name))
-    if compile_stats is None:
-        return row
-    row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
-               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"],
-               **compile_phases())
+    phases = compile_phases() if compile_stats is not None else {}  # the start's alone, before any request
     canvases, steps = _canvases(args)
     embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
     prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
 
-    def run(canvas: Canvas, num_steps: int, seed: int):
+    def run(canvas: Canvas, num_steps: int, seed: int) -> tuple[float, int | None]:
         request = GenerationRequest(prompt="bench", steps=num_steps, seed=seed, return_video=False, **asdict(canvas))
         result = engine.denoise(request, prompt)
-        return 1e3 * result.timings.denoise_s / result.stats.forwards, result.stats.compile.since_warmup
+        compiled = result.stats.compile
+        ms = 1e3 * result.timings.denoise_s / result.stats.forwards
+        return ms, None if compiled is None else compiled.since_warmup
 
+    # The first request after the start against later ones, with compile or without: without, what is left is a
+    # first request's own cost at a canvas the start never ran (the allocator's growth, the attention kernel's
+    # per-shape plan), which a compiled start's x later includes too.
     first_ms, _ = run(canvases[0], steps[0], 1)
-    later = [run(canvases[0], steps[0], 2 + i)[0] for i in range(args.repeats)]
+    later_ms = statistics.median(run(canvases[0], steps[0], 2 + i)[0] for i in range(args.repeats))
+    row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)})
+    if compile_stats is None:
+        return row
+    row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
+               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"], **phases)
     stream = [(canvas, n) for canvas in canvases for n in steps]
     random.Random(0).shuffle(stream)
     recompiles = max(run(canvas, n, 10 + i)[1] for i, (canvas, n) in enumerate(stream))  # cumulative counter
-    later_ms = statistics.median(later)
     # Last, so the first request above is the first after the start.
     row["warmup_forward_s"] = round(warmup_forwards_again(engine, canvases, compile_stats["warmup_forwards"]), 4)
-    row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)},
-               stream_requests=len(stream), stream_recompiles=recompiles)
+    row.update(stream_requests=len(stream), stream_recompiles=recompiles)
     return row
 
 
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         + "; transformer_s and its bytes from Engine.startup, warmup_forward_s: the warm-up's forwards timed again "
         "after the start (0 without compile); other phases as measured",
         f"first_ms / later_ms: ms per forward of the first request after the start (canvas 0, {steps[0]} steps) "
-        f"and the median of {args.repeats} later ones; x later goal <= 1.05",
+        f"and the median of {args.repeats} later ones, every start (the no-compile one: a first request's own cost "
+        "at a canvas the start never ran, in the compiled starts' too); x later goal <= 1.05",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
         "<= 1.2 for the warm cache",
         "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "

@@ -80,8 +80,8 @@ def steps(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 async def serve_one(args: argparse.Namespace, checkpoint: Path, start: str, cache_dir: Path) -> dict[str, Any]:
-    """One app start (a fresh Worker replica): its timings, then, compiled, the first request, later ones and the
-    stream, through the handle."""
+    """One app start (a fresh Worker replica): its timings, the first request against later ones and, compiled,
+    the stream, through the handle."""
     from deployments.app import build_app
 
     serve.run(build_app(app_args(args, checkpoint, start, cache_dir)), name=APP_NAME, route_prefix="/")
@@ -93,26 +93,28 @@ async def serve_one(args: argparse.Namespace, checkpoint: Path, start: str, cach
         row: dict[str, Any] = {"start": start, "replica_s": round(startup.constructor_s, 3),
                                "engine_s": round(startup.engine.total_s, 3)}
         compile_stats = card["forward"]["compile"]
-        if compile_stats is None:
-            return row
-        row.update(warmup_s=round(compile_stats["warmup_s"], 3), warmup_forwards=compile_stats["warmup_forwards"])
         handle = serve.get_app_handle(APP_NAME)
 
-        async def run(canvas: Canvas, num_steps: int, seed: int) -> tuple[float, int]:
+        async def run(canvas: Canvas, num_steps: int, seed: int) -> tuple[float, int | None]:
             body = {"prompt": PROMPT, "steps": num_steps, "seed": seed, "return_video": False, **asdict(canvas)}
             out = await handle.generate.remote(body)
             per_forward_ms = 1e3 * out.timings.denoise_s / out.stats["forwards"]
-            return per_forward_ms, out.stats["compile"]["since_warmup"]
+            compiled = out.stats.get("compile")  # absent from an uncompiled replica's stats
+            return per_forward_ms, None if compiled is None else compiled["since_warmup"]
 
+        # Every start, the no-compile one too: its x later is a first request's own cost at a canvas the start
+        # never ran, which the compiled starts' include.
         first_ms, _ = await run(canvases(args)[0], steps(args)[0], 1)
-        later = [(await run(canvases(args)[0], steps(args)[0], 2 + i))[0] for i in range(args.repeats)]
+        later_ms = statistics.median([(await run(canvases(args)[0], steps(args)[0], 2 + i))[0]
+                                      for i in range(args.repeats)])
+        row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)})
+        if compile_stats is None:
+            return row
+        row.update(warmup_s=round(compile_stats["warmup_s"], 3), warmup_forwards=compile_stats["warmup_forwards"])
         stream = [(canvas, n) for canvas in canvases(args) for n in steps(args)]
         random.Random(0).shuffle(stream)
         recompiles = [(await run(canvas, n, 10 + i))[1] for i, (canvas, n) in enumerate(stream)]
-        later_ms = statistics.median(later)
-        row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2),
-                   **{"x later": round(first_ms / later_ms, 3)}, stream_requests=len(stream),
-                   stream_recompiles=max(recompiles))  # since_warmup is cumulative per replica
+        row.update(stream_requests=len(stream), stream_recompiles=max(recompiles))  # since_warmup: cumulative
         return row
     finally:
         serve.delete(APP_NAME)
