@@ -2,7 +2,8 @@
 the GPU kernels of one compiled call grouped (GEMM, attention, fused elementwise, other) beside their floors,
 the time the GPU sits idle between them and the host calls that can make it wait, each call also timed with
 `--back-to-back` calls queued (as a 50-block forward queues them), inductor's `max-autotune-no-cudagraphs`
-against its default, and FP8 with rowwise against tensorwise scales (`--fp8`). `--attention` overrides auto.
+against its default, FP8 with rowwise against tensorwise scales (`--fp8`) and, `--static`, the block compiled for
+its one token count against the served dynamic one. `--attention` overrides auto.
 Beside every timed row and the profiled call: the SM clock (mean/lowest) and board power over it, from
 `nvidia-smi` samples (read only), since a call timed under sustained load may not run at the profiled call's
 clocks.
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--back-to-back", type=int, default=8,
                         help="calls queued without a sync for the per-call row a deep stack of blocks sees")
     parser.add_argument("--attention", default=None, help="a diffusers backend name instead of auto's choice")
+    parser.add_argument("--static", action="store_true",
+                        help="also the block compiled with static sizes (one graph per token count; the served blocks "
+                        "are dynamic): what the symbolic sequence length costs inductor's kernels")
     parser.add_argument("--fp8", default="row,tensor", help="FP8 scale granularities to time (comma list, or none)")
     parser.add_argument("--out", default=None, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
@@ -302,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             breakdown_rows(kernel_breakdown(functools.partial(inputs.call, default[0]), device), "", 1, bf16_floor)
         del default
+        if args.static:
+            static = nn.ModuleList([copy.deepcopy(block)])
+            compiled_row(f"block compiled {attention} (inductor default, static sizes)", static,
+                         CompileOptions(backend=backend, dynamic=False))
+            if device.type == "cuda":
+                breakdown_rows(kernel_breakdown(functools.partial(inputs.call, static[0]), device), "static ", 1,
+                               bf16_floor)
+            del static
         if not args.no_autotune and device.type == "cuda":
             compiled_row(f"block compiled {attention} (max-autotune-no-cudagraphs)", nn.ModuleList([copy.deepcopy(block)]),
                          CompileOptions(backend=backend, inductor_mode="max-autotune-no-cudagraphs"))

@@ -57,6 +57,17 @@ def test_breakdown_smoke_writes_eager_and_compiled_beside_the_block_floor(tmp_pa
                for note in report["notes"])
 
 
+def test_breakdown_static_adds_the_block_compiled_for_its_one_token_count(tmp_path):
+    assert forward_breakdown.main(["--smoke", "--tokens", "61", "--repeats", "1", "--back-to-back", "2", "--static",
+                                   "--fp8", "none", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "forward-breakdown-smoke-cpu.json").read_text())
+    rows = {row["what"]: row for row in report["rows"]}
+    static = rows["block compiled native (inductor default, static sizes)"]
+    assert static["ms"] > 0 and static["rel. error"] == "0.00e+00"  # dynamo's eager backend: the eager block's bits
+    assert any(note.startswith("block compiled native (inductor default, static sizes): dynamo CompileStats("
+                               "frames_compiled=1") for note in report["notes"])
+
+
 def test_clock_samples_before_the_region_and_unreadable_lines_are_left_out():
     text = ("2026/12/06 22:52:00.900, 345, 70.1\n"      # before the region: the card still idle
             "2026/12/06 22:52:01.000, 1980, 690.0\n"
