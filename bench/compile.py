@@ -23,15 +23,17 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
 With `--stages` each start is the whole `engine.Engine` (its text encoder, `--text-layers` decoder layers, and its
 VAEs load too).
 
-The compiled processes then serve, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
+Every start then serves, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
 the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
-the later ones' median (goal <= 1.05); then the mixed stream, 4 canvases x 3 step counts in a seeded order,
+the later ones' median (goal <= 1.05; the no-compile start's is a first request's own cost, without compile);
+then, compiled, the mixed stream, 4 canvases x 3 step counts in a seeded order,
 each request's compiles after the warm-up summed (goal 0). `x no-compile start` is each start's seconds over the
 no-compile one's (goal for the warm cache <= 1.2).
 
 The checkpoint has `--num-blocks` of the released 50 blocks, so beside it stands a 50-block estimate of each start
-(`start_s_50`, `x no-compile start, 50 blocks`), scaling what grows with the blocks as bench/h3.py does and leaving
-the rest (device init, headers, hooks, plan cache) as measured:
+(`start_s_50`, `x no-compile start, 50 blocks`), scaling what grows with the blocks and leaving the rest (device
+init, headers, hooks, plan cache) as measured (the start beside the loads prices its extra bytes at the serial warm
+start's rate: `ESTIMATE_OVERLAP`):
 
     start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x (50 / blocks - 1)
     bytes_50   = (transformer_bytes - block_bytes) + block_bytes x 50 / blocks
@@ -101,8 +103,10 @@ ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_byte
             "(50 / blocks - 1), bytes_50 = non-block bytes + block_bytes x 50 / blocks")
 #: For the start whose loads ran beside the warm-up: its extra bytes at the serial warm start's load rates.
 ESTIMATE_OVERLAP = ("; for the start beside the loads, transformer_s and text_encoder_s are the serial warm start's: "
-                    "the warm-up beside the loads runs as long at 50 blocks, so the loads' slowdown measured beside it "
-                    "stays as measured and their extra bytes load at the rate a load gets alone")
+                    "what runs beside each load (the compiler's import beside the transformer read, the warm-up beside "
+                    "the text encoder's) does not grow with the blocks, so the slowdown measured beside it stays as "
+                    "measured and the extra bytes load at the rate a load gets alone (an upper bound: part of them "
+                    "would load while the warm-up still runs)")
 #: With --stages, the text encoder's share of it, scaled to the 50 decoder layers H3 reads.
 ESTIMATE_STAGES = ("; with the stages start_s_50 adds text_encoder_s x (text_bytes_50 / text_bytes - 1), "
                    "text_bytes_50 = non-layer bytes + layer_bytes x 50 / layers")

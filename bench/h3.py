@@ -95,17 +95,18 @@ def sync(device: torch.device) -> None:
 
 class BlockSpan:
     """Seconds inside the block stack: per transformer forward, from the first block's start to the last block's
-    end. A run on `n` of the released blocks then scales to 50 by its blocks alone (`at_50_blocks`): the embedders,
+    end. A run on `n` of the released blocks then scales to 50 by its blocks alone (`at_blocks`): the embedders,
     refiner and heads run once per forward whatever the block count. CUDA events on a GPU (device time; no sync in
     the loop), the host clock on a CPU. `seconds()` is None where some forward did not run both ends (a cached
-    Cache-DiT step may skip the last block): callers then scale the whole step, as before."""
+    Cache-DiT step may skip the last block): callers then scale the whole step, as before. A cached step that runs
+    both ends spans only the blocks it ran: `run_steps` drops the span of a run with cached steps."""
 
     def __init__(self, blocks: torch.nn.ModuleList, device: torch.device):
         self.blocks = blocks
         self.device = device
-        self._begins: list[Any] = []
-        self._ends: list[Any] = []
-        self._handles: list[Any] = []
+        self._begins: list[float | torch.cuda.Event] = []
+        self._ends: list[float | torch.cuda.Event] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> BlockSpan:
         self._handles = [self.blocks[0].register_forward_pre_hook(lambda module, args: self._begins.append(self._mark())),
@@ -116,11 +117,11 @@ class BlockSpan:
         for handle in self._handles:
             handle.remove()
 
-    def _mark(self) -> Any:
+    def _mark(self) -> float | torch.cuda.Event:
         if self.device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the blocks' kernels queue on
         return event
 
     def seconds(self) -> float | None:
@@ -285,7 +286,8 @@ def run_steps(rig: Rig, denoiser: Any, text: torch.Tensor, prepared: Any, forwar
             rig.sequence_parallel.settle()
         sync(device)
         seconds = time.perf_counter() - start
-    block_seconds = span.seconds()
+    # A cached Cache-DiT step skips middle blocks: its span is no sample of a whole stack.
+    block_seconds = span.seconds() if rig.cache is None or not rig.cache.cached_steps() else None
     run = StepRun(seconds / len(forwards), len(forwards), peak_gib=peak.peak_gib, velocity=first_velocity,
                   block_seconds_per_step=None if block_seconds is None else block_seconds / len(forwards))
     if rig.offloader is not None:

@@ -12,10 +12,10 @@ Ray cluster, each a fresh Worker replica process (dynamo's in-memory caches empt
 Per start, from the Worker's `describe()` (`deployments.worker.Worker`): the replica's constructor -> ready seconds
 (`replica_s`: imports of the model modules, the engine build, Serve's replica set-up) and the engine build's
 (`engine_s`: `Engine.startup.total_s`), each over the no-compile start's (goal for the warm cache <= 1.2x); the
-warm-up's seconds and forwards (`describe()["forward"]["compile"]`). Then, compiled, through the deployment handle as
-a client sends them: the first request after the start (canvas 0) and `--repeats` more (`x later`: ms per forward of
+warm-up's seconds and forwards (`describe()["forward"]["compile"]`). Then, every start, through the deployment
+handle as a client sends them: the first request after the start (canvas 0) and `--repeats` more (`x later`: ms per forward of
 the first over the later ones' median, goal <= 1.05; ms per forward from the response's own `timings.denoise_s` and
-`stats.forwards`, so Serve's overhead is not in it), and the mixed stream (4 canvases x 3 step counts in a seeded
+`stats.forwards`, so Serve's overhead is not in it), and, compiled, the mixed stream (4 canvases x 3 step counts in a seeded
 order) with the compiles after the warm-up each response reports (`stats.compile.since_warmup`, goal 0).
 
 `replica_s - engine_s` is what Serve and the replica add around the engine; the engine's numbers are what
@@ -99,7 +99,7 @@ async def serve_one(args: argparse.Namespace, checkpoint: Path, start: str, cach
             body = {"prompt": PROMPT, "steps": num_steps, "seed": seed, "return_video": False, **asdict(canvas)}
             out = await handle.generate.remote(body)
             per_forward_ms = 1e3 * out.timings.denoise_s / out.stats["forwards"]
-            compiled = out.stats.get("compile")  # absent from an uncompiled replica's stats
+            compiled = out.stats.get("compile")  # None (or left out) for an uncompiled replica
             return per_forward_ms, None if compiled is None else compiled["since_warmup"]
 
         # Every start, the no-compile one too: its x later is a first request's own cost at a canvas the start

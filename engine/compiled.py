@@ -183,7 +183,7 @@ class CompiledBlocks:
             # a LoRA scale's (the module docstring says why). No fake-tensor dispatch cache: on a block with
             # symbolic sizes it costs more than it saves (one trace repeats few (op, shapes) pairs, and each entry
             # made or replayed rebuilds its outputs' sizes through sympy); the graph is the same without it. On CPU
-            # a warm start's warm-up took 3.5 s instead of 4.1 s with inductor, a cold one 17.9 s instead of 19.2.
+            # with inductor a warm start's warm-up took 3.22 s instead of 3.78 (bench/results/compile-smoke-inductor-*).
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
                                             specialize_float=not self.lora_active(),
                                             fake_tensor_cache_enabled=False):

@@ -47,8 +47,18 @@ def test_the_span_is_the_block_stack_alone_summed_over_forwards_and_its_hooks_go
     with BlockSpan(stack.transformer_blocks, CPU) as span:
         for _ in range(2):
             stack(torch.zeros(1))
-    assert 2 * 0.06 <= span.seconds() < 2 * 0.06 + 0.04  # not the heads' 2 x 0.05 s
+    assert 2 * 0.06 <= span.seconds() < 2 * 0.06 + 2 * 0.05  # the blocks' 2 x 0.06 s, not the heads' 2 x 0.05 s
     assert all(not block._forward_hooks and not block._forward_pre_hooks for block in stack.transformer_blocks)
+
+
+def test_a_forward_that_raises_inside_the_span_leaves_no_hook_behind():
+    stack = Stack()
+    with pytest.raises(RuntimeError, match="a block failed"):
+        with BlockSpan(stack.transformer_blocks, CPU):
+            stack.transformer_blocks[1].register_forward_hook(lambda *_: (_ for _ in ()).throw(
+                RuntimeError("a block failed")))
+            stack(torch.zeros(1))
+    assert not stack.transformer_blocks[0]._forward_pre_hooks and not stack.transformer_blocks[-1]._forward_hooks
 
 
 def test_a_forward_that_skips_the_last_block_leaves_the_span_unknown():

@@ -57,7 +57,15 @@ def test_breakdown_smoke_writes_eager_and_compiled_beside_the_block_floor(tmp_pa
                for note in report["notes"])
 
 
-def test_breakdown_static_adds_the_block_compiled_for_its_one_token_count(tmp_path):
+def test_breakdown_static_adds_the_block_compiled_for_its_one_token_count(tmp_path, monkeypatch):
+    compiled_with: list[bool] = []
+
+    class Spy(forward_breakdown.CompiledBlocks):
+        def apply(self):
+            compiled_with.append(self.options.dynamic)
+            return super().apply()
+
+    monkeypatch.setattr(forward_breakdown, "CompiledBlocks", Spy)
     assert forward_breakdown.main(["--smoke", "--tokens", "61", "--repeats", "1", "--back-to-back", "2", "--static",
                                    "--fp8", "none", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "forward-breakdown-smoke-cpu.json").read_text())
@@ -66,6 +74,7 @@ def test_breakdown_static_adds_the_block_compiled_for_its_one_token_count(tmp_pa
     assert static["ms"] > 0 and static["rel. error"] == "0.00e+00"  # dynamo's eager backend: the eager block's bits
     assert any(note.startswith("block compiled native (inductor default, static sizes): dynamo CompileStats("
                                "frames_compiled=1") for note in report["notes"])
+    assert compiled_with == [True, False]  # the served dynamic block, then the static one
 
 
 def test_clock_samples_before_the_region_and_unreadable_lines_are_left_out():

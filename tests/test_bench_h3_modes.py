@@ -41,7 +41,8 @@ def test_h3_modes_smoke_times_every_mode_and_the_turbo_request(tmp_path):
     for mode, row in turbo.items():
         assert (row["steps"], row["forwards"]) == (9, 8), mode
         assert row["adapter"].startswith("turbo x1") and row["denoise_s"] > 0
-        assert row["denoise_s"] < row["denoise_at_50_blocks_s"] < row["denoise_s"] * 50 / blocks, mode
+        # denoise_s to 3 decimals, the estimate to 2: compared at the estimate's precision.
+        assert round(row["denoise_s"], 2) <= row["denoise_at_50_blocks_s"] < row["denoise_s"] * 50 / blocks, mode
         assert row["scaled_from"] == {"blocks": blocks, "to_blocks": 50, "forwards": 8}
         # A compiled engine warmed the canvas with the adapter on: neither request compiles.
         assert row["compiles_in_first"] == (0 if "compiled" in mode else None), mode
