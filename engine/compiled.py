@@ -36,6 +36,7 @@ import importlib
 import inspect
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,25 @@ logger = logging.getLogger(__name__)
 
 CompileBackend = Literal["inductor", "aot_eager", "eager"]
 InductorMode = Literal["default", "max-autotune-no-cudagraphs"]
+
+
+class CompileCacheError(ValueError):
+    """`compile.cache_dir` names no folder this process can write (inductor would fail the warm-up's first compile
+    with a bare OS error naming some path below it)."""
+
+
+def writable_folder(path: str) -> str:
+    """`path` made absolute, created if missing and written once (a probe file, removed), so a folder the start
+    cannot use fails it naming the field; CompileCacheError otherwise."""
+    folder = os.path.abspath(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        raise CompileCacheError(f"engine.compile.cache_dir: {path!r} is not a folder this process can write "
+                                f"({exc}); name a local folder it can, or null for inductor's default") from exc
+    return folder
 
 
 @dataclass(frozen=True)
@@ -168,7 +188,7 @@ class CompiledBlocks:
             raise RuntimeError("the blocks are already compiled")
         if self.options.cache_dir is not None:
             # Read by inductor whenever it resolves its cache (process-wide: one engine per process).
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(self.options.cache_dir)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = writable_folder(self.options.cache_dir)
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode

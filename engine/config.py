@@ -259,7 +259,8 @@ class CompileConfig(BaseModel):
     cache_dir: str | None = Field(
         None, description="Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR) on local disk, so a restarted or "
         "scaled-out replica loads its kernels instead of compiling them, and `attention: auto`'s choice, which "
-        "decides the graphs (engine.attention.ChoiceMemo); null: inductor's default (/tmp/...), no choice kept.")
+        "decides the graphs (engine.attention.ChoiceMemo); null: inductor's default (/tmp/...), no choice kept. Made if "
+        "missing; one this process cannot write fails the start before the checkpoint loads.")
     warmup: tuple[WarmupCanvas, ...] = Field(
         (), description="Canvases whose graphs the engine compiles at start (a stand-in prompt embedding, seed 0), "
         "so the first request of these shapes pays no compile. Each graph is made once: with dynamic: true the "

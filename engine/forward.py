@@ -24,7 +24,7 @@ import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
 from engine.attention import AttentionChoice, ChoiceMemo, choose_attention
-from engine.compiled import CompiledBlocks, CompileStats, compiler_modules, import_in_background
+from engine.compiled import CompiledBlocks, CompileStats, compiler_modules, import_in_background, writable_folder
 from engine.config import CompileConfig, WarmupCanvas
 from engine.fp8 import LinearPrecision, quantize_blocks_fp8
 from engine.limits import Quality
@@ -86,8 +86,11 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
 
 
 def import_compiler(compile_config: CompileConfig, device: torch.device) -> None:
-    """With compiled blocks and `compile.overlap_loads`, import the compiler on a thread while the caller loads the
-    checkpoint (`engine.compiled.import_in_background`); otherwise the warm-up's first compile imports it."""
+    """With compiled blocks, first check `compile.cache_dir` (CompileCacheError now, not after the checkpoint's
+    load); with `compile.overlap_loads` too, import the compiler on a thread while the caller loads the checkpoint
+    (`engine.compiled.import_in_background`); otherwise the warm-up's first compile imports it."""
+    if compile_config.mode == "blocks" and compile_config.cache_dir is not None:
+        writable_folder(compile_config.cache_dir)
     if compile_config.mode == "blocks" and compile_config.overlap_loads:
         import_in_background(compiler_modules(compile_config.backend, device))
 

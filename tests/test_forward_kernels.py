@@ -24,7 +24,8 @@ from diffusers.models.attention_dispatch import AttentionBackendName  # noqa: E4
 from engine.attention import (AUTO, DEFAULT_BACKEND, AttentionBackendError, AttentionChoice,  # noqa: E402
                               choose_attention)
 from engine import engine as engine_module  # noqa: E402
-from engine.compiled import CompiledBlocks, CompileOptions, compiler_modules, import_in_background  # noqa: E402
+from engine.compiled import (CompileCacheError, CompiledBlocks, CompileOptions, compiler_modules,  # noqa: E402
+                             import_in_background)
 from engine.config import EngineConfig  # noqa: E402
 from engine.fp8 import QuantizationError, fp8_targets, quantize_blocks_fp8, quantize_linears_fp8  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
@@ -460,6 +461,19 @@ def test_the_inductor_cache_dir_is_the_configured_local_one(model, tmp_path, mon
     import os
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+def test_a_missing_cache_dir_is_made_and_one_that_cannot_be_written_fails_naming_the_field(model, tmp_path,
+                                                                                             monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    made = tmp_path / "compile" / "cache"
+    CompiledBlocks(model.transformer_blocks, CompileOptions(backend="eager", cache_dir=str(made))).apply().remove()
+    assert made.is_dir() and list(made.iterdir()) == []  # the write probe is gone
+    (tmp_path / "a-file").write_text("not a folder")
+    blocked = str(tmp_path / "a-file" / "cache")
+    with pytest.raises(CompileCacheError, match=r"engine\.compile\.cache_dir: '.*a-file/cache' is not a folder"):
+        CompiledBlocks(model.transformer_blocks, CompileOptions(backend="eager", cache_dir=blocked)).apply()
+    assert all("forward" not in vars(block) for block in model.transformer_blocks)  # nothing half-applied
 
 
 @pytest.mark.parametrize("backend, device, wanted, not_wanted", [
@@ -1089,6 +1103,21 @@ def test_a_warmup_canvas_the_engine_refuses_fails_the_start_naming_it(tiny_check
     with pytest.raises(ValueError, match=r"engine.compile.warmup\[0\] \(63x64"):
         DenoiserEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
                                     compile={"warmup": [dict(width=63, height=64, seconds=5.0, steps=3)]}))
+
+
+def test_an_engine_whose_compile_cache_dir_cannot_be_written_fails_before_it_reads_the_checkpoint(tiny_checkpoint,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    from engine import engine as engine_module
+
+    (tmp_path / "a-file").write_text("not a folder")
+    opened: list[object] = []
+    monkeypatch.setattr(engine_module.H3Checkpoint, "open", lambda *args, **kwargs: opened.append(args[0]))
+    with pytest.raises(CompileCacheError, match=r"engine\.compile\.cache_dir"):
+        engine_module.DenoiserEngine(EngineConfig(
+            checkpoint=str(tiny_checkpoint), device="cpu",
+            compile={"mode": "blocks", "backend": "eager", "cache_dir": str(tmp_path / "a-file" / "cache")}))
+    assert opened == []
 
 
 # --- inductor ------------------------------------------------------------------------------------------------
