@@ -3,7 +3,8 @@ the GPU kernels of one compiled call grouped (GEMM, attention, fused elementwise
 the time the GPU sits idle between them and the host calls that can make it wait, each call also timed with
 `--back-to-back` calls queued (as a 50-block forward queues them), inductor's `max-autotune-no-cudagraphs`
 against its default, FP8 with rowwise against tensorwise scales (`--fp8`) and, `--static`, the block compiled for
-its one token count against the served dynamic one. `--attention` overrides auto.
+its one token count against the served dynamic one. `--attention` overrides auto. Each compiled variant's notes
+say what layouts (sizes, strides) its graph hands the attention kernel (`attention_inputs`, from inductor's code).
 Beside every timed row and the profiled call: the SM clock (mean/lowest) and board power over it, from
 `nvidia-smi` samples (read only), since a call timed under sustained load may not run at the profiled call's
 clocks.
@@ -22,8 +23,11 @@ backend. Writes bench/results/forward-breakdown-<device>.md and .json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
+import logging
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -75,6 +80,76 @@ class ClockReading:
     min_mhz: float
     mean_w: float
     n: int
+
+
+@contextlib.contextmanager
+def output_code() -> Iterator[list[str]]:
+    """The wrapper code (`def call(args)`) of every graph inductor compiles or loads from its cache inside the
+    `with`, as inductor logs it (its `output_code` artifact), kept instead of printed."""
+    codes: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "def call(" in message:
+                codes.append(message)
+
+    torch._logging.set_logs(output_code=True)
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch._inductor") and name.endswith("__output_code")]
+    keep = Keep()
+    for logger in loggers:
+        logger.propagate = False  # torch's own handlers above would print every graph's code
+        logger.addHandler(keep)
+    try:
+        yield codes
+    finally:
+        for logger in loggers:
+            logger.removeHandler(keep)
+            logger.propagate = True
+        torch._logging.set_logs()
+
+
+_ATTENTION_CALL = re.compile(r"torch\.ops\.([\w.]*(?:attention|flash)[\w.]*)\((.*)\)\s*$", re.IGNORECASE)
+_EMPTY = re.compile(r"^(buf\d+) = empty_strided_\w+\((\(.*?\)), (\(.*?\))")
+_ASSERTED = re.compile(r"^assert_size_stride\((\w+), (\(.*?\)), (\(.*?\))")
+_REINTERPRET = re.compile(r"^reinterpret_tensor\((\w+), (\(.*?\)), (\(.*?\)), (.+)\)$")
+
+
+def _top_level_args(text: str) -> list[str]:
+    args, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            args.append(text[start:i].strip())
+            start = i + 1
+    return [a for a in args + [text[start:].strip()] if a]
+
+
+def attention_inputs(code: str) -> list[str]:
+    """Each attention call in a wrapper's `code` with the sizes and strides of the tensors it is handed (a buffer's
+    from its allocation or the graph input's asserted layout; a view's own): where two graphs hand one kernel
+    different layouts, its time may differ though its FLOPs do not."""
+    layouts: dict[str, str] = {}
+    lines = [line.strip() for line in code.splitlines()]
+    for line in lines:
+        if match := _EMPTY.match(line) or _ASSERTED.match(line):
+            layouts.setdefault(match.group(1), f"{match.group(2)} strides {match.group(3)}")
+    calls = []
+    for line in lines:
+        match = _ATTENTION_CALL.search(line)
+        if match is None or line.startswith(("#", "assert")):
+            continue
+        described = []
+        for arg in _top_level_args(match.group(2))[:3]:  # query, key, value
+            if view := _REINTERPRET.match(arg):
+                described.append(f"{view.group(1)} viewed {view.group(2)} strides {view.group(3)} "
+                                 f"offset {view.group(4)}")
+            else:
+                described.append(f"{arg} {layouts.get(arg, '(layout not in the code)')}")
+        calls.append(f"{match.group(1)}: " + "; ".join(described))
+    return calls
 
 
 def parse_clock_samples(text: str, since: datetime | None = None) -> ClockReading | None:
@@ -264,11 +339,22 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         reference = inputs.call(block)
 
+        def layout_notes(label: str, codes: list[str]) -> None:
+            """What each compiled variant hands its attention kernel (inductor picks the q/k/v layouts per graph)."""
+            if backend != "inductor":
+                return
+            calls = [call for code in codes for call in attention_inputs(code)]
+            notes.extend(f"{label}: attention reads {call}" for call in calls)
+            if not calls:
+                notes.append(f"{label}: no attention call in the {len(codes)} wrapper(s) inductor logged")
+
         def compiled_row(label: str, module_list: nn.ModuleList, options: CompileOptions, error_of=reference):
             blocks = CompiledBlocks(module_list, options).apply()
             t = time.perf_counter()
-            out = inputs.call(module_list[0])
+            with output_code() as codes:
+                out = inputs.call(module_list[0])
             first_s = time.perf_counter() - t
+            layout_notes(label, codes)
             _reset_peak(device)
             with ClockSampler(device) as clocks:
                 ms = timed_ms(functools.partial(inputs.call, module_list[0]), device, args.repeats)
@@ -324,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
                 quantized = fp8_block(block, granularity)
                 blocks = CompiledBlocks(quantized, CompileOptions(backend=backend)).apply()
                 t = time.perf_counter()
-                out = inputs.call(quantized[0])
+                with output_code() as codes:
+                    out = inputs.call(quantized[0])
                 first_s = time.perf_counter() - t
+                layout_notes(f"block fp8 {granularity}wise + compiled {attention}", codes)
                 _reset_peak(device)
                 with ClockSampler(device) as clocks:
                     ms = timed_ms(functools.partial(inputs.call, quantized[0]), device, args.repeats)

@@ -8,6 +8,7 @@ import json
 from datetime import datetime
 
 import pytest
+import torch
 
 from bench import forward, forward_breakdown
 
@@ -87,3 +88,48 @@ def test_clock_samples_before_the_region_and_unreadable_lines_are_left_out():
     assert reading == forward_breakdown.ClockReading(mean_mhz=1867.5, min_mhz=1755.0, mean_w=695.0, n=2)
     assert forward_breakdown.parse_clock_samples(text).n == 3
     assert forward_breakdown.parse_clock_samples("") is None
+
+
+WRAPPER = """
+def call(args):
+    arg2_1, arg3_1 = args
+    assert_size_stride(arg2_1, (1, s27, 7168), (7168*s27, 7168, 1), 'input')
+    buf1 = empty_strided_cuda((1, 56, s27, 128), (7168*s27, 128, 7168, 1), torch.bfloat16)
+    buf2 = empty_strided_cuda((1, 56, s27, 128), (7168*s27, 128*s27, 128, 1), torch.bfloat16)
+    triton_poi_fused_attention_prep_0.run(buf1, buf2, s27)
+    # Topologically Sorted Source Nodes: [scaled_dot_product_attention], Original ATen: [aten._scaled_dot_product_cudnn_attention]
+    buf3 = torch.ops.aten._scaled_dot_product_cudnn_attention.default(buf1, buf2, reinterpret_tensor(arg2_1, (1, 56, s27, 128), (7168*s27, 128, 7168, 1), 0), None, False)
+    buf4 = torch.ops.ditserve.flash_attention_4.default(buf2, buf1, arg2_1, 0.088)
+    return (buf3, buf4)
+"""
+
+
+def test_attention_inputs_names_each_attention_calls_q_k_v_layouts_from_the_wrapper_code():
+    calls = forward_breakdown.attention_inputs(WRAPPER)
+    assert calls == [
+        "aten._scaled_dot_product_cudnn_attention.default: buf1 (1, 56, s27, 128) strides (7168*s27, 128, 7168, 1); "
+        "buf2 (1, 56, s27, 128) strides (7168*s27, 128*s27, 128, 1); "
+        "arg2_1 viewed (1, 56, s27, 128) strides (7168*s27, 128, 7168, 1) offset 0",
+        "ditserve.flash_attention_4.default: buf2 (1, 56, s27, 128) strides (7168*s27, 128*s27, 128, 1); "
+        "buf1 (1, 56, s27, 128) strides (7168*s27, 128, 7168, 1); "
+        "arg2_1 (1, s27, 7168) strides (7168*s27, 7168, 1)",
+    ]
+    assert forward_breakdown.attention_inputs("def call(args):\n    return (args[0],)\n") == []
+
+
+@pytest.mark.slow
+def test_output_code_keeps_inductors_wrapper_unprinted_and_its_attention_call_is_found(capsys):
+    import torch.nn.functional as F
+
+    def attend(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q = (x @ w).view(1, -1, 4, 16).transpose(1, 2)
+        return F.scaled_dot_product_attention(q.sin(), q.cos(), q)
+
+    torch._dynamo.reset()
+    with forward_breakdown.output_code() as codes:
+        torch.compile(attend, dynamic=True)(torch.randn(1, 32, 64), torch.randn(64, 64))
+    assert len(codes) == 1 and "def call(" in codes[0]
+    (call,) = forward_breakdown.attention_inputs(codes[0])
+    assert call.startswith("aten._scaled_dot_product_flash_attention_for_cpu.default: buf")
+    assert "def call(" not in capsys.readouterr().err  # kept, not printed
+    assert not torch._logging._internal.log_state.is_artifact_enabled("output_code")  # the setting put back
