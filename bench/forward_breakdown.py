@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import importlib
 import logging
 import re
 import shlex
@@ -94,6 +95,10 @@ def output_code() -> Iterator[list[str]]:
             if "def call(" in message:
                 codes.append(message)
 
+    # The modules that log it, imported first: their loggers exist from their import on.
+    importlib.import_module("torch._inductor.compile_fx")
+    importlib.import_module("torch._inductor.codecache")
+    importlib.import_module("torch._inductor.graph")
     torch._logging.set_logs(output_code=True)
     loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
                if name.startswith("torch._inductor") and name.endswith("__output_code")]
