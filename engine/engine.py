@@ -185,7 +185,7 @@ class Engine:
         #: What this rank agrees on with the others (None: one device).
         self.agreement = RankAgreement(self.group) if self.group is not None else None
         self.device = self.group.device if self.group is not None else resolve_device(config.device)
-        forward.import_compiler(config.compile, self.device)
+        forward.prepare_compile(config.compile, self.device)
         t = time.perf_counter()
         _init_device(self.device)
         device_init_s, t = time.perf_counter() - t, time.perf_counter()

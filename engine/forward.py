@@ -1,7 +1,7 @@
 """The transformer forward's kernels, set up once per engine: FP8 block linears (`engine.quantization`), the
 attention backend (`engine.attention`), compiled blocks (`engine.compile`) and the start-up warm-up of the
 configured canvases (the runs that make their graphs, not their whole schedules). The engine calls
-`import_compiler` before it loads the checkpoint, `quantize` right after the load, `install` after every hook
+`prepare_compile` before it loads the checkpoint, `quantize` right after the load, `install` after every hook
 (ExternalModulation, sequence parallel, offloader, Cache-DiT) is in place, and `warm_up` once it can serve, after its
 plan cache and text encoder are built (beside them with `compile.overlap_loads`).
 
@@ -85,7 +85,7 @@ def quantize(transformer: MiniMaxH3Transformer3DModel, quantization: str,
     return len(quantize_blocks_fp8(transformer.transformer_blocks, device)), None
 
 
-def import_compiler(compile_config: CompileConfig, device: torch.device) -> None:
+def prepare_compile(compile_config: CompileConfig, device: torch.device) -> None:
     """With compiled blocks, first check `compile.cache_dir` (CompileCacheError now, not after the checkpoint's
     load); with `compile.overlap_loads` too, import the compiler on a thread while the caller loads the checkpoint
     (`engine.compiled.import_in_background`); otherwise the warm-up's first compile imports it."""
