@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from multiprocessing.pool import ThreadPool
+from pathlib import Path
 
 import pytest
 
@@ -242,14 +242,24 @@ def adapter_app():
         def held_adapters(self):
             return self.held
 
-        async def generate(self, sleep_s: float, schedule_key: str, adapters: tuple[str, ...] = ()):
+        async def generate(self, sleep_s: float, schedule_key: str, adapters: tuple[str, ...] = (),
+                           started: str = ""):
             with self.track_schedule(schedule_key, adapters):
                 loaded = tuple(adapters) != self.held
                 self.held = tuple(adapters)
+                if started:  # tells the test this request is running here (the replica counts it)
+                    Path(started).touch()
                 await asyncio.sleep(sleep_s)
                 return serve.get_replica_context().replica_id.unique_id, loaded
 
     return AdapterEcho.bind()
+
+
+def wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def pick_adapter_names(replicas):
@@ -261,7 +271,7 @@ def pick_adapter_names(replicas):
 
 
 @pytest.mark.slow  # Ray + Serve (the session's cluster)
-def test_adapter_requests_stay_on_the_replica_holding_their_adapter():
+def test_adapter_requests_stay_on_the_replica_holding_their_adapter(tmp_path):
     from ray import serve
 
     from tests.serve_helpers import serve_cluster
@@ -279,8 +289,9 @@ def test_adapter_requests_stay_on_the_replica_holding_their_adapter():
             a, b, home = pick_adapter_names(replicas)
             # Place them: a long "a" request on its home, then "b" while it runs: over the bound there, so it
             # spills to the other replica, which loads "b".
-            first = handle.generate.remote(1.5, schedule_key="s", adapters=(a,))
-            time.sleep(0.3)
+            started = tmp_path / "a-started"
+            first = handle.generate.remote(1.5, schedule_key="s", adapters=(a,), started=str(started))
+            wait_for(started.exists, 10.0)  # a fixed sleep loses on a loaded machine: "a" may not have arrived
             second = handle.generate.remote(0.0, schedule_key="s", adapters=(b,))
             where_a, _ = first.result(timeout_s=30)
             where_b, _ = second.result(timeout_s=30)
@@ -307,7 +318,7 @@ def test_through_the_app_alternating_adapters_each_stay_where_they_are_held(tmp_
     from deployments.app import build_application
     from deployments.schemas import AppConfig
     from tests.fake_engine import FakeEngine
-    from tests.serve_helpers import APP_NAME, serve_cluster, wait_healthy
+    from tests.serve_helpers import APP_NAME, serve_cluster, sse_events, wait_healthy
 
     adapters = {name: {"path": str(tmp_path / f"{name}.safetensors")} for name in ("a", "b")}
     config = AppConfig.model_validate({
@@ -326,13 +337,18 @@ def test_through_the_app_alternating_adapters_each_stay_where_they_are_held(tmp_
                 assert r.status_code == 200, r.text
                 return r.json()["stats"]["adapters"]["loaded"]
 
-            # Place them: a slow "a" request (10 forwards of 0.1 s), then "b" while it runs: over the load bound
-            # on the first replica, so it goes to the other; each loads its adapter once.
-            with ThreadPool(1) as pool:
-                first = pool.apply_async(generate, ("a", "slow a fox"))
-                time.sleep(0.4)
+            # Place them: a slow "a" request (10 forwards of 0.1 s), then "b" once "a" has taken a step on its
+            # replica: over the load bound there, so "b" goes to the other; each loads its adapter once.
+            body = {"prompt": "slow a fox", "steps": 11, "width": 64, "height": 64, "return_video": False,
+                    "adapters": [{"name": "a"}]}
+            with requests.post(f"{url}/v1/generations:stream", json=body, stream=True, timeout=60) as r:
+                assert r.status_code == 200, r.text
+                events = sse_events(r)
+                while (event := next(events))[0] != "progress" or event[1]["step"] < 1:
+                    pass
                 assert generate("b") == ["b"]
-                assert first.get(60) == ["a"]
+                name, result = next(e for e in events if e[0] != "progress")
+                assert name == "result" and result["stats"]["adapters"]["loaded"] == ["a"]
             time.sleep(1.0)  # a few report periods
             # Repeats too: a replica that just finished a request can still look busy to the router, which would
             # send the next one elsewhere (the ping-pong a strict alternation could not tell from affinity).
