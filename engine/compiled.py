@@ -10,20 +10,22 @@ and the sequence-parallel processor's compute (its exchanges are `torch.compiler
 around them: `parallel.sequence`; SP2 compiled == SP1 compiled bit for bit under dynamo's eager backend, 5 frames and
 3 counted graph breaks per rank on the tiny model: tests/test_parallel_compile.py).
 
-The sizes are dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a prompt length never
+The sequence is dynamic (`dynamic: true`): one graph serves every token count, so a canvas or a prompt length never
 seen before does not recompile, and every timestep count: the row count of `temb` (and of ExternalModulation's
 rows) is unbacked, so a schedule's first forward (one row: both sigmas are 1) and every later one (two or more
 rows) share the graph. Backed, dynamo would specialize the size of 1 and compile a second graph: a warm start traced
 and loaded both. (Tracing every size size-oblivious instead fails on torch 2.11 at the rotary embedding's
-broadcast of a size-1 dimension.)
+broadcast of a size-1 dimension.) Every other size of the block's inputs is marked static (`VARYING_DIMS`), and the
+module ints are constants: the heads and widths, so the kernels are generated for the model's head dim and rotary
+width, not for any. The one int that differs between blocks, the AdaLN row block's index, is a buffer
+(`model.adaln._BlockRows.row_index`): an input of the graph like a weight.
 Floats the block reads (the norms' eps, dropout's p) are constants of the graph. Dynamo's default traces every float
 as an input, fails to keep the eps that reach ATen ops as one and restarts the whole trace with them constant: a
 third of a warm start's compile, for the same graph. Only a LoRA layer's scale (peft's `scaling`) varies between
 calls: while an unfused adapter is on (`lora_active`) the floats are traced as inputs, so a request's adapter scale
 compiles nothing (the adapter's layers on are another graph anyway).
-`dynamic: false` gives one graph per token count (each prompt length recompiles) and, with nothing symbolic,
-`_BlockRows.index` specialized again (a graph per block: past dynamo's recompile limit of 8 the rest run eager,
-uncounted): for measuring the static graph, not for serving.
+`dynamic: false` gives one graph per token count (each prompt length recompiles): for measuring the static graph,
+not for serving.
 
 Compiled and eager differ by reassociation (bf16 fusion): the bound is stated where it is tested
 (tests/test_forward_kernels.py, the inductor test) and measured per block at the released width (bench/forward.py).
@@ -137,26 +139,50 @@ def _graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def _timestep_rows_unbacked(forward: Callable[..., object]) -> Callable[[tuple, dict], None]:
-    """A function marking the row count of a call's `temb` (the forward's distinct timesteps) unbacked. Dynamo
-    specializes a backed size of 1, so a schedule's first forward (one row: both sigmas are 1) would compile a second
-    graph beside every later one's (two or more rows), and a warm start would trace and load both. ValueError for a
-    block forward without a `temb` parameter (it would silently compile that second graph at the first request)."""
+#: The block forward's arguments whose sizes vary between calls, and which dimension: the packed sequence (a canvas,
+#: a prompt length, a rank's share under sequence parallelism) and `temb`'s rows (the forward's distinct timesteps).
+#: Every other dimension of them is marked static: the hidden, rotary and timestep-embedding widths, the batch.
+VARYING_DIMS = {"hidden_states": 1, "temb": 0, "adaln_indices": 0, "rotary_emb": 0}
+
+
+def _mark_static_but(tensor: torch.Tensor, varying: int) -> None:
+    for dim in range(tensor.dim()):
+        if dim != varying:
+            torch._dynamo.mark_static(tensor, dim)
+
+
+def _dynamic_sizes(forward: Callable[..., object]) -> Callable[[tuple, dict], None]:
+    """A function marking a call's sizes: those of `VARYING_DIMS` vary, the others are static. `dynamic: true`
+    alone makes every size symbolic unless a guard pins it, and none pins the rotary width: the norm + RoPE kernel
+    was generated for any width, and the trace reasoned about it (on CPU, with the heads no longer a traced int,
+    `model.adaln._BlockRows.row_index`, a warm start's trace took 1.1 s instead of 2.0). `temb`'s row count is
+    unbacked: dynamo specializes a backed size of 1, so a schedule's first forward (one row: both sigmas are 1) would
+    compile a second graph beside every later one's (two or more rows), and a warm start would trace and load both.
+    ValueError for a block forward without one of these parameters (its sizes would silently compile more graphs
+    at the first requests)."""
     names = list(inspect.signature(forward).parameters)  # (self, hidden_states, temb, ...): a call's args too
-    if "temb" not in names:
-        raise ValueError(f"the blocks' forward takes no `temb` (parameters: {names}): its timestep rows cannot be "
-                         "marked dynamic")
-    position = names.index("temb")
+    missing = [name for name in VARYING_DIMS if name not in names]
+    if missing:
+        raise ValueError(f"the blocks' forward takes no {', '.join(f'`{n}`' for n in missing)} (parameters: "
+                         f"{names}): its varying sizes cannot be marked")
+    positions = {name: names.index(name) for name in VARYING_DIMS}
 
     def mark(args: tuple, kwargs: dict) -> None:
-        torch._dynamo.decorators.mark_unbacked(kwargs["temb"] if "temb" in kwargs else args[position], 0)
+        for name, varying in VARYING_DIMS.items():
+            value = kwargs[name] if name in kwargs else args[positions[name]]
+            for tensor in value if isinstance(value, tuple) else (value,):
+                _mark_static_but(tensor, varying)
+        temb = kwargs["temb"] if "temb" in kwargs else args[positions["temb"]]
+        torch._dynamo.decorators.mark_unbacked(temb, 0)
 
     return mark
 
 
 def _rows_unbacked(modulation: Modulation) -> None:
     """ExternalModulation's `on_set` under dynamic compiled blocks: the rows' count is the forward's timestep count,
-    unbacked as `temb`'s is (the blocks read the rows instead of projecting temb)."""
+    unbacked as `temb`'s is (the blocks read the rows instead of projecting temb); the block count and the rows'
+    width are static."""
+    _mark_static_but(modulation.blocks, 1)
     torch._dynamo.decorators.mark_unbacked(modulation.blocks, 1)
 
 
@@ -189,23 +215,23 @@ class CompiledBlocks:
         if self.options.cache_dir is not None:
             # Read by inductor whenever it resolves its cache (process-wide: one engine per process).
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = writable_folder(self.options.cache_dir)
+        # Dynamic: only the sizes `_dynamic_sizes` marks (None: dynamo's default, which honours the marks and
+        # keeps every other size static). Not True: that makes every size symbolic unless a guard pins it, and
+        # the rotary width stayed symbolic (a slower norm + RoPE kernel and a longer trace).
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
         compiled = torch.compile(self._forward, **options)
-        mark = _timestep_rows_unbacked(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
+        mark = _dynamic_sizes(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
 
         def traced(*args, **kwargs):
             mark(args, kwargs)
-            # nn.Module ints traced as inputs, not constants: ExternalModulation's `_BlockRows.index` is the one
-            # attribute that differs between blocks, and specialized it would compile a graph per block (past
-            # dynamo's recompile limit of 8 the remaining blocks run eager without a word). Floats constant but
-            # a LoRA scale's (the module docstring says why). No fake-tensor dispatch cache: on a block with
-            # symbolic sizes it costs more than it saves (one trace repeats few (op, shapes) pairs, and each entry
-            # made or replayed rebuilds its outputs' sizes through sympy); the graph is the same without it. On CPU
-            # with inductor a warm start's warm-up took 3.22 s instead of 3.78 (bench/results/compile-smoke-inductor-*).
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True,
-                                            specialize_float=not self.lora_active(),
+            # Floats constant but a LoRA scale's (the module docstring says why). No fake-tensor dispatch cache:
+            # on a block with symbolic sizes it costs more than it saves (one trace repeats few (op, shapes) pairs,
+            # and each entry made or replayed rebuilds its outputs' sizes through sympy); the graph is the same
+            # without it. On CPU with inductor a warm start's warm-up took 3.22 s instead of 3.78
+            # (bench/results/compile-smoke-inductor-*).
+            with torch._dynamo.config.patch(specialize_float=not self.lora_active(),
                                             fake_tensor_cache_enabled=False):
                 return compiled(*args, **kwargs)
 

@@ -185,11 +185,22 @@ class _BlockRows(_Rows):
         super().__init__(source, dtype, device)
         self.index = index
         self.hidden_size = hidden_size
+        # The block's index as a tensor too, the one thing the forward reads that differs between blocks: a
+        # compiled block's graph takes it as an input like a weight (one graph serves every block), where the int
+        # would be a constant of the graph (a graph per block) or, traced as an input, would make every module int
+        # symbolic (the heads, so the head dim: slower kernels and a longer trace; `engine.compiled`).
+        self.register_buffer("row_index", torch.tensor([index], device=device), persistent=False)
 
     def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
         # The row count was checked against temb's by the block's pre-hook (`ExternalModulation._check_rows`):
         # outside the block's compiled graph, where the count is symbolic.
-        rows = self.source.current_rows().blocks[self.index]  # [M, 3 * 6 * hidden]
+        blocks = self.source.current_rows().blocks  # [num_blocks, M, 3 * 6 * hidden]
+        if torch.compiler.is_compiling():
+            # Gathered as [1, M * 3 * 6 * hidden]: a chunk handed across a graph break (sequence parallelism) has it
+            # as its base, whose guards then hold for every M (with [1, M, ...] they pinned the warm-up's M of 1).
+            rows = blocks.flatten(1).index_select(0, self.row_index)
+        else:
+            rows = blocks[self.index]  # a view: eager launches no gather
         # [M*3, 6 * hidden] -> 6 x [M*3, hidden], as MiniMaxH3AdaLayerNormModulation returns them.
         return rows.reshape(-1, NUM_BLOCK_CHUNKS * self.hidden_size).chunk(NUM_BLOCK_CHUNKS, dim=-1)
 

@@ -429,12 +429,52 @@ def test_online_adaln_equals_resident_under_compile_bit_for_bit_with_one_graph_f
         modulation.set(resident_modulation(resident, adaln_input(resident, timesteps)))
 
     assert_same_velocities(denoise(online, t2va, before_step=set_rows), want)
-    # Each block reads its own row block (`_BlockRows.index`): still one graph, not one per block (8 blocks'
+    # Each block reads its own row block (`_BlockRows.row_index`, an input): still one graph, not one per block (8 blocks'
     # worth of graphs would hit dynamo's recompile limit and leave the rest eager at 50 blocks), and one for the
     # first forward's one row and the later ones' two (the rows' count is unbacked as temb's is).
     assert compiled.stats().frames_compiled == 1
     compiled.remove()
     assert modulation.on_set is None
+
+
+def test_the_graph_is_symbolic_in_the_sequence_and_the_timestep_rows_only(weights, t2va, monkeypatch):
+    """Every other size of the graph is the model's: the heads, the head dim, the rotary and hidden widths are
+    constants of its kernels (a head dim traced as a symbol made a norm kernel for any width), and the row block's
+    index is a tensor input, so the blocks share the graph without module ints traced as symbols."""
+    import engine.compiled as compiled_module
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(compiled_module.torch, "compile", lambda fn, **options: real_compile(
+        fn, **{**options, "backend": capture}))
+    torch._dynamo.reset()
+    model = load_transformer(weights, "cpu", skip=is_adaln_param)
+    resident = load_transformer(weights, "cpu")
+    modulation = ExternalModulation.install(model)
+    compiled = CompiledBlocks(model.transformer_blocks, EAGER, modulation).apply()
+    denoise(model, t2va, before_step=lambda timesteps: modulation.set(
+        resident_modulation(resident, adaln_input(resident, timesteps))))
+    assert compiled.stats().frames_compiled == len(graphs) == 1
+
+    backed, unbacked, static_dims = set(), set(), []
+    for node in graphs[0].graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        sizes = (value,) if isinstance(value, torch.SymInt) else value.shape if isinstance(value, torch.Tensor) else ()
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                (unbacked if str(size).startswith("u") else backed).add(str(size))
+            else:
+                static_dims.append(size)
+    assert len(backed) == 1, backed  # the packed sequence: hidden states, AdaLN indices, rotary tables
+    assert 1 <= len(unbacked) <= 2, unbacked  # the timestep rows of temb and of the modulation's rows
+    config = model.config
+    assert config.hidden_size in static_dims and config.attention_head_dim in static_dims
+    compiled.remove()
 
 
 def test_blocks_without_a_temb_parameter_are_refused_when_dynamic():
