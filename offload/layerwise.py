@@ -23,7 +23,8 @@ Blocks are called with any arguments (the hooks never read them), e.g. the diffu
 `(hidden_states, temb, adaln_indices, rotary_emb)`.
 Block tensors named by `resident_tensors` (H3: `adaln_proj`, whose projection also serves the AdaLN plan
 cache) are moved to the device once like the model's other weights; a block whose `adaln_proj` holds no
-tensors (AdaLN served from the plan cache) simply has nothing there to keep. Every tensor must be loaded
+weights (AdaLN served from the plan cache) has only its row index there (`model.adaln._BlockRows.row_index`: one
+aligned slot streamed, or kept resident when named). Every tensor must be loaded
 (not meta) and every submodule replacement done before `apply`.
 A tensor-subclass parameter (torchao's FP8 weights: fp8 data + fp32 scales) streams as the tensors it wraps
 (`wrapped.py`), so an FP8 block moves about half a bf16 block's bytes.

@@ -28,6 +28,8 @@ NUM_STEPS = 9  # sigma grid points: 8 forward passes
 # norm1, norm2 [64] -> 128 each; to_q/to_k/to_v/to_out.0 [64, 64] = 4096 each; norm_q, norm_k [32] -> 128 each;
 # ff.net.0.proj [256, 64] = 16384; ff.net.2 [64, 128] = 8192. Total 41472 elements.
 BLOCK_BYTES_WITHOUT_ADALN = 41472 * 2
+# With AdaLN served from outside (ExternalModulation), adaln_proj holds the block's row index (one int64: a slot).
+ROW_INDEX_BYTES = 256
 # adaln_proj.linear: weight [3 * 6 * 64, 32] = 36864 elements, bias [1152] (a multiple of 128).
 ADALN_BYTES = (36864 + 1152) * 2
 # Cache-DiT on this request: Fn=1, Bn=1, one warmup step. The Fn residual's relative change, step by step, is
@@ -145,7 +147,8 @@ def test_blocks_whose_adaln_proj_holds_no_parameters_stream_without_it(resident_
     off = offload(model, resident_tensors=resident_tensors)
     run = denoise(model, t2va, off=off, before_step=set_step)
     assert_same_velocities(run, resident_run)
-    assert off.describe()["block_bytes"] == [BLOCK_BYTES_WITHOUT_ADALN] * NUM_BLOCKS
+    row_index = 0 if resident_tensors else ROW_INDEX_BYTES
+    assert off.describe()["block_bytes"] == [BLOCK_BYTES_WITHOUT_ADALN + row_index] * NUM_BLOCKS
     off.check_invariants()
 
 
@@ -215,7 +218,8 @@ def test_dbcache_with_offload_and_external_adaln_matches_resident_bit_for_bit(we
     run = denoise(model, t2va, cache=cache, off=off, before_step=set_step)
     assert run.cached == CACHED_STEPS and run.ran == resident_cached_run.ran
     assert_same_velocities(run, resident_cached_run)
-    assert off.stats.h2d_bytes_per_step == [0 if step in CACHED_STEPS else 2 * BLOCK_BYTES_WITHOUT_ADALN
+    streamed = BLOCK_BYTES_WITHOUT_ADALN + ROW_INDEX_BYTES
+    assert off.stats.h2d_bytes_per_step == [0 if step in CACHED_STEPS else 2 * streamed
                                             for step in range(t2va.schedule.num_forwards)]
     off.check_invariants()
 
