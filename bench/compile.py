@@ -25,7 +25,9 @@ VAEs load too).
 
 Every start then serves, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
 the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
-the later ones' median (goal <= 1.05; the no-compile start's is a first request's own cost, without compile);
+the later ones' median (goal <= 1.05; the no-compile start's is a first request's own cost, without compile), its
+first forward apart from the others (`ForwardClock`), and from them the same ratio for the released 50-step
+request at 50 blocks (`x_later_at_scale`: the 5-step, 4-block request makes a once-per-canvas cost 60x larger);
 then, compiled, the mixed stream, 4 canvases x 3 step counts in a seeded order,
 each request's compiles after the warm-up summed (goal 0). `x no-compile start` is each start's seconds over the
 no-compile one's (goal for the warm cache <= 1.2).
@@ -90,6 +92,7 @@ OVERLAP_START = STARTS[3]
 WARM_START = STARTS[2]
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
            "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
+           "first_forward1_ms", "later_forward1_ms", "first_rest_ms", "later_rest_ms", "x later, 50 steps at 50 blocks",
            "stream_requests", "stream_recompiles", "text_encoder_s", "vae_s"]
 #: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
 #: the whole frame, dynamo's own trace, AOTAutograd, inductor (a cache hit: the load), Triton's kernel compiles,
@@ -97,6 +100,7 @@ COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile
 PHASES = ["frame_s", "dynamo_s", "aot_s", "inductor_s", "triton_s", "fx_hits", "fx_misses", "aot_hits", "aot_misses",
           "restarts"]
 RELEASED_BLOCKS = 50
+RELEASED_STEPS = 50  # the recipe's request: 49 forwards
 RELEASED_TEXT_LAYERS = 50  # the Qwen3-VL decoder layers H3 reads (hidden_states[50])
 #: The 50-block estimate's formula, as the report states it.
 ESTIMATE = ("start_s_50 = start_s + transformer_s x (bytes_50 / transformer_bytes - 1) + warmup_forward_s x "
@@ -158,30 +162,88 @@ def serve_one(args: argparse.Namespace) -> dict:
     embeds = torch.randn(PROMPT_ROWS, engine.model_config.text_dim, generator=torch.Generator().manual_seed(0))
     prompt = PromptEmbedding(embeds.to(engine.model_config.torch_dtype), 0.0, PromptCacheStats(0, 0, 0, 0, 0, 0))
 
-    def run(canvas: Canvas, num_steps: int, seed: int) -> tuple[float, int | None]:
+    def run(canvas: Canvas, num_steps: int, seed: int) -> RequestTimes:
         request = GenerationRequest(prompt="bench", steps=num_steps, seed=seed, return_video=False, **asdict(canvas))
-        result = engine.denoise(request, prompt)
+        clock = ForwardClock(args.device)
+        result = engine.denoise(request, prompt, progress=clock)
         compiled = result.stats.compile
-        ms = 1e3 * result.timings.denoise_s / result.stats.forwards
-        return ms, None if compiled is None else compiled.since_warmup
+        loop_ms, rest = 1e3 * result.timings.denoise_s, clock.rest_ms()
+        return RequestTimes(loop_ms / result.stats.forwards, loop_ms - sum(rest), statistics.median(rest),
+                            result.stats.forwards, None if compiled is None else compiled.since_warmup)
 
     # The first request after the start against later ones, with compile or without: without, what is left is a
     # first request's own cost at a canvas the start never ran (the allocator's growth, the attention kernel's
     # per-shape plan), which a compiled start's x later includes too.
-    first_ms, _ = run(canvases[0], steps[0], 1)
-    later_ms = statistics.median(run(canvases[0], steps[0], 2 + i)[0] for i in range(args.repeats))
-    row.update(first_ms=round(first_ms, 2), later_ms=round(later_ms, 2), **{"x later": round(first_ms / later_ms, 3)})
+    first = run(canvases[0], steps[0], 1)
+    laters = [run(canvases[0], steps[0], 2 + i) for i in range(args.repeats)]
+    later = RequestTimes(statistics.median(t.ms_per_forward for t in laters),
+                         statistics.median(t.forward1_ms for t in laters), statistics.median(t.rest_ms for t in laters),
+                         first.forwards, None)
+    row.update(first_ms=round(first.ms_per_forward, 2), later_ms=round(later.ms_per_forward, 2),
+               **{"x later": round(first.ms_per_forward / later.ms_per_forward, 3)},
+               first_forward1_ms=round(first.forward1_ms, 2), later_forward1_ms=round(later.forward1_ms, 2),
+               first_rest_ms=round(first.rest_ms, 2), later_rest_ms=round(later.rest_ms, 2),
+               **{"x later, 50 steps at 50 blocks": round(x_later_at_scale(first, later, len(blocks)), 3)})
     if compile_stats is None:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
                frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"], **phases)
     stream = [(canvas, n) for canvas in canvases for n in steps]
     random.Random(0).shuffle(stream)
-    recompiles = max(run(canvas, n, 10 + i)[1] for i, (canvas, n) in enumerate(stream))  # cumulative counter
+    recompiles = max(run(canvas, n, 10 + i).since_warmup for i, (canvas, n) in enumerate(stream))  # cumulative
     # Last, so the first request above is the first after the start.
     row["warmup_forward_s"] = round(warmup_forwards_again(engine, canvases, compile_stats["warmup_forwards"]), 4)
     row.update(stream_requests=len(stream), stream_recompiles=recompiles)
     return row
+
+
+class ForwardClock:
+    """The engine's progress callback for one request, marking the end of each forward: a CUDA event on the current
+    stream (read after the request: the loop is not synchronized), the host clock on a CPU (its ops are)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self._cuda = device != "cpu"
+        self._marks: list = []
+        self._torch = torch
+
+    def __call__(self, step: int, steps: int) -> None:
+        if self._cuda:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def rest_ms(self) -> list[float]:
+        """ms of forwards 2..N (between consecutive marks; the first has no mark before it)."""
+        if self._cuda:
+            self._marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self._marks, self._marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(self._marks, self._marks[1:])]
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """One request's forwards: ms per forward over its denoise loop, its first forward (the loop's ms less the
+    others: it also holds the loop's setup and end) and the median of the others."""
+
+    ms_per_forward: float
+    forward1_ms: float
+    rest_ms: float
+    forwards: int
+    since_warmup: int | None  # compiles after the warm-up, cumulative (None without compile)
+
+
+def x_later_at_scale(first: RequestTimes, later: RequestTimes, blocks: int) -> float:
+    """The first request's time over a later one's for the released request, 50 steps (49 forwards) at 50 blocks:
+    its later forwards' slowdown (first_rest / later_rest) plus its first forward's extra (over a later request's
+    first forward) spread over the released request's forwards at the later ones' rate. Assumes that extra is a cost
+    once per canvas, the same at any block count (the allocator's growth, the attention kernel's plan for a shape:
+    shared by the blocks); the rest ratio in the table tells whether the extra stayed in the first forward."""
+    released_forwards_ms = (RELEASED_STEPS - 1) * later.rest_ms * RELEASED_BLOCKS / blocks
+    return first.rest_ms / later.rest_ms + max(0.0, first.forward1_ms - later.forward1_ms) / released_forwards_ms
 
 
 def compile_phases() -> dict[str, float | int]:
@@ -338,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         f"first_ms / later_ms: ms per forward of the first request after the start (canvas 0, {steps[0]} steps) "
         f"and the median of {args.repeats} later ones, every start (the no-compile one: a first request's own cost "
         "at a canvas the start never ran, in the compiled starts' too); x later goal <= 1.05",
+        "forward1_ms / rest_ms: a request's first forward (its loop's time less the others: with the loop's setup) "
+        "and the median of its others (device time between the ends of consecutive forwards); x later, 50 steps at "
+        "50 blocks: first_rest / later_rest + (first_forward1 - later_forward1) / (49 x later_rest x 50 / blocks), "
+        "the released request, assuming the first forward's extra is once per canvas at any block count (the "
+        "allocator's growth, the attention kernel's plan for a shape); first_rest ~ later_rest says the extra stayed "
+        "in the first forward",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
         "<= 1.2 for the warm cache",
         "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "

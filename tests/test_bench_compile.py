@@ -25,6 +25,13 @@ def test_compile_smoke_writes_every_start_and_the_stream_compiles_nothing_after_
     # Every start times its first request against later ones; only the compiled ones run the stream.
     for row in rows.values():
         assert row["x later"] == pytest.approx(row["first_ms"] / row["later_ms"], rel=0.01)
+        # The released request's ratio from the row's own fields: the later forwards' ratio, and the first forward's
+        # extra spread over 49 forwards at 50 blocks.
+        released_ms = 49 * row["later_rest_ms"] * bench_compile.RELEASED_BLOCKS / row["blocks"]
+        extra_ms = max(0.0, row["first_forward1_ms"] - row["later_forward1_ms"])
+        want = row["first_rest_ms"] / row["later_rest_ms"] + extra_ms / released_ms
+        assert row["x later, 50 steps at 50 blocks"] == pytest.approx(want, rel=0.01)
+        assert 0 < row["later_rest_ms"] and 0 < row["later_forward1_ms"]
     assert "stream_requests" not in rows["no compile"]
     assert [row["overlap_loads"] for row in rows.values()] == [start == bench_compile.OVERLAP_START
                                                                 for start in rows]

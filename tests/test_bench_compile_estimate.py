@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compile import RELEASED_BLOCKS, RELEASED_TEXT_LAYERS, estimate_at_50_blocks
+from bench.compile import RELEASED_BLOCKS, RELEASED_TEXT_LAYERS, RequestTimes, estimate_at_50_blocks, x_later_at_scale
 
 GB = 10**9
 
@@ -40,3 +40,20 @@ def test_loads_slowed_beside_the_warm_up_add_what_they_measured_once_and_scale_a
     assert estimate_at_50_blocks(overlapped, serial) == pytest.approx(estimate_at_50_blocks(serial) - 2.0)
     if slowed > 1:  # priced at its own slowed rates (the old estimate), the overlap start would lose its lead
         assert estimate_at_50_blocks(overlapped) > estimate_at_50_blocks(serial)
+
+
+@pytest.mark.parametrize("first, later, blocks, want", [
+    # A first request slower only in its first forward (+300 ms once): 4 blocks, 5 steps reads 1.15x; the released
+    # request spreads it over 49 forwards of 12.5x the work.
+    ((560.0, 800.0, 500.0), (500.0, 500.0, 500.0), 4, 1 + 300.0 / (49 * 500.0 * 12.5)),
+    # Every forward 10% slower: that stays at any scale (the first forward's 50 ms counted as once per canvas).
+    ((550.0, 550.0, 550.0), (500.0, 500.0, 500.0), 4, 1.1 + 50.0 / (49 * 500.0 * 12.5)),
+    # A first forward faster than the later requests' (noise): no negative extra.
+    ((500.0, 450.0, 500.0), (500.0, 500.0, 500.0), 4, 1.0),
+])
+def test_the_released_requests_first_vs_later_spreads_a_once_per_canvas_cost_over_its_forwards(first, later, blocks,
+                                                                                             want):
+    def times(ms_per_forward, forward1_ms, rest_ms):
+        return RequestTimes(ms_per_forward, forward1_ms, rest_ms, forwards=4, since_warmup=None)
+
+    assert x_later_at_scale(times(*first), times(*later), blocks) == pytest.approx(want)
