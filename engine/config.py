@@ -250,9 +250,10 @@ class CompileConfig(BaseModel):
         "inductor", description="torch.compile backend: inductor (fused kernels, what serves); aot_eager / "
         "eager trace without generating kernels (CPU tests of the capture, guards and recompiles).")
     dynamic: bool = Field(
-        True, description="Symbolic sizes: one graph for every canvas, prompt length and timestep count (a "
-        "schedule's first forward and the later ones), warmed by one forward. false: a graph per token count (each "
-        "new prompt length recompiles) and the first forward's apart, warmed by two.")
+        True, description="A symbolic sequence length and timestep count (every other size the model's own): one "
+        "graph for every canvas, prompt length and timestep count (a schedule's first forward and the later ones), "
+        "warmed by one forward. false: a graph per token count (each new prompt length recompiles) and the first "
+        "forward's apart, warmed by two.")
     inductor_mode: InductorMode = Field(
         "default", description="Inductor's mode (max-autotune-no-cudagraphs: longer compile, tuned GEMMs; "
         "CUDA graphs stay off: the offloader and the SP exchange run between blocks).")

@@ -825,9 +825,8 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
 @pytest.mark.slow
 def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_checkpoint, monkeypatch):
     """dynamic: false makes a graph per token count: the warm-up runs each distinct count (the two orientations of
-    one count once). Whether requests then compile nothing is not asserted here: without a symbolic length dynamo
-    also specializes `_BlockRows.index`, a graph per block, and past its recompile limit (8: the 4 tiny blocks x 2
-    graphs of the first count) it runs the rest eager without counting a compile."""
+    one count once), and then requests of those counts (the warm-up's prompt length) compile nothing, at every step
+    count: the blocks share each graph (their AdaLN row index is an input, not a constant of the graph)."""
     from engine.engine import DenoiserEngine
     from engine.forward import warmup_forwards
 
@@ -840,6 +839,17 @@ def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_c
                                                   "warmup": canvases}))
     assert engine.describe()["forward"]["compile"]["warmup_forwards"] == len(forwards.rows) == 2 * warmup_forwards(False) == 4
     assert len(set(forwards.rows)) == 2
+    from engine.api import GenerationRequest
+    from engine.forward import WARMUP_TEXT_TOKENS
+
+    for canvas in canvases:
+        for steps in STREAM_STEPS:
+            result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=steps, return_video=False,
+                                                      **canvas), prompt_of(WARMUP_TEXT_TOKENS))
+            assert result.stats.compile.since_warmup == 0, (canvas, steps)
+    # 2 token counts x (one timestep row, two), each graph shared by the 4 blocks (with a graph per block, dynamo's
+    # recompile limit would have left blocks eager, uncounted by since_warmup).
+    assert result.stats.compile.frames_compiled == 4
 
 
 @pytest.mark.slow  # compiles two graphs through AOTAutograd: ~10 s
