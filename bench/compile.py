@@ -168,7 +168,8 @@ def serve_one(args: argparse.Namespace) -> dict:
         result = engine.denoise(request, prompt, progress=clock)
         compiled = result.stats.compile
         loop_ms, rest = 1e3 * result.timings.denoise_s, clock.rest_ms()
-        return RequestTimes(loop_ms / result.stats.forwards, loop_ms - sum(rest), statistics.median(rest),
+        return RequestTimes(loop_ms / result.stats.forwards, loop_ms - sum(rest),
+                            statistics.median(rest) if rest else float("nan"),  # one forward: no other
                             result.stats.forwards, None if compiled is None else compiled.since_warmup)
 
     # The first request after the start against later ones, with compile or without: without, what is left is a
