@@ -155,7 +155,7 @@ def _dynamic_sizes(forward: Callable[..., object]) -> Callable[[tuple, dict], No
     """A function marking a call's sizes: those of `VARYING_DIMS` vary, the others are static. `dynamic: true`
     alone makes every size symbolic unless a guard pins it, and none pins the rotary width: the norm + RoPE kernel
     was generated for any width, and the trace reasoned about it (on CPU, with the heads no longer a traced int,
-    `model.adaln._BlockRows.row_index`, a warm start's trace took 1.1 s instead of 2.0). `temb`'s row count is
+    `model.adaln._BlockRows.row_index`, a warm start's trace took 1.0 s instead of 2.0). `temb`'s row count is
     unbacked: dynamo specializes a backed size of 1, so a schedule's first forward (one row: both sigmas are 1) would
     compile a second graph beside every later one's (two or more rows), and a warm start would trace and load both.
     ValueError for a block forward without one of these parameters (its sizes would silently compile more graphs
@@ -215,9 +215,9 @@ class CompiledBlocks:
         if self.options.cache_dir is not None:
             # Read by inductor whenever it resolves its cache (process-wide: one engine per process).
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = writable_folder(self.options.cache_dir)
-        # Dynamic: only the sizes `_dynamic_sizes` marks (None: dynamo's default, which honours the marks and
-        # keeps every other size static). Not True: that makes every size symbolic unless a guard pins it, and
-        # the rotary width stayed symbolic (a slower norm + RoPE kernel and a longer trace).
+        # dynamic=True, with the inputs' sizes that do not vary marked static (`_dynamic_sizes`). Not dynamo's default
+        # (None) with the varying ones marked dynamic instead: the tensors a graph break hands on (the SP exchange)
+        # carry no marks, so after one the sequence would be static and each new length would recompile.
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
