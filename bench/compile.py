@@ -26,7 +26,7 @@ VAEs load too).
 Every start then serves, on a prompt embedding of `PROMPT_ROWS` random rows (no text encoder):
 the first request (canvas 0) and `--repeats` more of it: `x later` is the first request's ms per forward over
 the later ones' median (goal <= 1.05; the no-compile start's is a first request's own cost, without compile), its
-first forward apart from the others (`ForwardClock`), and from them the same ratio for the released 50-step
+first forward apart from the others (`bench.h3.ForwardClock`), and from them the same ratio for the released 50-step
 request at 50 blocks (`x_later_at_scale`: the 5-step, 4-block request makes a once-per-canvas cost 60x larger);
 then, compiled, the mixed stream, 4 canvases x 3 step counts in a seeded order,
 each request's compiles after the warm-up summed (goal 0). `x no-compile start` is each start's seconds over the
@@ -134,6 +134,7 @@ def serve_one(args: argparse.Namespace) -> dict:
     """Child: one start (`args.start`), then the first-vs-later requests and, compiled, the mixed stream."""
     import torch
 
+    from bench.h3 import ForwardClock
     from engine.api import GenerationRequest
     from engine.engine import DenoiserEngine, Engine
     from engine.stage_data import PromptEmbedding
@@ -164,13 +165,13 @@ def serve_one(args: argparse.Namespace) -> dict:
 
     def run(canvas: Canvas, num_steps: int, seed: int) -> RequestTimes:
         request = GenerationRequest(prompt="bench", steps=num_steps, seed=seed, return_video=False, **asdict(canvas))
-        clock = ForwardClock(args.device)
+        clock = ForwardClock(engine.device)
         result = engine.denoise(request, prompt, progress=clock)
         compiled = result.stats.compile
         loop_ms, rest = 1e3 * result.timings.denoise_s, clock.rest_ms()
         return RequestTimes(loop_ms / result.stats.forwards, loop_ms - sum(rest),
                             statistics.median(rest) if rest else float("nan"),  # one forward: no other
-                            result.stats.forwards, None if compiled is None else compiled.since_warmup)
+                            None if compiled is None else compiled.since_warmup)
 
     # The first request after the start against later ones, with compile or without: without, what is left is a
     # first request's own cost at a canvas the start never ran (the allocator's growth, the attention kernel's
@@ -179,7 +180,7 @@ def serve_one(args: argparse.Namespace) -> dict:
     laters = [run(canvases[0], steps[0], 2 + i) for i in range(args.repeats)]
     later = RequestTimes(statistics.median(t.ms_per_forward for t in laters),
                          statistics.median(t.forward1_ms for t in laters), statistics.median(t.rest_ms for t in laters),
-                         first.forwards, None)
+                         None)
     row.update(first_ms=round(first.ms_per_forward, 2), later_ms=round(later.ms_per_forward, 2),
                **{"x later": round(first.ms_per_forward / later.ms_per_forward, 3)},
                first_forward1_ms=round(first.forward1_ms, 2), later_forward1_ms=round(later.forward1_ms, 2),
@@ -198,33 +199,6 @@ def serve_one(args: argparse.Namespace) -> dict:
     return row
 
 
-class ForwardClock:
-    """The engine's progress callback for one request, marking the end of each forward: a CUDA event on the current
-    stream (read after the request: the loop is not synchronized), the host clock on a CPU (its ops are)."""
-
-    def __init__(self, device: str):
-        import torch
-
-        self._cuda = device != "cpu"
-        self._marks: list = []
-        self._torch = torch
-
-    def __call__(self, step: int, steps: int) -> None:
-        if self._cuda:
-            event = self._torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def rest_ms(self) -> list[float]:
-        """ms of forwards 2..N (between consecutive marks; the first has no mark before it)."""
-        if self._cuda:
-            self._marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self._marks, self._marks[1:])]
-        return [1e3 * (b - a) for a, b in zip(self._marks, self._marks[1:])]
-
-
 @dataclass(frozen=True)
 class RequestTimes:
     """One request's forwards: ms per forward over its denoise loop, its first forward (the loop's ms less the
@@ -233,7 +207,6 @@ class RequestTimes:
     ms_per_forward: float
     forward1_ms: float
     rest_ms: float
-    forwards: int
     since_warmup: int | None  # compiles after the warm-up, cumulative (None without compile)
 
 

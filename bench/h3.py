@@ -93,6 +93,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_mark(device: torch.device) -> float | torch.cuda.Event:
+    """A point on `device`'s timeline: a CUDA event recorded on its current stream (the one the model's kernels queue
+    on; read after a sync, `seconds_between`), the host clock elsewhere (a CPU's ops are synchronous)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def seconds_between(begin: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+    """Seconds from one `device_mark` to a later one (CUDA events: once the device has passed `end`)."""
+    if isinstance(begin, float):
+        return end - begin
+    return begin.elapsed_time(end) / 1e3
+
+
+class ForwardClock:
+    """An engine progress callback (`Engine.denoise(..., progress=)`) marking the end of each forward of one request
+    (`device_mark`: no sync in the loop). `rest_ms()`: forwards 2..N, the first having no mark before it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._marks: list[float | torch.cuda.Event] = []
+
+    def __call__(self, step: int, steps: int) -> None:
+        self._marks.append(device_mark(self.device))
+
+    def rest_ms(self) -> list[float]:
+        sync(self.device)
+        return [1e3 * seconds_between(a, b) for a, b in zip(self._marks, self._marks[1:])]
+
+
 class BlockSpan:
     """Seconds inside the block stack: per transformer forward, from the first block's start to the last block's
     end. A run on `n` of the released blocks then scales to 50 by its blocks alone (`at_blocks`): the embedders,
@@ -109,29 +142,21 @@ class BlockSpan:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> BlockSpan:
-        self._handles = [self.blocks[0].register_forward_pre_hook(lambda module, args: self._begins.append(self._mark())),
-                         self.blocks[-1].register_forward_hook(lambda module, args, out: self._ends.append(self._mark()))]
+        begin = lambda module, args: self._begins.append(device_mark(self.device))  # noqa: E731
+        end = lambda module, args, out: self._ends.append(device_mark(self.device))  # noqa: E731
+        self._handles = [self.blocks[0].register_forward_pre_hook(begin), self.blocks[-1].register_forward_hook(end)]
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
 
-    def _mark(self) -> float | torch.cuda.Event:
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))  # the stream the blocks' kernels queue on
-        return event
-
     def seconds(self) -> float | None:
         """The total over the forwards run inside the `with` (after a device sync)."""
         if not self._begins or len(self._begins) != len(self._ends):
             return None
-        if self.device.type != "cuda":
-            return sum(end - begin for begin, end in zip(self._begins, self._ends))
         sync(self.device)
-        return sum(begin.elapsed_time(end) for begin, end in zip(self._begins, self._ends)) / 1e3
+        return sum(seconds_between(begin, end) for begin, end in zip(self._begins, self._ends))
 
 
 def at_blocks(seconds: float, block_seconds: float | None, measured_blocks: int, blocks: int) -> float:

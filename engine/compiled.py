@@ -172,8 +172,8 @@ def _dynamic_sizes(forward: Callable[..., object]) -> Callable[[tuple, dict], No
             value = kwargs[name] if name in kwargs else args[positions[name]]
             for tensor in value if isinstance(value, tuple) else (value,):
                 _mark_static_but(tensor, varying)
-        temb = kwargs["temb"] if "temb" in kwargs else args[positions["temb"]]
-        torch._dynamo.decorators.mark_unbacked(temb, 0)
+            if name == "temb":
+                torch._dynamo.decorators.mark_unbacked(value, 0)
 
     return mark
 

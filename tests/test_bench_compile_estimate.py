@@ -54,6 +54,6 @@ def test_loads_slowed_beside_the_warm_up_add_what_they_measured_once_and_scale_a
 def test_the_released_requests_first_vs_later_spreads_a_once_per_canvas_cost_over_its_forwards(first, later, blocks,
                                                                                              want):
     def times(ms_per_forward, forward1_ms, rest_ms):
-        return RequestTimes(ms_per_forward, forward1_ms, rest_ms, forwards=4, since_warmup=None)
+        return RequestTimes(ms_per_forward, forward1_ms, rest_ms, since_warmup=None)
 
     assert x_later_at_scale(times(*first), times(*later), blocks) == pytest.approx(want)
