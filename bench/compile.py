@@ -91,7 +91,7 @@ STARTS = ("no compile", "compile, cold cache", "compile, warm cache", "compile, 
 OVERLAP_START = STARTS[3]
 WARM_START = STARTS[2]
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
-           "warmup_forwards", "warmup_forward_s", "frames_compiled", "graph_breaks", "first_ms", "later_ms", "x later",
+           "warmup_forwards", "warmup_forward_s", "frames_compiled", "graphs_loaded", "graph_breaks", "first_ms", "later_ms", "x later",
            "first_forward1_ms", "later_forward1_ms", "first_rest_ms", "later_rest_ms", "x later, 50 steps at 50 blocks",
            "stream_requests", "stream_recompiles", "text_encoder_s", "vae_s"]
 #: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
@@ -127,7 +127,7 @@ def engine_config(args: argparse.Namespace, checkpoint: Path, start: str, cache_
         checkpoint=str(checkpoint), device=args.device, text_encoder=text_encoder,
         geometry={"short_edge": None, "min_seconds": 0.1},
         compile={"mode": "blocks" if compiled else "off", "backend": args.backend, "cache_dir": str(cache_dir),
-                 "warmup": warmup, "overlap_loads": start == OVERLAP_START})
+                 "warmup": warmup, "overlap_loads": start == OVERLAP_START, "precompiled": not args.traced})
 
 
 def serve_one(args: argparse.Namespace) -> dict:
@@ -189,7 +189,8 @@ def serve_one(args: argparse.Namespace) -> dict:
     if compile_stats is None:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
-               frames_compiled=compile_stats["frames_compiled"], graph_breaks=compile_stats["graph_breaks"], **phases)
+               frames_compiled=compile_stats["frames_compiled"], graphs_loaded=compile_stats["graphs_loaded"],
+               graph_breaks=compile_stats["graph_breaks"], **phases)
     stream = [(canvas, n) for canvas in canvases for n in steps]
     random.Random(0).shuffle(stream)
     recompiles = max(run(canvas, n, 10 + i).since_warmup for i, (canvas, n) in enumerate(stream))  # cumulative
@@ -305,6 +306,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="later requests timed after the first")
     p.add_argument("--checkpoint-root", default=None, help="where the checkpoint is made/reused (default: temp)")
     p.add_argument("--out", default=None, help="results folder (default: bench/results)")
+    p.add_argument("--traced", action="store_true", help="compile.precompiled off: a warm start traces the block "
+                   "and loads inductor's kernels (the regular path) instead of loading whole graphs")
     # child mode: one start in this process, its row as JSON on the last line
     p.add_argument("--start", choices=STARTS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
@@ -343,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             child = [sys.executable, "-m", "bench.compile", "--start", start, "--checkpoint", str(checkpoint),
                      "--cache-dir", str(cache_dir), "--device", args.device, "--repeats", str(args.repeats),
                      "--num-blocks", str(args.num_blocks), "--text-layers", str(args.text_layers),
-                     "--backend", args.backend] + ["--stages"] * args.stages
+                     "--backend", args.backend] + ["--stages"] * args.stages + ["--traced"] * args.traced
             logger.info("start: %s", start)
             out = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))

@@ -47,6 +47,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from engine.precompiled import FOLDER as PRECOMPILED_FOLDER
+from engine.precompiled import PrecompiledGraphs
 from model.adaln import ExternalModulation, Modulation
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class CompileOptions:
     dynamic: bool = True
     inductor_mode: InductorMode = "default"
     cache_dir: str | None = None
+    precompiled: bool = True  # inductor with a cache_dir: keep whole graphs there (engine.precompiled)
 
 
 def compiler_modules(backend: CompileBackend, device: torch.device) -> tuple[str, ...]:
@@ -125,6 +128,7 @@ class CompileStats:
     graph_breaks: int
     warmup_s: float | None  # None: no warm-up ran
     warmup_forwards: int | None  # transformer forwards the warm-up ran (None: no warm-up ran)
+    graphs_loaded: int = 0  # whole graphs read from compile.cache_dir at start (compile.precompiled): no trace
 
 
 def _frames_compiled() -> int:
@@ -202,6 +206,7 @@ class CompiledBlocks:
         self.modulation = modulation  # online AdaLN: the rows the blocks read, marked as `temb` is
         self.lora_active = lora_active  # an unfused adapter is on: its scale, a float, is a graph input
         self._forward = kinds.pop().forward
+        self.precompiled: PrecompiledGraphs | None = None
         self._applied = False
         self._frames_at_apply = 0
         self._breaks_at_apply = 0
@@ -221,27 +226,61 @@ class CompiledBlocks:
         options = {"backend": self.options.backend, "dynamic": self.options.dynamic}
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
-        compiled = torch.compile(self._forward, **options)
-        mark = _dynamic_sizes(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
-
-        def traced(*args, **kwargs):
-            mark(args, kwargs)
-            # Floats constant but a LoRA scale's (the module docstring says why). No fake-tensor dispatch cache:
-            # on a block with symbolic sizes it costs more than it saves (one trace repeats few (op, shapes) pairs,
-            # and each entry made or replayed rebuilds its outputs' sizes through sympy); the graph is the same
-            # without it. On CPU with inductor a warm start's warm-up took 3.22 s instead of 3.78
-            # (bench/results/compile-smoke-inductor-*).
-            with torch._dynamo.config.patch(specialize_float=not self.lora_active(),
-                                            fake_tensor_cache_enabled=False):
-                return compiled(*args, **kwargs)
-
+        self._compiled = torch.compile(self._forward, **options)
+        self._whole = torch.compile(self._forward, fullgraph=True, **options)  # what compile.precompiled keeps
+        self._mark = _dynamic_sizes(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
+        self._keep_whole = (self.options.precompiled and self.options.backend == "inductor"
+                            and self.options.cache_dir is not None)
         for block in self.blocks:
-            block.forward = functools.partial(traced, block)
-        if self.modulation is not None and self.options.dynamic:
+            block.forward = functools.partial(self._call, block)
+        if self.modulation is not None and self.options.dynamic and not self._keep_whole:
             self.modulation.on_set = _rows_unbacked
-        self._frames_at_apply, self._breaks_at_apply = _frames_compiled(), _graph_breaks()
+        self._frames_at_apply, self._breaks_at_apply = self._compiles(), _graph_breaks()
         self._applied = True
         return self
+
+    def _dynamo_settings(self):
+        # Floats constant but a LoRA scale's (the module docstring says why). No fake-tensor dispatch cache: on a
+        # block with symbolic sizes it costs more than it saves (one trace repeats few (op, shapes) pairs, and each
+        # entry made or replayed rebuilds its outputs' sizes through sympy); the graph is the same without it. On CPU
+        # with inductor a warm start's warm-up took 3.22 s instead of 3.78 (bench/results/compile-smoke-inductor-*).
+        return torch._dynamo.config.patch(specialize_float=not self.lora_active(), fake_tensor_cache_enabled=False)
+
+    def _call(self, *args, **kwargs):
+        """A block's forward (`args[0]` the block): a whole graph kept in the cache folder, or dynamo's."""
+        graph = self._whole_graph(args, kwargs) if self._keep_whole else None
+        if graph is not None:
+            return graph(*args, **kwargs)
+        self._mark(args, kwargs)
+        with self._dynamo_settings():
+            return self._compiled(*args, **kwargs)
+
+    def _whole_graph(self, args: tuple, kwargs: dict) -> Callable | None:
+        """A saved graph whose guards accept this call, else one compiled whole and saved now; None once this
+        process cannot keep the forward whole (the regular trace serves it)."""
+        if self.precompiled is None:  # read at the first call: the warm-up's time counts the load
+            self.precompiled = PrecompiledGraphs.open(os.path.join(self.options.cache_dir, PRECOMPILED_FOLDER))
+        graph = self.precompiled.find(args, kwargs)
+        if graph is not None or self.precompiled.off_reason is not None:
+            return graph
+        # Sizes are marked for this trace only, not at every call (nor online AdaLN's rows at every set): a saved
+        # graph's guards come back without the marks its trace saw (torch keeps its tensors as bare meta copies), so
+        # they accept unmarked tensors only. A graph compiled in this process accepts both.
+        self._mark(args, kwargs)
+        rows = self.modulation is not None and self.options.dynamic
+        if rows:
+            _rows_unbacked(self.modulation.current_rows())
+        # The saved guards keep the block's callable attributes: not this engine's forward (its closure is the engine).
+        block = args[0]
+        installed = block.__dict__.pop("forward")
+        try:
+            with self._dynamo_settings():
+                graph = self.precompiled.compile(self._whole, args, kwargs)
+        finally:
+            block.forward = installed
+        if graph is None and rows:
+            self.modulation.on_set = _rows_unbacked  # dynamo's trace reads the marks at any call from now on
+        return graph
 
     def remove(self) -> None:
         for block in self.blocks:
@@ -253,13 +292,18 @@ class CompiledBlocks:
     def warmup_ended(self, seconds: float, forwards: int) -> None:
         """The engine's warm-up ran (`forwards` transformer forwards in `seconds`): later compiles are counted as
         `since_warmup`."""
-        self._frames_at_warmup = _frames_compiled()
+        self._frames_at_warmup = self._compiles()
         self.warmup_s = seconds
         self.warmup_forwards = forwards
 
+    def _compiles(self) -> int:
+        """Graphs compiled so far in this process: dynamo's frames and whole graphs compiled ahead of time."""
+        return _frames_compiled() + (self.precompiled.compiled if self.precompiled is not None else 0)
+
     def stats(self) -> CompileStats:
-        frames = _frames_compiled()
+        frames = self._compiles()
         after = frames - (self._frames_at_warmup if self._frames_at_warmup is not None else self._frames_at_apply)
         return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
                             graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s,
-                            warmup_forwards=self.warmup_forwards)
+                            warmup_forwards=self.warmup_forwards,
+                            graphs_loaded=self.precompiled.loaded if self.precompiled is not None else 0)

@@ -268,6 +268,11 @@ class CompileConfig(BaseModel):
         "canvases of one adapter set share a graph and only the one of fewest tokens runs, with dynamic: false each "
         "distinct token count does; each run is one forward (dynamic: false: two) per served weight tier. Checked "
         "but not run with mode: off.")
+    precompiled: bool = Field(
+        True, description="With inductor and a cache_dir: keep each compiled block graph whole in "
+        "cache_dir/precompiled (torch's aot_compile: the graph, its kernels and its guards), so a restarted or "
+        "scaled-out replica loads it instead of tracing the block again (engine.precompiled). A forward that cannot "
+        "be kept whole (sequence parallelism breaks the graph) compiles the regular way.")
     overlap_loads: bool = Field(
         False, description="Compile beside the loads: import the compiler on a thread while the checkpoint reads, "
         "and run the warm-up on one beside the plan cache's build and the text encoder's load (one device). Off: on "
@@ -279,7 +284,7 @@ class CompileConfig(BaseModel):
 
     @property
     def options(self) -> CompileOptions:
-        return CompileOptions(self.backend, self.dynamic, self.inductor_mode, self.cache_dir)
+        return CompileOptions(self.backend, self.dynamic, self.inductor_mode, self.cache_dir, self.precompiled)
 
 
 class EngineConfig(BaseModel):
