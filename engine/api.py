@@ -291,8 +291,10 @@ class GenerationStats(BaseModel):
     parallel: RankStats | ParallelStats | None = Field(None, description="Multi-device replicas only.")
     adapters: AdapterStats | None = Field(None, description="The LoRA adapters it ran with; None: none.")
     compile: CompileStats | None = Field(
-        None, description="Compiled blocks' dynamo counters (cumulative; since_warmup: compiles after the start-up "
-        "warm-up, 0 when every shape was warmed); None: engine.compile.mode off.")
+        None, description="Compiled blocks' counters (cumulative; frames_compiled: graphs traced and compiled in "
+        "this process; graphs_loaded: whole graphs loaded from compile.cache_dir at start, compile.precompiled; "
+        "since_warmup: compiles after the start-up warm-up, 0 when every shape was warmed); None: engine.compile.mode "
+        "off.")
 
     @model_serializer(mode="wrap")
     def _response_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

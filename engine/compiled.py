@@ -227,7 +227,10 @@ class CompiledBlocks:
         if self.options.backend == "inductor" and self.options.inductor_mode != "default":
             options["mode"] = self.options.inductor_mode
         self._compiled = torch.compile(self._forward, **options)
-        self._whole = torch.compile(self._forward, fullgraph=True, **options)  # what compile.precompiled keeps
+        # What compile.precompiled keeps: torch 2.11 gives a compiled function its `aot_compile` only on this flag.
+        aot = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+        with torch._dynamo.config.patch(**aot):
+            self._whole = torch.compile(self._forward, fullgraph=True, **options)
         self._mark = _dynamic_sizes(self._forward) if self.options.dynamic else (lambda args, kwargs: None)
         self._keep_whole = (self.options.precompiled and self.options.backend == "inductor"
                             and self.options.cache_dir is not None)
