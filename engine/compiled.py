@@ -262,7 +262,8 @@ class CompiledBlocks:
         """A saved graph whose guards accept this call, else one compiled whole and saved now; None once this
         process cannot keep the forward whole (the regular trace serves it)."""
         if self.precompiled is None:  # read at the first call: the warm-up's time counts the load
-            self.precompiled = PrecompiledGraphs.open(os.path.join(self.options.cache_dir, PRECOMPILED_FOLDER))
+            self.precompiled = PrecompiledGraphs.open(os.path.join(self.options.cache_dir, PRECOMPILED_FOLDER),
+                                                      self._forward)
         graph = self.precompiled.find(args, kwargs)
         if graph is not None or self.precompiled.off_reason is not None:
             return graph

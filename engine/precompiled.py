@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 #: `compile.cache_dir`'s subfolder of saved graphs.
 FOLDER = "precompiled"
 SUFFIX = ".pt2"
+#: Float restarts of one whole-graph trace (torch.compile allows as many as the floats it found; the H3 block
+#: with LoRA layers on needs one).
+MAX_RESTARTS = 8
 
 
 def _sources_unchanged(graph) -> str | None:
@@ -65,17 +68,20 @@ class PrecompiledGraphs:
     off_reason: str | None = None  # why this process stopped compiling more (None: it compiles)
 
     @classmethod
-    def open(cls, folder: str | os.PathLike) -> PrecompiledGraphs:
-        """The graphs saved in `folder` (made if missing) that torch and the sources still accept."""
+    def open(cls, folder: str | os.PathLike, forward: Callable) -> PrecompiledGraphs:
+        """The graphs of `forward` saved in `folder` (made if missing) that torch and the sources still accept."""
         from torch.compiler import load_compiled_function
 
+        # The globals the graph's code reads (peft's LoRA layers read `torch` there): the forward's module's.
+        scope = ({"f_globals": forward.__globals__}
+                 if "f_globals" in inspect.signature(load_compiled_function).parameters else {})
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         graphs = []
         for path in sorted(folder.glob(f"*{SUFFIX}")):
             try:
                 with open(path, "rb") as file:
-                    graph = load_compiled_function(file)
+                    graph = load_compiled_function(file, **scope)
             except Exception as exc:  # another torch, GPU or Python, or a file cut short: not this process's graph
                 logger.info("precompiled graph %s not loaded: %s", path.name, str(exc).splitlines()[0] if str(exc)
                             else type(exc).__name__)
@@ -98,6 +104,24 @@ class PrecompiledGraphs:
                 return graph
         return None
 
+    @staticmethod
+    def _aot_compile(compile_forward: Callable, args: tuple, kwargs: dict):
+        """`compile_forward.aot_compile` with dynamo's float restarts: a float traced as an input that AOTAutograd
+        cannot keep as one (a norm's eps beside a LoRA scale) is recorded to be a constant and the trace restarts.
+        torch.compile restarts by itself; aot_compile raises instead, the record kept for the next attempt."""
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+        from torch._dynamo.symbolic_convert import TensorifyState
+
+        try:
+            for _ in range(MAX_RESTARTS):
+                try:
+                    return compile_forward.aot_compile((args, kwargs))
+                except TensorifyScalarRestartAnalysis:
+                    continue
+            return compile_forward.aot_compile((args, kwargs))
+        finally:
+            TensorifyState.clear()  # as torch.compile's frame does after its last attempt
+
     def compile(self, compile_forward: Callable, args: tuple, kwargs: dict) -> Callable | None:
         """Compile this call's graph ahead of time (`compile_forward`: `torch.compile(forward, fullgraph=True, ...)`,
         the caller's dynamo settings around this call), save it and keep it; None, and no more compiles in this
@@ -105,7 +129,7 @@ class PrecompiledGraphs:
         if self.off_reason is not None:
             return None
         try:
-            graph = compile_forward.aot_compile((args, kwargs))
+            graph = self._aot_compile(compile_forward, args, kwargs)
             data = type(graph).serialize(graph).serialized_data
         except Exception as exc:  # a graph break (fullgraph), a kernel or tensor subclass torch cannot serialize
             self.off_reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

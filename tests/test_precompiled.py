@@ -141,7 +141,7 @@ def test_a_file_torch_cannot_load_or_a_graph_of_changed_sources_is_not_loaded(fi
     (folder / f"cut-short{SUFFIX}").write_bytes(saved(first_dir)[0].read_bytes()[:100])
     (folder / f"whole{SUFFIX}").write_bytes(saved(first_dir)[0].read_bytes())
     with caplog.at_level(logging.INFO, logger="engine.precompiled"):
-        graphs = PrecompiledGraphs.open(folder)
+        graphs = PrecompiledGraphs.open(folder, MiniMaxH3TransformerBlock.forward)
     assert graphs.loaded == 1
     assert f"cut-short{SUFFIX} not loaded" in caplog.text
 
@@ -155,7 +155,7 @@ def test_a_file_torch_cannot_load_or_a_graph_of_changed_sources_is_not_loaded(fi
     monkeypatch.setattr(precompiled_module.inspect, "getsource", edited)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.precompiled"):
-        assert PrecompiledGraphs.open(folder).loaded == 0
+        assert PrecompiledGraphs.open(folder, MiniMaxH3TransformerBlock.forward).loaded == 0
     assert "the source of diffusers.models.transformers.transformer_minimax_h3 changed" in caplog.text
 
 
@@ -188,3 +188,44 @@ def test_a_forward_that_cannot_be_kept_whole_compiles_the_regular_way(weights, r
     assert saved(tmp_path) == []
     for got, expect in zip(run.video_velocity, want.video_velocity):
         assert ((got.float() - expect.float()).norm() / expect.float().norm()).item() < 1e-2
+
+
+def test_an_engine_restart_with_an_adapter_warmed_loads_both_graphs_and_compiles_nothing(tiny_checkpoint, tmp_path):
+    """The served path: online AdaLN rows, the warm-up's stand-in rows, LoRA layers on (another graph, its scale a
+    float input). The restarted engine's warm-up and every request after it, at any adapter scale, trace nothing."""
+    from engine.api import AdapterChoice, GenerationRequest
+    from engine.config import EngineConfig
+    from engine.engine import DenoiserEngine
+    from model.tiny_adapter import save_adapter, tiny_lora_factors
+    from tests.test_forward_kernels import prompt_of
+
+    path = save_adapter(tmp_path / "turbo.safetensors", tiny_lora_factors(1))
+    canvas = dict(width=64, height=64, seconds=5.0)
+
+    def engine_start() -> DenoiserEngine:
+        torch._dynamo.reset()
+        return DenoiserEngine(EngineConfig(
+            checkpoint=str(tiny_checkpoint), device="cpu", adapters={"turbo": {"path": str(path)}},
+            compile={"mode": "blocks", "backend": "inductor", "cache_dir": str(tmp_path / "cache"),
+                     "warmup": [canvas, dict(canvas, adapters=("turbo",))]}))
+
+    def serve(engine: DenoiserEngine) -> list:
+        runs = []
+        for adapters in ((), (AdapterChoice(name="turbo"),), (AdapterChoice(name="turbo", scale=0.5),)):
+            result = engine.denoise(GenerationRequest(prompt="a red fox", seed=3, steps=3, return_video=False,
+                                                      adapters=adapters, **canvas), prompt_of(11, seed=1))
+            runs.append(result)
+        return runs
+
+    first = engine_start()
+    assert first.describe()["forward"]["compile"]["graphs_loaded"] == 0
+    want = serve(first)
+    assert want[-1].stats.compile.since_warmup == 0
+    assert len(saved(tmp_path / "cache")) == 2  # without and with the LoRA layers
+
+    again = engine_start()
+    stats = again.describe()["forward"]["compile"]
+    assert (stats["frames_compiled"], stats["graphs_loaded"]) == (0, 2)
+    for run, expect in zip(serve(again), want):
+        assert run.stats.compile.frames_compiled == 0
+        assert torch.equal(run.video, expect.video) and torch.equal(run.audio, expect.audio)
