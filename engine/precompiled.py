@@ -55,6 +55,14 @@ def _sources_unchanged(graph) -> str | None:
     return None
 
 
+def _checked_by_find(graph):
+    """`graph` without its own guard check on each call: `find` ran it (torch 2.11's graphs lack the switch and check
+    twice, some microseconds)."""
+    if hasattr(graph, "disable_guard_check"):
+        graph.disable_guard_check()
+    return graph
+
+
 @dataclass
 class PrecompiledGraphs:
     """The saved graphs of one block forward in `folder`. Invariant: every graph in `graphs` was loaded from or
@@ -82,17 +90,16 @@ class PrecompiledGraphs:
             try:
                 with open(path, "rb") as file:
                     graph = load_compiled_function(file, **scope)
+                changed = _sources_unchanged(graph)
             except Exception as exc:  # another torch, GPU or Python, or a file cut short: not this process's graph
                 logger.info("precompiled graph %s not loaded: %s", path.name, str(exc).splitlines()[0] if str(exc)
                             else type(exc).__name__)
                 continue
-            changed = _sources_unchanged(graph)
             if changed is not None:
                 logger.info("precompiled graph %s not loaded: the source of %s changed since it was traced",
                             path.name, changed)
                 continue
-            graph.disable_guard_check()
-            graphs.append(graph)
+            graphs.append(_checked_by_find(graph))
         return cls(folder, graphs, loaded=len(graphs))
 
     def find(self, args: tuple, kwargs: dict) -> Callable | None:
@@ -140,7 +147,6 @@ class PrecompiledGraphs:
         with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".saving-", delete=False) as file:
             file.write(data)
         os.replace(file.name, path)  # whole or absent: a replica starting beside this one never reads half a graph
-        graph.disable_guard_check()
-        self.graphs.insert(0, graph)
+        self.graphs.insert(0, _checked_by_find(graph))
         self.compiled += 1
         return graph
