@@ -14,8 +14,9 @@ empty), on the same checkpoint (`engine.Engine`, denoiser only, the served defau
 - `compile, cold cache`: `compile.mode: blocks` with `compile.warmup` = the 4 canvases, `compile.cache_dir` an
   empty folder: every kernel is generated (the warm-up runs what compiles: the canvas of fewest tokens, a
   schedule's first forward, `engine.forward.warm_up`), after the plan cache's build (and the text encoder's load);
-- `compile, warm cache`: the same config and folder again: dynamo traces, inductor loads its kernels from what
-  the cold start wrote;
+- `compile, warm cache`: the same config and folder again: the engine loads the whole graphs the cold start kept
+  (`compile.precompiled`, the default: no trace), or with `--traced` dynamo traces and inductor loads its kernels
+  from what the cold start wrote;
 - `compile, warm cache, beside the loads`: the same with `compile.overlap_loads`: the compiler imported on a
   thread during the checkpoint read, the warm-up on one beside the plan cache's build (and the text encoder's
   load), so the start pays the longer of the two where they do not contend, not their sum.
