@@ -16,7 +16,9 @@ What retires a saved graph:
   constant that changed would pass them; any edit of such a module retires the graph instead.
 A retired graph stays on disk (another replica version may share the folder) and is not loaded.
 
-Files are `<sha256 of their bytes>.pt2`, written atomically: replicas saving the same graph write the same file.
+Files are `<generation>-<sha256 of their bytes>.pt2`, written atomically (replicas saving the same graph write the
+same file). The generation hashes the Python and torch versions and the forward's own module: a start reads only its
+generation's files, so the graphs of earlier deploys in a shared folder cost it nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +58,14 @@ def _sources_unchanged(graph) -> str | None:
     return None
 
 
+def generation(forward: Callable) -> str:
+    """What names the files a start of `forward` reads: Python, torch and the forward's module source."""
+    digest = hashlib.sha256()
+    for part in (sys.version, torch.__version__, inspect.getsource(inspect.getmodule(forward))):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
 def _checked_by_find(graph):
     """`graph` without its own guard check on each call: `find` ran it (torch 2.11's graphs lack the switch and check
     twice, some microseconds)."""
@@ -70,6 +81,7 @@ class PrecompiledGraphs:
     `find` ran it)."""
 
     folder: Path
+    prefix: str  # this forward's generation: the files it reads and writes
     graphs: list = field(default_factory=list)  # torch._dynamo.aot_compile.AOTCompiledFunction
     loaded: int = 0  # graphs read from disk at open
     compiled: int = 0  # graphs compiled (and saved) by this process
@@ -86,7 +98,8 @@ class PrecompiledGraphs:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         graphs = []
-        for path in sorted(folder.glob(f"*{SUFFIX}")):
+        prefix = generation(forward)
+        for path in sorted(folder.glob(f"{prefix}-*{SUFFIX}")):
             try:
                 with open(path, "rb") as file:
                     graph = load_compiled_function(file, **scope)
@@ -100,7 +113,7 @@ class PrecompiledGraphs:
                             path.name, changed)
                 continue
             graphs.append(_checked_by_find(graph))
-        return cls(folder, graphs, loaded=len(graphs))
+        return cls(folder, prefix, graphs, loaded=len(graphs))
 
     def find(self, args: tuple, kwargs: dict) -> Callable | None:
         """The first graph whose guards accept this call (the block and its inputs), or None."""
@@ -143,7 +156,7 @@ class PrecompiledGraphs:
             logger.warning("compile.precompiled: this block forward cannot be kept whole (%s); its graphs compile "
                            "the regular way (traced at every start)", self.off_reason)
             return None
-        path = self.folder / f"{hashlib.sha256(data).hexdigest()[:32]}{SUFFIX}"
+        path = self.folder / f"{self.prefix}-{hashlib.sha256(data).hexdigest()[:32]}{SUFFIX}"
         with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".saving-", delete=False) as file:
             file.write(data)
         os.replace(file.name, path)  # whole or absent: a replica starting beside this one never reads half a graph

@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 import engine.precompiled as precompiled_module  # noqa: E402
 from engine.compiled import CompiledBlocks, CompileOptions, _frames_compiled  # noqa: E402
-from engine.precompiled import FOLDER, SUFFIX, PrecompiledGraphs  # noqa: E402
+from engine.precompiled import FOLDER, SUFFIX, PrecompiledGraphs, generation  # noqa: E402
 from model.adaln import ExternalModulation, adaln_input, resident_modulation  # noqa: E402
 from model.loading import load_transformer  # noqa: E402
 from model.weights import is_adaln_param  # noqa: E402
@@ -138,25 +138,37 @@ def test_a_file_torch_cannot_load_or_a_graph_of_changed_sources_is_not_loaded(fi
     _, _, first_dir = first_start
     folder = tmp_path / FOLDER
     folder.mkdir()
-    (folder / f"cut-short{SUFFIX}").write_bytes(saved(first_dir)[0].read_bytes()[:100])
-    (folder / f"whole{SUFFIX}").write_bytes(saved(first_dir)[0].read_bytes())
+    whole = saved(first_dir)[0]
+    prefix = generation(MiniMaxH3TransformerBlock.forward)
+    assert whole.name.startswith(f"{prefix}-")
+    (folder / f"{prefix}-cut-short{SUFFIX}").write_bytes(whole.read_bytes()[:100])
+    (folder / whole.name).write_bytes(whole.read_bytes())
     with caplog.at_level(logging.INFO, logger="engine.precompiled"):
         graphs = PrecompiledGraphs.open(folder, MiniMaxH3TransformerBlock.forward)
     assert graphs.loaded == 1
-    assert f"cut-short{SUFFIX} not loaded" in caplog.text
+    assert f"{prefix}-cut-short{SUFFIX} not loaded" in caplog.text
 
-    # Every module the graph inlined is checked whole (a changed constant would pass its guards): diffusers' H3 here.
+    # Every other module the graph inlined is checked whole (a changed constant would pass its guards): torch's
+    # Linear here.
     real = precompiled_module.inspect.getsource
 
     def edited(module):
         source = real(module)
-        return source + "\n# edited\n" if module.__name__.endswith("transformer_minimax_h3") else source
+        return source + "\n# edited\n" if getattr(module, "__name__", "") == "torch.nn.modules.linear" else source
 
     monkeypatch.setattr(precompiled_module.inspect, "getsource", edited)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.precompiled"):
         assert PrecompiledGraphs.open(folder, MiniMaxH3TransformerBlock.forward).loaded == 0
-    assert "the source of diffusers.models.transformers.transformer_minimax_h3 changed" in caplog.text
+    assert "the source of torch.nn.modules.linear changed" in caplog.text
+
+
+def test_a_changed_forward_module_is_another_generation_whose_start_reads_none_of_the_old_files(monkeypatch):
+    forward = MiniMaxH3TransformerBlock.forward
+    before = generation(forward)
+    real = precompiled_module.inspect.getsource
+    monkeypatch.setattr(precompiled_module.inspect, "getsource", lambda module: real(module) + "\n# edited\n")
+    assert generation(forward) != before
 
 
 @torch.compiler.disable
