@@ -273,7 +273,12 @@ class CompiledBlocks:
         self._mark(args, kwargs)
         rows = self.modulation is not None and self.options.dynamic
         if rows:
-            _rows_unbacked(self.modulation.current_rows())
+            # Marked on a copy, set for this trace only: the plan cache may hand these rows' tensors to later
+            # forwards, which the loaded graphs would then refuse. (A view would not do: its guards hold for views.)
+            current = self.modulation.current_rows()
+            traced_rows = Modulation(current.blocks.clone(), current.final.clone())
+            _rows_unbacked(traced_rows)
+            self.modulation.set(traced_rows)
         # The saved guards keep the block's callable attributes: not this engine's forward (its closure is the engine).
         block = args[0]
         installed = block.__dict__.pop("forward")
@@ -282,8 +287,11 @@ class CompiledBlocks:
                 graph = self.precompiled.compile(self._whole, args, kwargs)
         finally:
             block.forward = installed
+            if rows:
+                self.modulation.set(current)
         if graph is None and rows:
             self.modulation.on_set = _rows_unbacked  # dynamo's trace reads the marks at any call from now on
+            _rows_unbacked(current)
         return graph
 
     def remove(self) -> None:

@@ -241,3 +241,25 @@ def test_an_engine_restart_with_an_adapter_warmed_loads_both_graphs_and_compiles
     for run, expect in zip(serve(again), want):
         assert run.stats.compile.frames_compiled == 0
         assert torch.equal(run.video, expect.video) and torch.equal(run.audio, expect.audio)
+
+
+def test_rows_the_plan_cache_hands_out_again_are_never_marked_by_a_trace(weights, resident, requests, tmp_path):
+    """A loaded graph's guards refuse marked tensors: rows a trace marked and a slab hands to a later forward would
+    make every loaded graph refuse that forward (and compile it again). The trace marks views of them instead."""
+    torch._dynamo.reset()
+    model = load_transformer(weights, "cpu", skip=is_adaln_param)
+    modulation = ExternalModulation.install(model)
+    CompiledBlocks(model.transformer_blocks, CompileOptions(backend="inductor", cache_dir=str(tmp_path)),
+                   modulation).apply()
+    slab = {}
+
+    def set_rows(timesteps):
+        key = tuple(timesteps.tolist())
+        if key not in slab:
+            slab[key] = resident_modulation(resident, adaln_input(resident, timesteps))
+        modulation.set(slab[key])
+
+    denoise(model, requests[0], before_step=set_rows)
+    assert slab and len(saved(tmp_path)) == 1
+    for rows in slab.values():
+        assert not hasattr(rows.blocks, "_has_dynamo_dim_marking") and not hasattr(rows.final, "_has_dynamo_dim_marking")
