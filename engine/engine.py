@@ -238,8 +238,12 @@ class Engine:
                                    self.transformer, self.weights)
         # The attention backend and compiled blocks, once every hook is in place (the compiled forward runs
         # inside each block's own __call__, so the offloader's and Cache-DiT's hooks stay eager around it).
+        # The SP exchange breaks the block's graph, so it cannot be kept whole (compile.precompiled): not tried,
+        # which would trace the block once more at start only to find that out.
+        compile_config = config.compile if self.sequence_parallel is None else \
+            config.compile.model_copy(update={"precompiled": False})
         self.forward_kernels = forward.install(self.transformer, attention=config.attention,
-                                               compile_config=config.compile, quantized_linears=quantized_linears,
+                                               compile_config=compile_config, quantized_linears=quantized_linears,
                                                quantization=config.quantization, device=self.device,
                                                precision=precision, modulation=self.modulation,
                                                lora_active=self.adapters.lora_active)

@@ -70,7 +70,8 @@ def _rank_program(rank: int, world_size: int, init_method: str, checkpoint: Path
     other = other_prompt_length(engine)
     torch.save({"video": result.video, "audio": result.audio, "cached": result.stats.cache_dit.cached_steps,
                 "compile": result.stats.compile, "other": other.stats.compile,
-                "started": engine.describe()["forward"]["compile"]}, out_dir / f"rank{rank}.pt")
+                "started": engine.describe()["forward"]["compile"],
+                "precompiled": engine.forward_kernels.compiled.options.precompiled}, out_dir / f"rank{rank}.pt")
     group.barrier()
     group.destroy()
 
@@ -120,3 +121,8 @@ def test_after_the_warm_up_neither_rank_compiles_for_a_request(ranks):
     for rank in ranks:
         assert rank["compile"].since_warmup == 0
         assert rank["other"].since_warmup == 0  # another prompt length: the dynamic graph serves it
+
+
+def test_ranks_do_not_try_to_keep_the_broken_graph_whole(ranks):
+    """compile.precompiled (on by default) is off on SP ranks: the exchange's graph break leaves nothing whole."""
+    assert [report["precompiled"] for report in ranks] == [False] * WORLD_SIZE
