@@ -271,8 +271,9 @@ class CompileConfig(BaseModel):
     precompiled: bool = Field(
         True, description="With inductor and a cache_dir: keep each compiled block graph whole in "
         "cache_dir/precompiled (torch's aot_compile: the graph, its kernels and its guards), so a restarted or "
-        "scaled-out replica loads it instead of tracing the block again (engine.precompiled). A forward that cannot "
-        "be kept whole (sequence parallelism breaks the graph) compiles the regular way.")
+        "scaled-out replica loads it instead of tracing the block again (engine.precompiled). Off on sequence-"
+        "parallel ranks (the exchange breaks the graph); any other forward that cannot be kept whole compiles the "
+        "regular way.")
     overlap_loads: bool = Field(
         False, description="Compile beside the loads: import the compiler on a thread while the checkpoint reads, "
         "and run the warm-up on one beside the plan cache's build and the text encoder's load (one device). Off: on "
