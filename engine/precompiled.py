@@ -133,12 +133,12 @@ class PrecompiledGraphs:
         from torch._dynamo.symbolic_convert import TensorifyState
 
         try:
-            for _ in range(MAX_RESTARTS):
+            for restarts in range(MAX_RESTARTS + 1):
                 try:
                     return compile_forward.aot_compile((args, kwargs))
                 except TensorifyScalarRestartAnalysis:
-                    continue
-            return compile_forward.aot_compile((args, kwargs))
+                    if restarts == MAX_RESTARTS:
+                        raise
         finally:
             TensorifyState.clear()  # as torch.compile's frame does after its last attempt
 
