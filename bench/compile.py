@@ -92,7 +92,8 @@ STARTS = ("no compile", "compile, cold cache", "compile, warm cache", "compile, 
 OVERLAP_START = STARTS[3]
 WARM_START = STARTS[2]
 COLUMNS = ["start", "start_s", "x no-compile start", "start_s_50", "x no-compile start, 50 blocks", "warmup_s",
-           "warmup_forwards", "warmup_forward_s", "frames_compiled", "graphs_loaded", "graph_breaks", "first_ms", "later_ms", "x later",
+           "warmup_forwards", "warmup_forward_s", "frames_compiled", "graphs_loaded", "graphs_load_s",
+           "graph_breaks", "first_ms", "later_ms", "x later",
            "first_forward1_ms", "later_forward1_ms", "first_rest_ms", "later_rest_ms", "x later, 50 steps at 50 blocks",
            "stream_requests", "stream_recompiles", "text_encoder_s", "vae_s"]
 #: Where the warm-up's compile time went (dynamo's per-frame compilation metrics, summed over the warm-up's frames):
@@ -191,6 +192,7 @@ def serve_one(args: argparse.Namespace) -> dict:
         return row
     row.update(warmup_s=round(compile_stats["warmup_s"], 2), warmup_forwards=compile_stats["warmup_forwards"],
                frames_compiled=compile_stats["frames_compiled"], graphs_loaded=compile_stats["graphs_loaded"],
+               graphs_load_s=round(compile_stats["graphs_load_s"], 3),
                graph_breaks=compile_stats["graph_breaks"], **phases)
     stream = [(canvas, n) for canvas in canvases for n in steps]
     random.Random(0).shuffle(stream)

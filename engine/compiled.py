@@ -129,6 +129,7 @@ class CompileStats:
     warmup_s: float | None  # None: no warm-up ran
     warmup_forwards: int | None  # transformer forwards the warm-up ran (None: no warm-up ran)
     graphs_loaded: int = 0  # whole graphs read from compile.cache_dir at start (compile.precompiled): no trace
+    graphs_load_s: float = 0.0  # seconds the start spent reading them (part of warmup_s)
 
 
 def _frames_compiled() -> int:
@@ -318,4 +319,5 @@ class CompiledBlocks:
         return CompileStats(frames_compiled=frames - self._frames_at_apply, since_warmup=after,
                             graph_breaks=_graph_breaks() - self._breaks_at_apply, warmup_s=self.warmup_s,
                             warmup_forwards=self.warmup_forwards,
-                            graphs_loaded=self.precompiled.loaded if self.precompiled is not None else 0)
+                            graphs_loaded=self.precompiled.loaded if self.precompiled is not None else 0,
+                            graphs_load_s=self.precompiled.load_s if self.precompiled is not None else 0.0)

@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,12 +85,14 @@ class PrecompiledGraphs:
     prefix: str  # this forward's generation: the files it reads and writes
     graphs: list = field(default_factory=list)  # torch._dynamo.aot_compile.AOTCompiledFunction
     loaded: int = 0  # graphs read from disk at open
+    load_s: float = 0.0  # open's seconds: reading them, torch's and the sources' checks
     compiled: int = 0  # graphs compiled (and saved) by this process
     off_reason: str | None = None  # why this process stopped compiling more (None: it compiles)
 
     @classmethod
     def open(cls, folder: str | os.PathLike, forward: Callable) -> PrecompiledGraphs:
         """The graphs of `forward` saved in `folder` (made if missing) that torch and the sources still accept."""
+        began = time.perf_counter()
         from torch.compiler import load_compiled_function
 
         # The globals the graph's code reads (peft's LoRA layers read `torch` there): the forward's module's.
@@ -113,7 +116,7 @@ class PrecompiledGraphs:
                             path.name, changed)
                 continue
             graphs.append(_checked_by_find(graph))
-        return cls(folder, prefix, graphs, loaded=len(graphs))
+        return cls(folder, prefix, graphs, loaded=len(graphs), load_s=time.perf_counter() - began)
 
     def find(self, args: tuple, kwargs: dict) -> Callable | None:
         """The first graph whose guards accept this call (the block and its inputs), or None."""
