@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         "in the first forward",
         "stream_recompiles: graphs compiled after the warm-up over the stream (goal 0); x no-compile start: goal "
         "<= 1.2 for the warm cache",
+        "graphs_loaded / graphs_load_s: whole graphs read from the cache folder at start (compile.precompiled) and "
+        "the seconds that took, part of warmup_s (0 with --traced: dynamo traces instead)",
         "frame_s .. aot_misses: dynamo's compilation metrics summed over the warm-up's frames (the whole frame; "
         "dynamo's trace, AOTAutograd, inductor, Triton compiles, cumulative and nested: dynamo_s includes the "
         "others; fx/aot: local cache hits and misses)",
