@@ -292,10 +292,9 @@ class GenerationStats(BaseModel):
     adapters: AdapterStats | None = Field(None, description="The LoRA adapters it ran with; None: none.")
     compile: CompileStats | None = Field(
         None, description="Compiled blocks' counters (cumulative; frames_compiled: graphs traced and compiled in "
-        "this process; graphs_loaded: whole graphs loaded from compile.cache_dir at start, compile.precompiled, in graphs_load_s "
-        "seconds; "
-        "since_warmup: compiles after the start-up warm-up, 0 when every shape was warmed); None: engine.compile.mode "
-        "off.")
+        "this process; graphs_loaded: whole graphs loaded from compile.cache_dir at start, compile.precompiled, in "
+        "graphs_load_s seconds; since_warmup: compiles after the start-up warm-up, 0 when every shape was warmed); "
+        "None: engine.compile.mode off.")
 
     @model_serializer(mode="wrap")
     def _response_shape(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -247,7 +247,7 @@ def test_an_engine_restart_with_an_adapter_warmed_loads_both_graphs_and_compiles
 
 def test_rows_the_plan_cache_hands_out_again_are_never_marked_by_a_trace(weights, resident, requests, tmp_path):
     """A loaded graph's guards refuse marked tensors: rows a trace marked and a slab hands to a later forward would
-    make every loaded graph refuse that forward (and compile it again). The trace marks views of them instead."""
+    make every loaded graph refuse that forward (and compile it again). The trace marks a copy of them instead."""
     torch._dynamo.reset()
     model = load_transformer(weights, "cpu", skip=is_adaln_param)
     modulation = ExternalModulation.install(model)
