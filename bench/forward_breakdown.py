@@ -4,7 +4,9 @@ the time the GPU sits idle between them and the host calls that can make it wait
 `--back-to-back` calls queued (as a 50-block forward queues them), inductor's `max-autotune-no-cudagraphs`
 against its default, FP8 with rowwise against tensorwise scales (`--fp8`) and, `--static`, the block compiled for
 its one token count against the served dynamic one. `--attention` overrides auto. Each compiled variant's notes
-say what layouts (sizes, strides) its graph hands the attention kernel (`attention_inputs`, from inductor's code).
+say what layouts (sizes, strides) its graph hands the attention kernel (`attention_inputs`, from inductor's code),
+and the eager bf16 and FP8 blocks' attention calls are replayed alone beside fresh N(0, 1) q/k/v of the same
+layout (`bench.attention_replay`): whether the kernel's time follows the values it reads or the block around it.
 Beside every timed row and the profiled call: the SM clock (mean/lowest) and board power over it, from
 `nvidia-smi` samples (read only), since a call timed under sustained load may not run at the profiled call's
 clocks.
@@ -43,6 +45,7 @@ from datetime import datetime
 import torch
 from torch import nn
 
+from bench.attention_replay import caught_attention, fresh_like
 from bench.common import device_tag, write_results
 from bench.forward import (GEMM_TFLOPS, RELEASED, SMOKE, _auto_choice, _peak, _reset_peak, block_flops, make_block,
                            make_inputs, rel_error, set_backend, timed_ms)
@@ -387,6 +390,29 @@ def main(argv: list[str] | None = None) -> int:
                 ms = timed_ms(lambda: [call() for _ in range(n)], device, args.repeats) / n
             row(f"  {n} back to back, per call", ms, floor_ms, clocks=clocks.reading)
 
+        def attention_alone_rows(blocks: list[tuple[str, nn.Module]]):
+            """Each eager block's attention call replayed alone (`bench.attention_replay`), then on fresh N(0, 1)
+            q/k/v of the first one's layout: `--back-to-back` calls queued, as in a forward, in two rounds over
+            the variants (the row is their mean; the notes give each) so a drift of the clocks falls on all."""
+            variants = []
+            for label, module in blocks:
+                call, _ = caught_attention(functools.partial(inputs.call, module))
+                variants.append((f"attention alone on the {label}'s q/k/v", call))
+                notes.append(f"attention alone on the {label}'s q/k/v: {call.describe()}")
+            variants.append(("attention alone on fresh N(0, 1) q/k/v", fresh_like(variants[0][1])))
+            n = args.back_to_back
+            rounds: dict[str, list[tuple[float, ClockReading | None]]] = defaultdict(list)
+            for _ in range(2):
+                for label, call in variants:
+                    with ClockSampler(device) as clocks:
+                        ms = timed_ms(lambda call=call: [call() for _ in range(n)], device, args.repeats) / n
+                    rounds[label].append((ms, clocks.reading))
+            for label, _ in variants:
+                (first, _), (second, clocks) = rounds[label]
+                row(f"{label}, {n} queued, per call", (first + second) / 2, floors["attention"], clocks=clocks)
+                notes.append(f"{label}: rounds {first:.4g} / {second:.4g} ms per call")
+            del variants
+
         with ClockSampler(device) as clocks:
             ms = timed_ms(lambda: inputs.call(block), device, args.repeats)
         row(f"block eager {attention}", ms, bf16_floor, clocks=clocks.reading)
@@ -408,10 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_autotune and device.type == "cuda":
             compiled_row(f"block compiled {attention} (max-autotune-no-cudagraphs)", nn.ModuleList([copy.deepcopy(block)]),
                          CompileOptions(backend=backend, inductor_mode="max-autotune-no-cudagraphs"))
+        replayed: list[tuple[str, nn.Module]] = [("bf16 block", block)]  # eager blocks whose attention to replay
         try:
             check_fp8_device(device)
             fp8_floor = (linear_flops / 2 + attention_flops) / rate * 1e3
-            for granularity in [g for g in args.fp8.split(",") if g in ("row", "tensor")]:
+            granularities = [g for g in args.fp8.split(",") if g in ("row", "tensor")]
+            if "row" in granularities:
+                replayed.append(("fp8 rowwise block", fp8_block(block, "row")[0]))
+            for granularity in granularities:
                 quantized = fp8_block(block, granularity)
                 blocks = CompiledBlocks(quantized, CompileOptions(backend=backend)).apply()
                 t = time.perf_counter()
@@ -430,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                 del quantized, blocks
         except (QuantizationError, ImportError) as exc:  # no float8 on this device, or no torchao installed
             notes.append(f"fp8 rows skipped: {exc}")
+        attention_alone_rows(replayed)
     notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
     tag = device_tag(str(device))
     md, _ = write_results("forward-breakdown", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,

@@ -1,6 +1,7 @@
 """bench.forward_breakdown: kernels sort into the groups whose floors the table prints beside them, and its
-smoke run on CPU writes the eager and compiled rows against the block's bf16 floor (the kernel breakdown, the
-max-autotune row and the FP8 rows need a GPU: skipped with the reason in the notes)."""
+smoke run on CPU writes the eager and compiled rows against the block's bf16 floor and the block's attention
+replayed alone against attention's floor (the kernel breakdown, the max-autotune row and the FP8 rows need a GPU:
+skipped with the reason in the notes)."""
 
 from __future__ import annotations
 
@@ -46,12 +47,16 @@ def test_breakdown_smoke_writes_eager_and_compiled_beside_the_block_floor(tmp_pa
     assert report["commit"] and report["command"].startswith("python -m bench.forward_breakdown --smoke")
     whats = [row["what"] for row in report["rows"]]
     assert whats == ["block eager native", "  2 back to back, per call",
-                     "block compiled native (inductor default)", "  2 back to back, per call"]
+                     "block compiled native (inductor default)", "  2 back to back, per call",
+                     "attention alone on the bf16 block's q/k/v, 2 queued, per call",
+                     "attention alone on fresh N(0, 1) q/k/v, 2 queued, per call"]
     rows = {row["what"]: row for row in report["rows"]}
     linear, attention = forward.block_flops(forward.SMOKE, 61)
     floor_ms = (linear + attention) / (forward.GEMM_TFLOPS * 1e12) * 1e3
+    attention_floor_ms = attention / (forward.GEMM_TFLOPS * 1e12) * 1e3
     for row in report["rows"]:
-        assert row["floor ms"] == float(f"{floor_ms:.4g}")
+        alone = row["what"].startswith("attention alone")
+        assert row["floor ms"] == float(f"{attention_floor_ms if alone else floor_ms:.4g}")
         assert row["x bf16 block floor"] == pytest.approx(row["ms"] / floor_ms, rel=0.01)
     assert rows["block compiled native (inductor default)"]["rel. error"] == "0.00e+00"  # dynamo's eager backend
     assert any(note.startswith("fp8 rows skipped: engine.quantization: fp8 needs a CUDA GPU")
