@@ -82,5 +82,5 @@ class DecodedVideo:
     mp4: bytes  # H.264 + AAC stereo
     thumbnail_png: bytes  # the first frame
     clip: ClipFacts  # frames, fps, sample rate
-    decode_s: float  # video + audio VAE
-    mux_s: float  # H.264 + AAC encode and mux
+    decode_s: float  # video + audio VAE (the earlier clips' H.264 encode runs under it)
+    mux_s: float  # what is left of the H.264 + AAC encode and mux after the last clip decoded

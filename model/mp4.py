@@ -13,6 +13,11 @@ The same frames and waveform give the same bytes on every call (`VIDEO_OPTIONS` 
 from __future__ import annotations
 
 import io
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,23 +46,129 @@ def write_mp4(dst: Path | BinaryIO, frames: np.ndarray, fps: int, audio: np.ndar
     """Encode uint8 frames [F, H, W, 3] at `fps` and, if given, float32 audio [channels, samples] in [-1, 1]
     at `sample_rate` into one MP4 written to `dst` (a path, or a seekable binary stream)."""
     _check_frames(frames, fps)
-    stereo = None if audio is None else _stereo(audio, sample_rate)
-    frames = _pad_to_even(frames)
-    is_path = isinstance(dst, (str, Path))
-    options = {"movflags": "+faststart"} if is_path else {}
-    with av.open(str(dst) if is_path else dst, mode="w", format="mp4", options=options) as container:
-        video = container.add_stream(VIDEO_CODEC, rate=fps, options=VIDEO_OPTIONS)
-        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], VIDEO_PIXEL_FORMAT
-        sound = None if stereo is None else container.add_stream(AUDIO_CODEC, rate=sample_rate, layout=AUDIO_LAYOUT)
-        for frame in frames:
-            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(video.encode())
-        if sound is not None:
-            # One planar float frame; the encoder context re-chunks it into AAC's 1024-sample frames.
-            chunk = av.AudioFrame.from_ndarray(stereo, format="fltp", layout=AUDIO_LAYOUT)
-            chunk.sample_rate, chunk.pts = sample_rate, 0
-            container.mux(sound.encode(chunk))
-            container.mux(sound.encode())
+    with Mp4Writer(dst, fps, audio, sample_rate) as writer:
+        writer.add(frames)
+
+
+@dataclass(frozen=True)
+class ClipsWritten:
+    """What `write_mp4_clips` wrote, and when its source ran dry."""
+
+    num_frames: int
+    first_frame: np.ndarray  # uint8 [H, W, 3], unpadded: the thumbnail's
+    source_s: float  # seconds until the last clip came (the decode; earlier clips' encode ran under it)
+    finish_s: float  # seconds after that until the file was done: the last clip's encode, the flush, the audio
+
+
+def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int, audio: np.ndarray | None,
+                    sample_rate: int, *, pending: int = 2) -> ClipsWritten:
+    """`write_mp4` of the clips' frames in order (the same bytes), each clip encoded on a worker thread while the
+    caller's `clips` makes the next (a GPU decodes it; PyAV releases the GIL while x264 encodes). At most `pending`
+    clips wait for the encoder, so a slow encoder holds the decode back instead of piling up frames. An error on
+    either side stops both and is raised here; the destination then holds no finished file."""
+    if pending < 1:
+        raise ValueError(f"pending must be >= 1 (clips waiting for the encoder), got {pending}")
+    start = time.perf_counter()
+    queued: deque[Future] = deque()
+    first_frame = None
+    with Mp4Writer(dst, fps, audio, sample_rate) as writer:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
+            try:
+                for clip in clips:
+                    if first_frame is None:
+                        _check_frames(clip, fps)
+                        first_frame = clip[0].copy()
+                    while len(queued) >= pending:
+                        queued.popleft().result()
+                    queued.append(encoder.submit(writer.add, clip))
+                source_done = time.perf_counter()
+                while queued:
+                    queued.popleft().result()
+            except BaseException:
+                for future in queued:
+                    future.cancel()
+                raise
+        if first_frame is None:
+            raise MediaInputError("an MP4 needs at least one frame; the clips held none")
+    return ClipsWritten(writer.num_frames, first_frame, source_done - start, time.perf_counter() - source_done)
+
+
+class Mp4Writer:
+    """One MP4 written as its frames arrive (a decoder's clips, in order), so the encode of a clip can run while
+    the next one decodes; `close` (or leaving the `with`) flushes the video and muxes the audio after it. The bytes
+    are `write_mp4`'s for the same frames, however they are split. The soundtrack is whole from the start: its
+    stream must be in the header, which the first frames write."""
+
+    def __init__(self, dst: Path | BinaryIO, fps: int, audio: np.ndarray | None, sample_rate: int) -> None:
+        if not isinstance(fps, int) or fps <= 0:
+            raise MediaInputError(f"fps must be a positive integer, got {fps!r}")
+        self._stereo = None if audio is None else _stereo(audio, sample_rate)
+        self._dst, self._fps, self._sample_rate = dst, fps, sample_rate
+        self._container: av.container.OutputContainer | None = None
+        self._video: av.VideoStream | None = None
+        self._sound: av.AudioStream | None = None
+        self._size: tuple[int, int] | None = None  # (height, width) of the first frames, before padding
+        self._closed = False
+        self.num_frames = 0
+
+    def add(self, frames: np.ndarray) -> None:
+        """Encode uint8 frames [F, H, W, 3], the next of the clip; every call's H and W are the first one's."""
+        if self._closed:
+            raise MediaInputError("frames added after the MP4 was closed")
+        _check_frames(frames, self._fps)
+        if self._size is None:
+            self._open(frames.shape[1], frames.shape[2])
+        elif frames.shape[1:3] != self._size:
+            raise MediaInputError(f"frames are {frames.shape[1]}x{frames.shape[2]} (height x width) after "
+                                  f"{self._size[0]}x{self._size[1]} ones: one clip has one size")
+        for frame in _pad_to_even(frames):
+            self._container.mux(self._video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        self.num_frames += frames.shape[0]
+
+    def close(self) -> None:
+        """Flush the video encoder, mux the soundtrack and finish the file (once: a second call does nothing).
+        MediaInputError if no frame came."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._container is None:
+            raise MediaInputError("an MP4 needs at least one frame; none was added")
+        try:
+            self._container.mux(self._video.encode())
+            if self._sound is not None:
+                # One planar float frame; the encoder context re-chunks it into AAC's 1024-sample frames.
+                chunk = av.AudioFrame.from_ndarray(self._stereo, format="fltp", layout=AUDIO_LAYOUT)
+                chunk.sample_rate, chunk.pts = self._sample_rate, 0
+                self._container.mux(self._sound.encode(chunk))
+                self._container.mux(self._sound.encode())
+        finally:
+            self._discard()
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # a failed clip leaves no file to finish; release the encoder and the destination
+            self._discard()
+
+    def _open(self, height: int, width: int) -> None:
+        is_path = isinstance(self._dst, (str, Path))
+        options = {"movflags": "+faststart"} if is_path else {}
+        self._container = av.open(str(self._dst) if is_path else self._dst, mode="w", format="mp4", options=options)
+        self._video = self._container.add_stream(VIDEO_CODEC, rate=self._fps, options=VIDEO_OPTIONS)
+        self._video.width, self._video.height = width + width % 2, height + height % 2
+        self._video.pix_fmt = VIDEO_PIXEL_FORMAT
+        if self._stereo is not None:
+            self._sound = self._container.add_stream(AUDIO_CODEC, rate=self._sample_rate, layout=AUDIO_LAYOUT)
+        self._size = (height, width)
+
+    def _discard(self) -> None:
+        self._closed = True
+        if self._container is not None:
+            container, self._container = self._container, None
+            container.close()
 
 
 def thumbnail_png(frame: np.ndarray) -> bytes:

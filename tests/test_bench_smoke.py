@@ -51,14 +51,15 @@ def test_h3_smoke_measures_every_mode_and_stage(tmp_path):
 
     stages = [row["stage"] for row in report["stages"]]
     for prefix in ("text encode", "plan miss (49 plans", "plan GPU hit (49 plans)", "plan host hit (49 plans)",
-                   "engine.generate", "video decode (39 frames 64x64)", "audio decode", "MP4 mux"):
+                   "engine.generate", "video decode (39 frames 64x64)", "audio decode", "MP4 mux",
+                   "decode + mux as a request runs them"):
         assert sum(stage.startswith(prefix) for stage in stages) == 1, prefix
     components = [row["component"] for row in report["memory"]]
     assert len(components) == 6 and components[0] == "transformer, online AdaLN (ours)"
     # End to end: a cold request reported with each of its parts, and the same request with its plans in the
     # GPU slab, which skips the plan miss. (Their sizes are CPU timings: meaningless, not checked.)
     cold, warm = report["end_to_end"]
-    parts = ("text encode", "plan miss", "denoise", "video decode", "audio decode", "mux")
+    parts = ("text encode", "plan miss", "denoise", "decode + mux")
     assert all(cold[part] >= 0 for part in parts) and cold["total_s"] >= 0
     assert warm["request"] == "same, plans in the GPU slab (a repeat schedule)" and "plan miss" not in warm
     markdown = (tmp_path / "h3-smoke-cpu.md").read_text()

@@ -35,6 +35,7 @@ from engine.prepare import prepare_stage
 from engine.errors import ClientError, FaultCause, GenerationCancelled, ServerFault, WeightsRejected
 from model.decode import DecoderLoadError
 from model.layout import CheckpointError, H3Checkpoint
+from model.mp4 import write_mp4
 from model.provisioning import auto_checkpoint_dir, ensure_checkpoint
 from model.text_encoder import TextEncoderLoadError
 from model.tiny import make_tiny_checkpoint
@@ -147,6 +148,14 @@ def test_prompt_becomes_an_mp4_of_the_requested_frames_size_and_stereo_audio(eng
         other = decoded[(i + 40) % NUM_FRAMES]
         assert mean_abs_difference(frames[i], decoded[i]) < mean_abs_difference(frames[i], other)
     assert result.timings.decode_s > 0 and result.timings.mux_s > 0
+
+
+def test_the_mp4_muxed_clip_by_clip_during_the_decode_is_the_one_of_decoding_all_then_muxing(engine):
+    result = engine.generate(small_request(return_video=True))
+    whole = io.BytesIO()
+    write_mp4(whole, engine.video_decoder.decode(result.video), FPS, engine.audio_decoder.decode(result.audio),
+              SAMPLE_RATE)
+    assert result.mp4 == whole.getvalue()
 
 
 def test_same_seed_gives_the_same_bits_and_the_same_mp4(engine):
