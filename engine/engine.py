@@ -401,7 +401,7 @@ class Engine:
         nor the encoders to plan it (`stages: split`, and the ranks of a sequence-parallel replica). A `warm_up`
         asks neither the plan cache (it runs on stand-in rows) nor the prompt stage (a stand-in embedding): they
         may still be being built beside it (`compile.overlap_loads`)."""
-        self._check_task(request)
+        self._check_task(request, warm_up=warm_up)
         try:
             if request.task is Task.T2VA:
                 width, height = request_size(request, self.limits)
@@ -427,9 +427,11 @@ class Engine:
             self.prompt_stage.check(request.prompt)
         return geometry, schedule, self._cache_dit_config(request, schedule.num_forwards)
 
-    def _check_task(self, request: GenerationRequest) -> None:
+    def _check_task(self, request: GenerationRequest, *, warm_up: bool = False) -> None:
         """The refusals that need neither the media nor the encoders (guidance, steps, a task this engine does not
-        serve): made alike on every rank of a group, before any collective."""
+        serve): made alike on every rank of a group, before any collective. A `warm_up` runs text-only on any
+        partition: it makes graphs, no clip, and condition rows only lengthen the sequence, the graphs' one
+        symbolic size, so the Ref2VA transformer's are made by a text-only run too."""
         if request.guidance_scale != 1.0:
             raise ClientError(
                 "guidance_scale", f"{request.guidance_scale} is not served: MiniMax-H3 is CFG-distilled, guidance is "
@@ -437,7 +439,7 @@ class Engine:
         if request.steps > self.limits.max_steps:
             raise ClientError("steps", f"{request.steps} exceeds this server's max_steps={self.limits.max_steps}",
                               f"max_steps={self.limits.max_steps}")
-        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks:
+        if request.task is Task.T2VA and Task.T2VA.value not in self.checkpoint.tasks and not warm_up:
             # The Ref2VA transformer is trained for references: a text-only request would run it silently.
             raise ClientError("references", f"t2va is not served by this model (the "
                               f"{self.checkpoint.partition.native_dir_name} partition serves "

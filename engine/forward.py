@@ -152,7 +152,8 @@ class WarmupRun:
 class _GraphKey:
     """What gives a canvas compiled graphs of its own: LoRA layers on are other graphs, and without a symbolic
     sequence length so is every token count (None: dynamic, one graph for all). The weight tier is another too:
-    every chosen canvas runs on each. (A warm-up canvas is a t2va request: it has no condition rows.)"""
+    every chosen canvas runs on each. (A warm-up canvas is a t2va request, on the Ref2VA partition too: condition
+    rows only lengthen the sequence, so with a symbolic length fl2va / ref2va requests share its graphs.)"""
 
     adapters: tuple[str, ...]
     tokens: int | None

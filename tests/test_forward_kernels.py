@@ -822,6 +822,67 @@ def test_after_the_warm_up_a_mixed_stream_of_canvases_and_step_counts_compiles_n
     assert engine.describe()["forward"]["compile"]["frames_compiled"] == warmed["frames_compiled"]
 
 
+@pytest.mark.slow  # a whole engine (prompt stage, VAEs) built; the block compiled once (dynamo, eager backend)
+def test_a_keyframe_request_after_a_text_only_warm_up_compiles_nothing(tiny_checkpoint):
+    """The warm-up canvases are t2va requests; an fl2va request of a warmed canvas adds its keyframes' condition
+    rows to the packed sequence, the one symbolic size, so the same graph serves it."""
+    import io
+
+    from engine.api import GenerationRequest, KeyframeInput
+    from engine.engine import Engine
+    from tests.conditioning_support import random_image
+
+    def png(seed: int) -> bytes:
+        buffer = io.BytesIO()
+        random_image(48, 48, seed).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    torch._dynamo.reset()  # the graphs of earlier tests in this process would serve the warm-up from the cache
+    canvas = dict(width=64, height=64, seconds=5.0)
+    engine = Engine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu",
+                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+    text_only = engine.generate(GenerationRequest(prompt="a red fox", seed=1, steps=3, return_video=False, **canvas))
+    keyframes = engine.generate(GenerationRequest(
+        prompt="a red fox", seed=1, steps=3, return_video=False, **canvas,
+        keyframes=(KeyframeInput(image=png(1), anchor="first"), KeyframeInput(image=png(2), frame_index=-1))))
+    assert keyframes.stats.tokens > text_only.stats.tokens  # the condition rows are in the sequence
+    assert text_only.stats.compile.since_warmup == keyframes.stats.compile.since_warmup == 0
+    assert engine.describe()["forward"]["compile"]["frames_compiled"] == 1
+
+
+@pytest.mark.slow  # a checkpoint of both partitions made, an engine of the Ref2VA one built and warmed
+def test_a_ref2va_replica_warms_its_canvases_and_its_reference_requests_compile_nothing(tmp_path):
+    """The Ref2VA partition serves no text-only request, but its warm-up is one (stand-in rows, no clip): it
+    starts, and a request with references, whose rows lengthen the sequence, uses the graph the warm-up made."""
+    import io
+
+    from engine.api import GenerationRequest, ReferenceInput
+    from engine.engine import Engine
+    from engine.errors import ClientError
+    from model.tiny import make_tiny_checkpoint
+    from tests.conditioning_support import random_image
+
+    def png(seed: int) -> bytes:
+        buffer = io.BytesIO()
+        random_image(48, 48, seed).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    torch._dynamo.reset()
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", "diffusers", seed=0, ref2va=True)
+    canvas = dict(width=64, height=64, seconds=5.0)
+    engine = Engine(EngineConfig(checkpoint=str(checkpoint), device="cpu", partition="ref2va",
+                                 compile={"mode": "blocks", "backend": "eager", "warmup": [canvas]}))
+    warmed = engine.describe()["forward"]["compile"]
+    assert warmed["warmup_forwards"] == 1 and warmed["frames_compiled"] == 1
+    with pytest.raises(ClientError, match="t2va is not served by this model"):  # a client still cannot ask one
+        engine.generate(GenerationRequest(prompt="a red fox", seed=1, steps=3, return_video=False, **canvas))
+    result = engine.generate(GenerationRequest(
+        prompt="a red fox", seed=1, steps=3, return_video=False, **canvas,
+        references=(ReferenceInput(kind="image", data=png(1)), ReferenceInput(kind="image", data=png(2)))))
+    assert result.stats.compile.since_warmup == 0
+    assert engine.describe()["forward"]["compile"]["frames_compiled"] == 1
+
+
 @pytest.mark.slow
 def test_without_a_symbolic_length_the_warm_up_runs_each_token_count_once(tiny_checkpoint, monkeypatch):
     """dynamic: false makes a graph per token count: the warm-up runs each distinct count (the two orientations of
