@@ -127,6 +127,46 @@ def test_a_call_no_saved_graph_accepts_compiles_one_more_and_the_next_start_load
     assert_same_velocities(run, want)
 
 
+def test_a_saved_graph_computes_with_the_weights_it_is_called_on_not_those_it_was_saved_with(first_start, weights,
+                                                                                               resident, requests,
+                                                                                               tmp_path):
+    """Two replicas of one architecture (the FL2VA and Ref2VA partitions, a fine-tune) share a cache folder, and a
+    weight update changes the parameters in place under a loaded graph: the graph must read them as inputs."""
+    _, want, first_dir = first_start
+
+    def changed(model) -> None:  # another checkpoint of the same shapes, or an update applied in place
+        with torch.no_grad():
+            for block in model.transformer_blocks:
+                block.attn.to_q.weight.mul_(1.5)
+                block.ff.net[2].weight.add_(0.01)
+
+    def other_weights_start(cache_dir, change_after_start: bool):
+        torch._dynamo.reset()
+        model = load_transformer(weights, "cpu", skip=is_adaln_param)
+        if not change_after_start:
+            changed(model)
+        modulation = ExternalModulation.install(model)
+        compiled = CompiledBlocks(model.transformer_blocks, CompileOptions(
+            backend="inductor", cache_dir=str(cache_dir)), modulation).apply()
+
+        def serve(request) -> Run:
+            return denoise(model, request, before_step=lambda timesteps: modulation.set(
+                resident_modulation(resident, adaln_input(resident, timesteps))))
+
+        if change_after_start:
+            assert_same_velocities(serve(requests[0]), want[0])  # the saved graph on the first start's weights
+            changed(model)
+        return compiled, serve(requests[0])
+
+    cold, traced = other_weights_start(tmp_path / "cold", change_after_start=False)  # its own graph, traced
+    assert cold.stats().graphs_loaded == 0
+    assert not torch.equal(traced.video_velocity[-1], want[0].video_velocity[-1])  # the weights matter
+    for change_after_start in (False, True):
+        loaded, run = other_weights_start(first_dir, change_after_start)
+        assert (loaded.stats().frames_compiled, loaded.stats().graphs_loaded) == (0, 1)
+        assert_same_velocities(run, traced)
+
+
 def test_precompiled_off_traces_at_every_start(first_start, weights, resident, requests, tmp_path):
     compiled, serve = start(weights, resident, tmp_path, precompiled=False)
     serve(requests[0])
