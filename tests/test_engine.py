@@ -307,19 +307,27 @@ def test_offload_with_cache_dit_gives_the_bits_of_cache_dit_alone(checkpoint_roo
 
 
 @pytest.mark.slow  # the blocks compiled (dynamo, eager backend) and warmed
+@pytest.mark.parametrize("offload", [False, True])
 def test_compiled_blocks_with_cache_dit_give_the_bits_of_cache_dit_alone_and_compile_nothing_more(checkpoint_root,
-                                                                                                 cached):
-    """Cache-DiT wraps the block stack and skips the middle blocks on cached forwards; the compiled graph is the
-    block's own: composed, the same forwards are cached, the bits are Cache-DiT's, and the blocks that do run
-    (every one on computed forwards, Fn and Bn on cached ones) share the warm-up's graph."""
+                                                                                                 cached, offload):
+    """Cache-DiT wraps the block stack and skips the middle blocks on cached forwards; the offloader's hooks and
+    the compiled graph are the block's own: composed, the same forwards are cached, the bits are Cache-DiT's, the
+    skipped blocks stream nothing, and the blocks that do run (every one on computed forwards, Fn and Bn on cached
+    ones) share the warm-up's graph."""
     torch._dynamo.reset()
     both = make_engine(checkpoint_root, cache_dit=CACHE_DIT,  # online AdaLN, as served; `cached` is resident
+                       offload={"enabled": offload},
                        compile={"mode": "blocks", "backend": "eager",
                                 "warmup": [dict(width=64, height=64, seconds=5.0)]})
     out = both.generate(small_request(steps=9))
     assert out.stats.cache_dit.cached_steps == CACHED_STEPS
     assert same_bits(out, cached.generate(small_request(steps=9)))
     assert out.stats.compile.since_warmup == 0 and out.stats.compile.frames_compiled == 1
+    if offload:  # the counters are cumulative: the same request again ran 8 forwards of 4 blocks, 3 of them
+        # cached (Fn=1, Bn=1: 2 middle blocks skipped each), and streamed no block it skipped
+        again = both.generate(small_request(steps=9)).stats.offload
+        assert again.block_calls - out.stats.offload.block_calls == 8 * 4 - 3 * 2
+        assert again.wasted_prefetches == out.stats.offload.wasted_prefetches
 
 
 # --- limits: ClientError naming the field and the limit ------------------------------------------------
