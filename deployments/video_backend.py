@@ -163,6 +163,7 @@ def video_stats(stats: GenerationStats, num_frames: int, fps: float, sample_rate
         cached_steps=stats.cache_dit.num_cached_steps if stats.cache_dit is not None else 0,
         linears=stats.linears,
         adapters=dict(stats.adapters.scales) if stats.adapters is not None else {},
+        compiles_since_warmup=stats.compile.since_warmup if stats.compile is not None else None,
     )
 
 

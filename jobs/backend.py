@@ -140,6 +140,10 @@ class VideoStats(BaseModel):
     adapters: dict[str, float] = Field(default_factory=dict, description="The LoRA adapters the job ran with, "
                                        "name -> the scale it ran at (the lora field's, else the served default); "
                                        "empty: none.")
+    compiles_since_warmup: int | None = Field(
+        None, ge=0, description="Graphs the replica's compiled blocks (engine.compile.mode blocks) had compiled since "
+        "its start-up warm-up when this job's denoise ended, this job's included: 0 while every canvas served was "
+        "warmed. None: compile off (or a record written before this field).")
 
 
 @dataclass(frozen=True)

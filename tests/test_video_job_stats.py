@@ -17,6 +17,7 @@ import torch
 
 from deployments.video_backend import LOSSLESS_CACHE_DIT, ModelCard, PipelineVideoBackend, video_output
 from engine.api import AdapterStats, ClipFacts, GenerationRequest, GenerationResult, GenerationStats, GenerationTimings
+from engine.compiled import CompileStats
 from engine.config import EngineConfig
 from engine.engine import DenoiserEngine, Engine, decode_stage
 from engine.pipeline import LocalDecode, LocalDenoise, Pipeline, PipelineResult, StageCallTimes, local_steps
@@ -52,6 +53,18 @@ def test_the_jobs_stats_carry_the_engines_linears_and_adapters(calls):
     plain = video_output(finished(stats.model_copy(update={"linears": "bf16", "adapters": None}), calls), 7.0).stats
     assert (plain.linears, plain.adapters) == ("bf16", {})
     assert (VideoStats().linears, VideoStats().adapters) == ("bf16", {})  # a record written before these fields
+
+
+@pytest.mark.parametrize("compile_stats, reported", [
+    (None, None),  # compile off
+    (CompileStats(frames_compiled=1, since_warmup=0, graph_breaks=0, warmup_s=1.5, warmup_forwards=1), 0),
+    (CompileStats(frames_compiled=3, since_warmup=2, graph_breaks=0, warmup_s=1.5, warmup_forwards=1), 2),
+], ids=["off", "warmed", "compiled-after-warm-up"])
+def test_the_jobs_stats_say_how_many_graphs_the_replica_compiled_after_its_warm_up(compile_stats, reported):
+    stats = GenerationStats(steps=3, forwards=2, frames=5, tokens=10, text_tokens=2, adaln_mode="online",
+                            schedule_key="k", compile=compile_stats)
+    assert video_output(finished(stats, StageCallTimes(1.0, 2.0, 3.0)), 7.0).stats.compiles_since_warmup == reported
+    assert VideoStats().compiles_since_warmup is None  # a record written before the field
 
 
 @dataclass(frozen=True)
