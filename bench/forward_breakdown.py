@@ -393,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         def attention_alone_rows(blocks: list[tuple[str, nn.Module]]):
             """Each eager block's attention call replayed alone (`bench.attention_replay`), then on fresh N(0, 1)
             q/k/v of the first one's layout: `--back-to-back` calls queued, as in a forward, in two rounds over
-            the variants (the row is their mean; the notes give each) so a drift of the clocks falls on all."""
+            the variants (the row is their mean, its clocks the second round's; the notes give each round's time)
+            so a drift of the clocks falls on all."""
             variants = []
             for label, module in blocks:
                 call, _ = caught_attention(functools.partial(inputs.call, module))

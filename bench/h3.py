@@ -642,6 +642,7 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
         # cuDNN's autotuner on the video VAE's 3D convolutions: measured here before any setting offers it. It
         # tunes per input shape (the first decode of a canvas pays) and may pick other algorithms than the
         # default heuristics: other bits, and across restarts possibly other ones again.
+        benchmark_before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = True
         try:
             t0 = time.perf_counter()
@@ -653,7 +654,7 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
             sync(device)
             tuned_s = time.perf_counter() - t0
         finally:
-            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.benchmark = benchmark_before
         differs = int((torch.from_numpy(tuned).int() - torch.from_numpy(frames).int()).abs().max())
         report.stages.append({"stage": "video decode with cudnn.benchmark (after its tuning call)",
                               "measured_s": round(tuned_s, 3), "scaled_s": round(tuned_s, 3),

@@ -154,8 +154,9 @@ class DecodeStage:
         """`video` [C, F, H, W] and `audio` [2A, Ca] latents (any device) -> the MP4 and its thumbnail. The
         soundtrack decodes first (its stream opens the file); then each clip of frames is H.264-encoded on a
         thread while the VAE decodes the next (`model.mp4.write_mp4_clips`), so `decode_s` is the VAEs' time with
-        the mux of the earlier clips under it and `mux_s` only what is left after the last clip: its encode, the
-        flush and the audio's. The bytes are those of decoding everything, then muxing."""
+        the mux of the earlier clips under it and `mux_s` only the encode it did not hide: the waits for a
+        slower encoder, the last clip's encode, the flush, the audio's and the thumbnail. The bytes are those of
+        decoding everything, then muxing."""
         start = time.perf_counter()
         waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
         audio_s = time.perf_counter() - start
@@ -163,9 +164,13 @@ class DecodeStage:
         sample_rate = self.audio_decoder.sample_rate
         written = write_mp4_clips(buffer, self.video_decoder.iter_clips(video), H3_LATENTS.fps, waveform,
                                   sample_rate)
+        thumbnail_start = time.perf_counter()
+        thumbnail = thumbnail_png(written.first_frame)
+        thumbnail_s = time.perf_counter() - thumbnail_start
         clip = ClipFacts(num_frames=written.num_frames, fps=float(H3_LATENTS.fps), sample_rate=sample_rate)
-        return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail_png(written.first_frame), clip=clip,
-                            decode_s=audio_s + written.source_s, mux_s=written.finish_s)
+        return DecodedVideo(mp4=buffer.getvalue(), thumbnail_png=thumbnail, clip=clip,
+                            decode_s=audio_s + written.source_s,
+                            mux_s=written.encode_wait_s + written.finish_s + thumbnail_s)
 
 
 def _check_latent_spec(video: AutoencoderKLMiniMaxH3, video_dir: Path, audio: AutoencoderKLMiniMaxH3Audio,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,45 +52,81 @@ def write_mp4(dst: Path | BinaryIO, frames: np.ndarray, fps: int, audio: np.ndar
 
 @dataclass(frozen=True)
 class ClipsWritten:
-    """What `write_mp4_clips` wrote, and when its source ran dry."""
+    """What `write_mp4_clips` wrote, and where its time went (`source_s` + `encode_wait_s` + `finish_s` is all of
+    it)."""
 
     num_frames: int
     first_frame: np.ndarray  # uint8 [H, W, 3], unpadded: the thumbnail's
-    source_s: float  # seconds until the last clip came (the decode; earlier clips' encode ran under it)
-    finish_s: float  # seconds after that until the file was done: the last clip's encode, the flush, the audio
+    source_s: float  # seconds spent making the clips (the decode); the earlier clips' encode ran under it
+    encode_wait_s: float  # seconds the source waited for the encoder to take a clip (x264 slower than the source)
+    finish_s: float  # seconds after the last clip until the file was done: its encode, the flush, the audio
 
 
 def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int, audio: np.ndarray | None,
                     sample_rate: int, *, pending: int = 2) -> ClipsWritten:
     """`write_mp4` of the clips' frames in order (the same bytes), each clip encoded on a worker thread while the
     caller's `clips` makes the next (a GPU decodes it; PyAV releases the GIL while x264 encodes). At most `pending`
-    clips wait for the encoder, so a slow encoder holds the decode back instead of piling up frames. An error on
-    either side stops both and is raised here; the destination then holds no finished file."""
+    clips are with the encoder (the one it encodes included) and one more waits for room, so a slow encoder holds
+    the decode back instead of piling up frames. Each clip is checked as it comes (MediaInputError). An error on
+    either side stops both: the source is closed, no further clip is asked for, the first error is raised here (a
+    later one rides along as its `__context__`), and a path destination is removed (a stream's bytes are a partial
+    file)."""
     if pending < 1:
-        raise ValueError(f"pending must be >= 1 (clips waiting for the encoder), got {pending}")
+        raise ValueError(f"pending must be >= 1 (clips with the encoder), got {pending}")
     start = time.perf_counter()
     queued: deque[Future] = deque()
-    first_frame = None
-    with Mp4Writer(dst, fps, audio, sample_rate) as writer:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
+    first_frame: np.ndarray | None = None
+    waited = 0.0
+
+    encoder_failed = False  # the error being raised is the encoder's (a clip's `add`), not the source's
+
+    def wait_for(future: Future, timed: bool = True) -> None:
+        nonlocal waited, encoder_failed
+        began = time.perf_counter()
+        try:
+            future.result()
+        except BaseException:
+            encoder_failed = True
+            raise
+        finally:
+            waited += (time.perf_counter() - began) if timed else 0.0
+
+    try:
+        with Mp4Writer(dst, fps, audio, sample_rate) as writer, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
             try:
                 for clip in clips:
+                    _check_frames(clip, fps)
                     if first_frame is None:
-                        _check_frames(clip, fps)
                         first_frame = clip[0].copy()
-                    while len(queued) >= pending:
-                        queued.popleft().result()
+                    elif clip.shape[1:3] != first_frame.shape[:2]:
+                        raise MediaInputError(f"frames are {clip.shape[1]}x{clip.shape[2]} (height x width) after "
+                                              f"{first_frame.shape[0]}x{first_frame.shape[1]} ones: one clip has "
+                                              f"one size")
+                    while queued and (len(queued) >= pending or queued[0].done()):
+                        wait_for(queued.popleft())  # an encoder error surfaces before the next clip is asked for
                     queued.append(encoder.submit(writer.add, clip))
                 source_done = time.perf_counter()
                 while queued:
-                    queued.popleft().result()
+                    wait_for(queued.popleft(), timed=False)
             except BaseException:
-                for future in queued:
-                    future.cancel()
+                encoder.shutdown(wait=True, cancel_futures=True)
+                if not encoder_failed:  # the source failed; had the encoder failed on an earlier clip, that is first
+                    earlier = next((f.exception() for f in queued if not f.cancelled() and f.exception()), None)
+                    if earlier is not None:
+                        raise earlier  # the source's error is its __context__
                 raise
-        if first_frame is None:
-            raise MediaInputError("an MP4 needs at least one frame; the clips held none")
-    return ClipsWritten(writer.num_frames, first_frame, source_done - start, time.perf_counter() - source_done)
+            if first_frame is None:
+                raise MediaInputError("an MP4 needs at least one frame; the clips held none")
+    except BaseException:
+        if isinstance(clips, Generator):  # a decoder's: its frames and device tensors go now, not with the traceback
+            clips.close()
+        if isinstance(dst, (str, Path)):
+            Path(dst).unlink(missing_ok=True)
+        raise
+    finished = time.perf_counter()
+    source_s = source_done - start - waited
+    return ClipsWritten(writer.num_frames, first_frame, source_s, waited, finished - source_done)
 
 
 class Mp4Writer:
@@ -150,8 +186,8 @@ class Mp4Writer:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:  # a failed clip leaves no file to finish; release the encoder and the destination
-            self._discard()
+        else:  # a failed clip leaves no file to finish: release the encoder and the destination (PyAV still
+            self._discard()  # writes what it has; `write_mp4_clips` removes a path)
 
     def _open(self, height: int, width: int) -> None:
         is_path = isinstance(self._dst, (str, Path))

@@ -251,6 +251,28 @@ def test_complete_records_output_timings_stats_and_retention(store, clock):
     assert store.renew_lease(job.id, "r1", LEASE_S) is LeaseStatus.LOST  # finished: nobody holds it
 
 
+class NewerStats(VideoStats):
+    """The stats a newer ditserve writes: a counter this code has no field for."""
+
+    future_counter: int = 7
+
+
+class NewerTimings(VideoTimings):
+    future_s: float = 1.5
+
+
+def test_a_job_a_newer_replica_finished_reads_with_the_fields_this_code_knows(store, clock):
+    """A rolling update or a rollback shares the store between versions: their extra report fields are left out
+    (the API's models forbid unknown fields), not a failed read of the job."""
+    job = store.create(make_spec(), None, BIG_QUEUE)
+    store.claim(["m1"], "r1", LEASE_S)
+    stats, timings = NewerStats(num_steps=4, plan_cache_hits=3), NewerTimings(denoise_s=10.0, total_s=10.0)
+    assert store.complete(job.id, "r1", "key", timings, stats, RETENTION_S)
+    done = store.get(job.id)
+    assert done.stats == VideoStats(num_steps=4, plan_cache_hits=3)
+    assert done.timings == VideoTimings(denoise_s=10.0, total_s=10.0)
+
+
 def test_fail_records_the_error(store, clock):
     job = store.create(make_spec(), None, BIG_QUEUE)
     store.claim(["m1"], "r1", LEASE_S)

@@ -141,3 +141,95 @@ def test_bad_audio_is_refused_before_any_frame_is_decoded():
     with pytest.raises(MediaInputError, match="audio holds NaN"):
         write_mp4_clips(io.BytesIO(), source(), FPS, np.full((2, 100), np.nan, np.float32), SAMPLE_RATE)
 
+
+
+def failing_add(monkeypatch, on_clip: int, failed: threading.Event) -> None:
+    """Mp4Writer.add raising on clip `on_clip` (0-based), `failed` set once it has."""
+    add = Mp4Writer.add
+    seen = [0]
+
+    def patched(self, clip):
+        index, seen[0] = seen[0], seen[0] + 1
+        try:
+            if index == on_clip:
+                raise MediaInputError(f"the encoder refused clip {index}")
+            add(self, clip)
+        finally:
+            if index == on_clip:
+                failed.set()
+
+    monkeypatch.setattr(Mp4Writer, "add", patched)
+
+
+def test_after_an_encoder_error_no_further_clip_is_asked_for_and_the_source_is_closed(monkeypatch):
+    failed = threading.Event()
+    failing_add(monkeypatch, 0, failed)
+    asked, closed = [0], threading.Event()
+
+    def source():
+        try:
+            for i in range(6):
+                asked[0] += 1
+                yield frames(2, seed=i)
+                assert failed.wait(timeout=5)  # the first clip's encode has failed by the time the next is asked
+        finally:
+            closed.set()
+
+    with pytest.raises(MediaInputError, match="refused clip 0"):
+        write_mp4_clips(io.BytesIO(), source(), FPS, None, SAMPLE_RATE)
+    assert asked[0] == 2  # the clip made while the first encoded; none after the error was seen
+    assert closed.is_set() and not encoder_threads()
+
+
+def test_the_encoders_error_is_raised_when_the_source_fails_after_it(monkeypatch):
+    failed = threading.Event()
+    failing_add(monkeypatch, 1, failed)
+
+    def source():
+        yield frames(2)
+        yield frames(2, seed=1)
+        assert failed.wait(timeout=5)
+        raise RuntimeError("the VAE ran out of memory")
+
+    with pytest.raises(MediaInputError, match="refused clip 1") as raised:
+        write_mp4_clips(io.BytesIO(), source(), FPS, None, SAMPLE_RATE)
+    assert isinstance(raised.value.__context__, RuntimeError)  # the later error is kept beside it
+
+
+def test_a_failed_write_to_a_path_leaves_no_file(tmp_path):
+    def source():
+        yield frames(17)
+        raise RuntimeError("the VAE ran out of memory")
+
+    target = tmp_path / "out.mp4"
+    with pytest.raises(RuntimeError):
+        write_mp4_clips(target, source(), FPS, soundtrack(17), SAMPLE_RATE)
+    assert not target.exists()
+
+
+def test_a_bad_later_clip_is_refused_before_it_reaches_the_encoder(monkeypatch):
+    handed: list[int] = []
+    add = Mp4Writer.add
+
+    def counted(self, clip):
+        handed.append(len(clip))
+        add(self, clip)
+
+    monkeypatch.setattr(Mp4Writer, "add", counted)
+    with pytest.raises(MediaInputError, match="one clip has one size"):
+        write_mp4_clips(io.BytesIO(), [frames(3), frames(4, height=16), frames(5)], FPS, None, SAMPLE_RATE)
+    assert handed in ([], [3])  # the first clip, maybe; never the bad one or any after it
+
+
+def test_time_waiting_for_a_slow_encoder_is_counted_as_such_not_as_the_sources(monkeypatch):
+    add = Mp4Writer.add
+
+    def slow(self, clip):
+        time.sleep(0.05)
+        add(self, clip)
+
+    monkeypatch.setattr(Mp4Writer, "add", slow)
+    written = write_mp4_clips(io.BytesIO(), split(frames(6), [1] * 6), FPS, None, SAMPLE_RATE, pending=1)
+    # 6 encodes of >= 50 ms behind a source that makes its clips at once: it waits for all but the last
+    assert written.encode_wait_s >= 0.2 and written.source_s < written.encode_wait_s
+    assert written.finish_s >= 0.05
