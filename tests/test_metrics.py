@@ -258,3 +258,21 @@ def test_router_decisions_are_reported_for_every_partitions_worker(recorded_metr
         (("route", "affinity_hit"), ("worker", "Worker-ref2va")): 3.0,
         (("route", "spill"), ("worker", "Worker-ref2va")): 2.0, (("route", "unkeyed"), ("worker", "Worker-ref2va")): 4.0,
     }
+
+
+def test_compiles_after_the_warm_up_count_the_growth_of_the_engines_count(worker_metrics):
+    from engine.compiled import CompileStats
+
+    def stats(since_warmup: int | None) -> GenerationStats:
+        compile_stats = None if since_warmup is None else CompileStats(
+            frames_compiled=1 + since_warmup, since_warmup=since_warmup, graph_breaks=0, warmup_s=2.0,
+            warmup_forwards=1)
+        return GenerationStats(steps=3, forwards=2, frames=124, tokens=100, text_tokens=8, adaln_mode="online",
+                               schedule_key="k", compile=compile_stats)
+
+    for since in (0, 0, 1, 1, 3):  # warmed canvases; one not warmed (1 graph); one more shape (2 graphs)
+        finish(worker_metrics, stats(since))
+    assert worker_metrics.compiles_after_warmup.total() == 3
+    assert worker_metrics.compiles_after_warmup.count() == 2  # only the requests that compiled
+    finish(worker_metrics, stats(None))  # compile off: nothing recorded
+    assert worker_metrics.compiles_after_warmup.total() == 3
