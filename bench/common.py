@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
@@ -84,6 +85,18 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower() or "unknown"
+
+
+def write_run_results(name: str, rows: Sequence[dict[str, Any]], device: str, smoke: bool, command: str,
+                      notes: list[str], started: float, out_dir: str | os.PathLike | None = None) -> Path:
+    """A one-device bench's ending: the whole run's seconds (from `started`, a `time.perf_counter()`) as the last
+    note, then `write_results` under `<name>-<device tag>` (`smoke-` before the tag for a `--smoke` run); prints
+    the table and returns its markdown path."""
+    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
+    tag = device_tag(device)
+    md, _ = write_results(name, rows, f"smoke-{tag}" if smoke else tag, command, notes=notes, out_dir=out_dir)
+    print(md.read_text())
+    return md
 
 
 def write_results(

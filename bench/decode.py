@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bench.checkpoints import ensure_bench_checkpoint
-from bench.common import device_tag, write_results
+from bench.common import write_run_results
 from engine.stages import DecodeStage
 from model.geometry import H3_LATENTS, GeometryLimits, VideoGeometry
 from model.layout import H3Checkpoint
@@ -150,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         row("overlapped, cudnn.benchmark", statistics.median(r[0] for r in tuned),
             statistics.median(r[1] for r in tuned), statistics.median(r[2] for r in tuned),
             f"tuning call {tuning[0]:.2f} s; frames differ from the default's by at most {differs} of 255")
-    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
-    tag = device_tag(str(device))
-    md, _ = write_results("decode", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
-                          out_dir=args.out)
-    print(md.read_text())
+    write_run_results("decode", rows, str(device), args.smoke, command, notes, started, args.out)
     return 0
 
 

@@ -45,7 +45,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3Rotar
                                                                   MiniMaxH3TransformerBlock)
 from torch import nn
 
-from bench.common import device_tag, write_results
+from bench.common import write_run_results
 from engine.attention import DEFAULT_BACKEND, choose_attention, dispatch_name
 from engine.compiled import CompiledBlocks, CompileOptions
 from engine.fp8 import QuantizationError, quantize_blocks_fp8
@@ -222,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"fp8 rows skipped: {exc}")
             except Exception as exc:  # a torchao that does not fit this torch: the other rows still stand
                 notes.append(f"fp8 row at {tokens} tokens failed: {type(exc).__name__}: {exc}")
-    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
-    tag = device_tag(str(device))
-    md, _ = write_results("forward", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
-                          out_dir=args.out)
-    print(md.read_text())
+    write_run_results("forward", rows, str(device), args.smoke, command, notes, started, args.out)
     return 0
 
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from bench.attention_replay import caught_attention, fresh_like
-from bench.common import device_tag, write_results
+from bench.common import write_run_results
 from bench.forward import (GEMM_TFLOPS, RELEASED, SMOKE, _auto_choice, _peak, _reset_peak, block_flops, make_block,
                            make_inputs, rel_error, set_backend, timed_ms)
 from engine.compiled import CompiledBlocks, CompileOptions
@@ -462,11 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         except (QuantizationError, ImportError) as exc:  # no float8 on this device, or no torchao installed
             notes.append(f"fp8 rows skipped: {exc}")
         attention_alone_rows(replayed)
-    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
-    tag = device_tag(str(device))
-    md, _ = write_results("forward-breakdown", rows, f"smoke-{tag}" if args.smoke else tag, command, notes=notes,
-                          out_dir=args.out)
-    print(md.read_text())
+    write_run_results("forward-breakdown", rows, str(device), args.smoke, command, notes, started, args.out)
     return 0
 
 
