@@ -16,7 +16,7 @@ checkpoint is written once under `--workdir`); `--smoke` runs the tiny checkpoin
     python -m bench.decode --workdir /dev/shm/decode        # one GPU: ~2 min, the checkpoint written once
     python -m bench.decode --smoke                          # CPU, tiny VAEs
 
-Writes bench/results/decode-<device>.md and .json.
+Writes bench/results/decode-<device>.md and .json (`decode-smoke-cpu` with `--smoke`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Names as scraped (Ray prefixes `ray_`, counters end `_total`; Serve adds `deploy
 | `ray_ditserve_denoise_seconds_per_forward` | histogram | | a request's denoising loop / its transformer forwards |
 | `ray_ditserve_stage_seconds` | histogram | `stage`: plan, encode, denoise, decode, mux | seconds per stage of a finished request, as the worker's engine timed it (a split app's worker runs plan and denoise only: its encode and decode run in the TextEncoder and Decoder) |
 | `ray_ditserve_offload_copied_bytes_total` | counter | | block weight bytes layerwise offload copied host -> GPU |
-| `ray_ditserve_compiles_after_warmup_total` | counter | | graphs the compiled blocks compiled while serving, after the start-up warm-up (`engine.compile.mode: blocks`; the goal is 0: a rise is a canvas, adapter set or weight tier the warm-up did not cover) |
+| `ray_ditserve_compiles_after_warmup` | gauge | | graphs the compiled blocks compiled while serving, after the start-up warm-up, as of the replica's last successful request (`engine.compile.mode: blocks`; 0 from the start; the goal is to stay 0: a rise is a canvas, adapter set or weight tier the warm-up did not cover) |
 
 Recorded by each ingress replica (where the worker handle and so the schedule-affinity router live); the
 router's decisions from `deployments.routing.registry.schedule_affinity_stats`, cumulative since the replica
@@ -109,16 +109,19 @@ class WorkerMetrics:
         self.offload_copied_bytes = metrics.Counter(
             "ditserve_offload_copied_bytes", description="Block weight bytes layerwise offload copied host -> GPU."
         )
-        self.compiles_after_warmup = metrics.Counter(
+        # A gauge of the engine's own count, not a counter of its growth: a counter's series would appear at its
+        # first compile, which Prometheus's increase() then takes for the baseline (and Ray refuses inc(0)).
+        self.compiles_after_warmup = metrics.Gauge(
             "ditserve_compiles_after_warmup", description="Graphs the compiled blocks compiled while serving, "
-            "after the start-up warm-up (goal: 0)."
+            "after the start-up warm-up, as of the last successful request (goal: 0)."
         )
         self._offload_bytes_seen = 0  # the engine's offload counter is cumulative: the counter gets its growth
-        self._compiles_seen = 0  # so is its compile count since the warm-up
+        self._compiles_seen = 0  # the engine's compiles since its warm-up, as last reported
         self._ongoing = 0
         self._lock = threading.Lock()  # started on the event loop, finished on the engine thread
         self.ongoing.set(0)
         self.weights_version.set(0)
+        self.compiles_after_warmup.set(0)
 
     def request_started(self) -> None:
         with self._lock:
@@ -165,12 +168,10 @@ class WorkerMetrics:
                 self._offload_bytes_seen = total
             if grown:
                 self.offload_copied_bytes.inc(grown)
-        if stats.compile is not None:
-            with self._lock:  # the count is the process's since its warm-up: the growth is this request's
-                grown = max(stats.compile.since_warmup - self._compiles_seen, 0)
+        if stats.compile is not None:  # the process's count since its warm-up (a failed request's compiles show
+            with self._lock:             # with the next request that succeeds)
                 self._compiles_seen = max(stats.compile.since_warmup, self._compiles_seen)
-            if grown:
-                self.compiles_after_warmup.inc(grown)
+                self.compiles_after_warmup.set(self._compiles_seen)
 
     def _record_timings(self, timings: GenerationTimings, stats: GenerationStats | None) -> None:
         stages = {"plan": timings.plan_s, "encode": timings.encode_s, "denoise": timings.denoise_s,

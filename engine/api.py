@@ -233,7 +233,7 @@ class GenerationTimings(BaseModel):
     decode_s: float = Field(0.0, description="Video and audio VAE decode, the H.264 encode of each clip but the "
                             "last running under it (0 without return_video).")
     mux_s: float = Field(0.0, description="The H.264 + AAC encode and MP4 mux the decode did not hide: waits for a "
-                         "slower encoder, then the last clip, the flush, the audio and the thumbnail (0 without "
+                         "slower encoder, then the clips still with it, the flush, the audio and the thumbnail (0 without "
                          "return_video).")
     total_s: float = Field(0.0, description="Whole engine call.")
 

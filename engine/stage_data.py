@@ -83,4 +83,4 @@ class DecodedVideo:
     thumbnail_png: bytes  # the first frame
     clip: ClipFacts  # frames, fps, sample rate
     decode_s: float  # video + audio VAE (the earlier clips' H.264 encode runs under it)
-    mux_s: float  # the H.264 + AAC encode and mux the decode did not hide (the last clip's, waits, the flush)
+    mux_s: float  # the H.264 + AAC encode and mux the decode did not hide (waits, the last clips, the flush)

@@ -103,7 +103,7 @@ class VideoTimings(BaseModel):
     decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode (each clip's H.264 encode but the "
                             "last runs under it).")
     mux_s: float = Field(0.0, ge=0, description="The H.264 + AAC encode and MP4 mux the decode did not hide "
-                         "(waits for a slower encoder, the last clip, the flush, the audio, the thumbnail).")
+                         "(waits for a slower encoder, the clips still with it, the flush, the audio, the thumbnail).")
     upload_s: float = Field(0.0, ge=0, description="Writing the MP4 and thumbnail to the output store.")
     queued_s: float = Field(0.0, ge=0, description="Waiting in the job queue, from creation to the run's start.")
     encode_wait_s: float = Field(

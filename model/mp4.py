@@ -59,7 +59,8 @@ class ClipsWritten:
     first_frame: np.ndarray  # uint8 [H, W, 3], unpadded: the thumbnail's
     source_s: float  # seconds spent making the clips (the decode); the earlier clips' encode ran under it
     encode_wait_s: float  # seconds the source waited for the encoder to take a clip (x264 slower than the source)
-    finish_s: float  # seconds after the last clip until the file was done: its encode, the flush, the audio
+    finish_s: float  # seconds after the source ran dry until the file was done: the encode of the clips still
+    # with the encoder (at most `pending`), the flush, the audio
 
 
 def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int, audio: np.ndarray | None,
@@ -69,8 +70,8 @@ def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int,
     clips are with the encoder (the one it encodes included) and one more waits for room, so a slow encoder holds
     the decode back instead of piling up frames. Each clip is checked as it comes (MediaInputError). An error on
     either side stops both: the source is closed, no further clip is asked for, the first error is raised here (a
-    later one rides along as its `__context__`), and a path destination is removed (a stream's bytes are a partial
-    file)."""
+    later one rides along as its `__context__`), and a path destination the writer had begun is removed (a stream's
+    bytes are a partial file)."""
     if pending < 1:
         raise ValueError(f"pending must be >= 1 (clips with the encoder), got {pending}")
     start = time.perf_counter()
@@ -79,6 +80,7 @@ def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int,
     waited = 0.0
 
     encoder_failed = False  # the error being raised is the encoder's (a clip's `add`), not the source's
+    writer: Mp4Writer | None = None
 
     def wait_for(future: Future, timed: bool = True) -> None:
         nonlocal waited, encoder_failed
@@ -92,8 +94,8 @@ def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int,
             waited += (time.perf_counter() - began) if timed else 0.0
 
     try:
-        with Mp4Writer(dst, fps, audio, sample_rate) as writer, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
+        writer = Mp4Writer(dst, fps, audio, sample_rate)
+        with writer, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
             try:
                 for clip in clips:
                     _check_frames(clip, fps)
@@ -109,20 +111,26 @@ def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int,
                 source_done = time.perf_counter()
                 while queued:
                     wait_for(queued.popleft(), timed=False)
-            except BaseException:
+            except BaseException as exc:
+                # The source failed (or the caller's check of a clip): an encoder error already in by then came
+                # first and is raised instead, with this one as its __context__. Not over an interrupt or an exit.
+                earlier = None
+                if not encoder_failed and isinstance(exc, Exception):
+                    earlier = next((f.exception() for f in queued
+                                    if f.done() and not f.cancelled() and f.exception() is not None), None)
                 encoder.shutdown(wait=True, cancel_futures=True)
-                if not encoder_failed:  # the source failed; had the encoder failed on an earlier clip, that is first
-                    earlier = next((f.exception() for f in queued if not f.cancelled() and f.exception()), None)
-                    if earlier is not None:
-                        raise earlier  # the source's error is its __context__
+                if earlier is not None:
+                    raise earlier
                 raise
             if first_frame is None:
                 raise MediaInputError("an MP4 needs at least one frame; the clips held none")
     except BaseException:
-        if isinstance(clips, Generator):  # a decoder's: its frames and device tensors go now, not with the traceback
-            clips.close()
-        if isinstance(dst, (str, Path)):
-            Path(dst).unlink(missing_ok=True)
+        try:
+            if isinstance(clips, Generator):  # a decoder's: its frames and device tensors go now, not with the
+                clips.close()                 # traceback
+        finally:
+            if isinstance(dst, (str, Path)) and writer is not None and writer.opened:  # what it started writing
+                Path(dst).unlink(missing_ok=True)
         raise
     finished = time.perf_counter()
     source_s = source_done - start - waited
@@ -145,7 +153,13 @@ class Mp4Writer:
         self._sound: av.AudioStream | None = None
         self._size: tuple[int, int] | None = None  # (height, width) of the first frames, before padding
         self._closed = False
+        self._began = False  # the destination was opened for writing
         self.num_frames = 0
+
+    @property
+    def opened(self) -> bool:
+        """Whether the destination was opened (the first frames came): from then on it holds this writer's bytes."""
+        return self._began
 
     def add(self, frames: np.ndarray) -> None:
         """Encode uint8 frames [F, H, W, 3], the next of the clip; every call's H and W are the first one's."""
@@ -193,6 +207,7 @@ class Mp4Writer:
         is_path = isinstance(self._dst, (str, Path))
         options = {"movflags": "+faststart"} if is_path else {}
         self._container = av.open(str(self._dst) if is_path else self._dst, mode="w", format="mp4", options=options)
+        self._began = True
         self._video = self._container.add_stream(VIDEO_CODEC, rate=self._fps, options=VIDEO_OPTIONS)
         self._video.width, self._video.height = width + width % 2, height + height % 2
         self._video.pix_fmt = VIDEO_PIXEL_FORMAT

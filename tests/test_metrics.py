@@ -260,7 +260,7 @@ def test_router_decisions_are_reported_for_every_partitions_worker(recorded_metr
     }
 
 
-def test_compiles_after_the_warm_up_count_the_growth_of_the_engines_count(worker_metrics):
+def test_compiles_after_the_warm_up_are_the_engines_count_as_of_its_last_request(worker_metrics):
     from engine.compiled import CompileStats
 
     def stats(since_warmup: int | None) -> GenerationStats:
@@ -270,9 +270,11 @@ def test_compiles_after_the_warm_up_count_the_growth_of_the_engines_count(worker
         return GenerationStats(steps=3, forwards=2, frames=124, tokens=100, text_tokens=8, adaln_mode="online",
                                schedule_key="k", compile=compile_stats)
 
+    gauge = worker_metrics.compiles_after_warmup
+    assert gauge.values[()] == [0]  # from the replica's start: a series to see, before any compile
     for since in (0, 0, 1, 1, 3):  # warmed canvases; one not warmed (1 graph); one more shape (2 graphs)
         finish(worker_metrics, stats(since))
-    assert worker_metrics.compiles_after_warmup.total() == 3
-    assert worker_metrics.compiles_after_warmup.count() == 2  # only the requests that compiled
-    finish(worker_metrics, stats(None))  # compile off: nothing recorded
-    assert worker_metrics.compiles_after_warmup.total() == 3
+    assert gauge.values[()] == [0, 0, 0, 1, 1, 3]
+    finish(worker_metrics, stats(None))  # compile off, or a request without stats: nothing recorded
+    finish(worker_metrics, stats(2))  # a request reporting less than seen (never from one engine) lowers nothing
+    assert gauge.values[()][-1] == 3

@@ -233,3 +233,46 @@ def test_time_waiting_for_a_slow_encoder_is_counted_as_such_not_as_the_sources(m
     # 6 encodes of >= 50 ms behind a source that makes its clips at once: it waits for all but the last
     assert written.encode_wait_s >= 0.2 and written.source_s < written.encode_wait_s
     assert written.finish_s >= 0.05
+
+
+def test_the_sources_error_is_raised_when_the_encoder_fails_after_it(monkeypatch):
+    source_failed = threading.Event()
+
+    def late_failure(self, clip):
+        assert source_failed.wait(timeout=5)
+        time.sleep(0.05)  # the source's error is in hand by now
+        raise MediaInputError("the encoder refused the clip")
+
+    def source():
+        try:
+            yield frames(2)
+            raise RuntimeError("the VAE ran out of memory")
+        finally:
+            source_failed.set()
+
+    monkeypatch.setattr(Mp4Writer, "add", late_failure)
+    with pytest.raises(RuntimeError, match="ran out of memory"):
+        write_mp4_clips(io.BytesIO(), source(), FPS, None, SAMPLE_RATE)
+
+
+def test_an_interrupt_from_the_source_is_raised_as_it_is(monkeypatch):
+    failed = threading.Event()
+    failing_add(monkeypatch, 0, failed)
+
+    def source():
+        yield frames(2)
+        assert failed.wait(timeout=5)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_mp4_clips(io.BytesIO(), source(), FPS, None, SAMPLE_RATE)
+
+
+@pytest.mark.parametrize("clips,audio", [([], None), ([frames(2)], np.full((2, 100), np.nan, np.float32))],
+                         ids=["no-clip", "bad-audio"])
+def test_a_file_already_at_the_path_is_left_alone_when_nothing_was_written(tmp_path, clips, audio):
+    target = tmp_path / "keep.mp4"
+    target.write_bytes(b"an earlier clip")
+    with pytest.raises(MediaInputError):
+        write_mp4_clips(target, clips, FPS, audio, SAMPLE_RATE)
+    assert target.read_bytes() == b"an earlier clip"
