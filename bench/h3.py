@@ -637,31 +637,8 @@ def run(args, report: Report, out: Path, tag: str, device: torch.device, deadlin
                           "measured_s": round(stage_s, 3), "scaled_s": round(stage_s, 3), "scaled_to": "(as released)",
                           "peak_GiB": peak.peak_gib, "extra_GiB": peak.extra_gib,
                           "note": f"x{stage_s / serial_s:.2f} the three above run one after another ({serial_s:.3f} s); "
-                                  f"mux left after the last clip {decoded.mux_s:.3f} s"})
-    if device.type == "cuda":
-        # cuDNN's autotuner on the video VAE's 3D convolutions: measured here before any setting offers it. It
-        # tunes per input shape (the first decode of a canvas pays) and may pick other algorithms than the
-        # default heuristics: other bits, and across restarts possibly other ones again.
-        benchmark_before = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = True
-        try:
-            t0 = time.perf_counter()
-            engine.video_decoder.decode(video_latents)
-            sync(device)
-            tuning_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            tuned = engine.video_decoder.decode(video_latents)
-            sync(device)
-            tuned_s = time.perf_counter() - t0
-        finally:
-            torch.backends.cudnn.benchmark = benchmark_before
-        differs = int((torch.from_numpy(tuned).int() - torch.from_numpy(frames).int()).abs().max())
-        report.stages.append({"stage": "video decode with cudnn.benchmark (after its tuning call)",
-                              "measured_s": round(tuned_s, 3), "scaled_s": round(tuned_s, 3),
-                              "scaled_to": "(as released)",
-                              "note": f"x{tuned_s / video_s:.2f} the default; tuning call {tuning_s:.2f} s; frames "
-                                      f"differ from the default's by at most {differs} (of 255)"})
-        del tuned
+                                  f"mux_s (the mux the decode did not hide) {decoded.mux_s:.3f} s; cuDNN's "
+                                  "autotuner on the VAE: python -m bench.decode --cudnn-benchmark"})
     del frames, waveform, buffer, decoded
     report.write(out, tag)
 

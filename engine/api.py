@@ -230,11 +230,11 @@ class GenerationTimings(BaseModel):
     encode_s: float = Field(
         0.0, description="Prompt encoding (Qwen3-VL, or the prompt-embedding cache) and seeded noise.")
     denoise_s: float = Field(0.0, description="The denoising loop (steps - 1 transformer forwards).")
-    decode_s: float = Field(0.0, description="Video and audio VAE decode, the H.264 encode of each clip but the "
-                            "last running under it (0 without return_video).")
+    decode_s: float = Field(0.0, description="Video and audio VAE decode, the earlier clips' H.264 encode running "
+                            "under it (0 without return_video).")
     mux_s: float = Field(0.0, description="The H.264 + AAC encode and MP4 mux the decode did not hide: waits for a "
-                         "slower encoder, then the clips still with it, the flush, the audio and the thumbnail (0 without "
-                         "return_video).")
+                         "slower encoder, then the clips still with it, the flush, the audio and the thumbnail "
+                         "(0 without return_video).")
     total_s: float = Field(0.0, description="Whole engine call.")
 
     def with_stages(self, *, encode_s: float, decode_s: float = 0.0, mux_s: float = 0.0) -> GenerationTimings:

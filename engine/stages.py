@@ -154,9 +154,9 @@ class DecodeStage:
         """`video` [C, F, H, W] and `audio` [2A, Ca] latents (any device) -> the MP4 and its thumbnail. The
         soundtrack decodes first (its stream opens the file); then each clip of frames is H.264-encoded on a
         thread while the VAE decodes the next (`model.mp4.write_mp4_clips`), so `decode_s` is the VAEs' time with
-        the mux of the earlier clips under it and `mux_s` only the encode it did not hide: the waits for a
-        slower encoder, the encode of the clips still with it, the flush, the audio's and the thumbnail. The bytes are those of
-        decoding everything, then muxing."""
+        the mux of the earlier clips under it and `mux_s` only the encode it did not hide: the waits for a slower
+        encoder, the encode of the clips still with it, the flush, the audio's and the thumbnail. The bytes are
+        those of decoding everything, then muxing."""
         start = time.perf_counter()
         waveform = self.audio_decoder.decode(audio)  # float32 [2, samples]
         audio_s = time.perf_counter() - start

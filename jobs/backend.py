@@ -100,8 +100,8 @@ class VideoTimings(BaseModel):
     plan_s: float = Field(0.0, ge=0, description="AdaLN modulation plans for the schedule (cache tiers or rebuild).")
     encode_s: float = Field(0.0, ge=0, description="Prompt encoding.")
     denoise_s: float = Field(0.0, ge=0, description="The denoising loop.")
-    decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode (each clip's H.264 encode but the "
-                            "last runs under it).")
+    decode_s: float = Field(0.0, ge=0, description="Video and audio VAE decode (the earlier clips' H.264 encode "
+                            "runs under it).")
     mux_s: float = Field(0.0, ge=0, description="The H.264 + AAC encode and MP4 mux the decode did not hide "
                          "(waits for a slower encoder, the clips still with it, the flush, the audio, the thumbnail).")
     upload_s: float = Field(0.0, ge=0, description="Writing the MP4 and thumbnail to the output store.")

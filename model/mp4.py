@@ -98,13 +98,9 @@ def write_mp4_clips(dst: Path | BinaryIO, clips: Iterable[np.ndarray], fps: int,
         with writer, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-encode") as encoder:
             try:
                 for clip in clips:
-                    _check_frames(clip, fps)
+                    _check_clip(clip, fps, None if first_frame is None else first_frame.shape[:2])
                     if first_frame is None:
                         first_frame = clip[0].copy()
-                    elif clip.shape[1:3] != first_frame.shape[:2]:
-                        raise MediaInputError(f"frames are {clip.shape[1]}x{clip.shape[2]} (height x width) after "
-                                              f"{first_frame.shape[0]}x{first_frame.shape[1]} ones: one clip has "
-                                              f"one size")
                     while queued and (len(queued) >= pending or queued[0].done()):
                         wait_for(queued.popleft())  # an encoder error surfaces before the next clip is asked for
                     queued.append(encoder.submit(writer.add, clip))
@@ -165,12 +161,9 @@ class Mp4Writer:
         """Encode uint8 frames [F, H, W, 3], the next of the clip; every call's H and W are the first one's."""
         if self._closed:
             raise MediaInputError("frames added after the MP4 was closed")
-        _check_frames(frames, self._fps)
+        _check_clip(frames, self._fps, self._size)
         if self._size is None:
             self._open(frames.shape[1], frames.shape[2])
-        elif frames.shape[1:3] != self._size:
-            raise MediaInputError(f"frames are {frames.shape[1]}x{frames.shape[2]} (height x width) after "
-                                  f"{self._size[0]}x{self._size[1]} ones: one clip has one size")
         for frame in _pad_to_even(frames):
             self._container.mux(self._video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         self.num_frames += frames.shape[0]
@@ -238,6 +231,14 @@ def _check_frames(frames: np.ndarray, fps: int) -> None:
                               f"{frames.dtype} {tuple(frames.shape)}")
     if not isinstance(fps, int) or fps <= 0:
         raise MediaInputError(f"fps must be a positive integer, got {fps!r}")
+
+
+def _check_clip(frames: np.ndarray, fps: int, size: tuple[int, int] | None) -> None:
+    """`_check_frames`, and the frames' (height, width) is `size`, the first clip's (None: these are the first)."""
+    _check_frames(frames, fps)
+    if size is not None and frames.shape[1:3] != tuple(size):
+        raise MediaInputError(f"frames are {frames.shape[1]}x{frames.shape[2]} (height x width) after "
+                              f"{size[0]}x{size[1]} ones: one clip has one size")
 
 
 def _stereo(audio: np.ndarray, sample_rate: int) -> np.ndarray:
